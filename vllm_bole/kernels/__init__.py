@@ -1,0 +1,56 @@
+"""Bole's kernels: one signature per op; CUDA tensors run Triton, CPU tensors run the torch reference.
+
+``VLLM_BOLE_KERNELS=reference`` forces the reference on CUDA too (debugging, bisecting a mismatch).
+"""
+
+import os
+
+import torch
+
+from . import reference
+from .reference import TreeFactors
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and os.environ.get("VLLM_BOLE_KERNELS", "triton") != "reference"
+
+
+def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,
+                    use_qk_l2norm_in_kernel=False):
+    """Every node's GDN output from the committed state; see :func:`reference.tree_gdn_verify`."""
+    if _use_triton(q):
+        from .tree_gdn.triton_verify import tree_gdn_verify as impl
+    else:
+        impl = reference.tree_gdn_verify
+    return impl(q, k, v, g, beta, initial_state, parent, cu_seqlens, scale=scale,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def commit_accepted(initial_state, factors, accepted, parent, cu_seqlens):
+    """State after the accepted path; see :func:`reference.commit_accepted`."""
+    if _use_triton(initial_state):
+        from .tree_gdn.triton_commit import commit_accepted as impl
+    else:
+        impl = reference.commit_accepted
+    return impl(initial_state, factors, accepted, parent, cu_seqlens)
+
+
+def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activation="silu"):
+    """Depthwise causal conv along ancestor paths; see :func:`reference.tree_causal_conv1d`."""
+    if _use_triton(x):
+        from .tree_conv1d.triton_conv import tree_causal_conv1d as impl
+    else:
+        impl = reference.tree_causal_conv1d
+    return impl(x, weight, bias, conv_state, parent, cu_seqlens, activation=activation)
+
+
+def commit_conv_state(conv_state, x, parent, cu_seqlens, accepted):
+    """Conv window after the accepted path; see :func:`reference.commit_conv_state`."""
+    if _use_triton(x):
+        from .tree_conv1d.triton_conv import commit_conv_state as impl
+    else:
+        impl = reference.commit_conv_state
+    return impl(conv_state, x, parent, cu_seqlens, accepted)
+
+
+__all__ = ["TreeFactors", "commit_accepted", "commit_conv_state", "tree_causal_conv1d", "tree_gdn_verify"]
