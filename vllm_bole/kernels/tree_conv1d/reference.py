@@ -13,9 +13,12 @@ from ..forest import path_to_root
 
 
 def _window(x, conv_state_b, parent_seg, start, node, width):
-    """``[dim, W]`` inputs seen by ``node`` (local index), oldest first."""
+    """``[dim, W]`` float32 inputs seen by ``node`` (local index), oldest first.
+
+    Float32, not x's dtype: a conv state kept wider than x (e.g. float32 state, bf16 inputs) must be
+    neither rounded in the conv nor in the committed window."""
     path = [start + j for j in path_to_root(parent_seg, node)]
-    hist = torch.cat([conv_state_b.to(x.dtype), x[path].transpose(0, 1)], dim=1)
+    hist = torch.cat([conv_state_b.float(), x[path].float().transpose(0, 1)], dim=1)
     return hist[:, -width:]
 
 
