@@ -35,6 +35,15 @@ def commit_accepted(initial_state, factors, accepted, parent, cu_seqlens):
     return impl(initial_state, factors, accepted, parent, cu_seqlens)
 
 
+def commit_accepted_inplace(states, state_indices, factors, accepted, parent, cu_seqlens):
+    """Commit all layers into vLLM's state caches; see :func:`reference.commit_accepted_inplace`."""
+    if _use_triton(factors.u):
+        from .tree_gdn.triton_commit import commit_accepted_inplace as impl
+    else:
+        impl = reference.commit_accepted_inplace
+    return impl(states, state_indices, factors, accepted, parent, cu_seqlens)
+
+
 def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activation="silu"):
     """Depthwise causal conv along ancestor paths; see :func:`reference.tree_causal_conv1d`."""
     if _use_triton(x):
@@ -53,4 +62,16 @@ def commit_conv_state(conv_state, x, parent, cu_seqlens, accepted):
     return impl(conv_state, x, parent, cu_seqlens, accepted)
 
 
-__all__ = ["TreeFactors", "commit_accepted", "commit_conv_state", "tree_causal_conv1d", "tree_gdn_verify"]
+def commit_conv_state_inplace(conv_states, state_indices, xs, parent, cu_seqlens, accepted):
+    """Commit all layers' conv windows into vLLM's caches; see :func:`reference.commit_conv_state_inplace`."""
+    if _use_triton(xs):
+        from .tree_conv1d.triton_conv import commit_conv_state_inplace as impl
+    else:
+        impl = reference.commit_conv_state_inplace
+    return impl(conv_states, state_indices, xs, parent, cu_seqlens, accepted)
+
+
+__all__ = [
+    "TreeFactors", "commit_accepted", "commit_accepted_inplace", "commit_conv_state", "commit_conv_state_inplace",
+    "tree_causal_conv1d", "tree_gdn_verify",
+]

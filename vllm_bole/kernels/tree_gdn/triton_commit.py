@@ -1,0 +1,96 @@
+"""Triton factored-state commit: S_new = P_a S_pre + sum_{j on root..a} (P_a / P_j) u_j k_j^T (BOLE.md).
+
+One launch commits every request, value head and layer. Layers are reached through a table of per-layer base
+addresses and strides, so vLLM's per-layer cache views (possibly strided) are written in place without a
+gather or scatter copy. Each program owns one [BV, dk] block of one (layer, request, value head) state.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import TreeFactors
+
+
+@triton.jit
+def _offsets(strides, slot, hv, o_v, o_k):
+    # strides: (slot, head, v, k) of one cache view, in elements.
+    return (slot * tl.load(strides) + hv * tl.load(strides + 1) + o_v[:, None] * tl.load(strides + 2)
+            + o_k[None, :] * tl.load(strides + 3))
+
+
+@triton.jit
+def _commit_kernel(
+    src_ptrs, dst_ptrs, strides, ref, state_indices, k, u, g_cum, accepted, parent, cu_seqlens, N,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, COPY_UNCHANGED: tl.constexpr,
+):
+    b, hv, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    layer, vb = pid // NV, pid % NV
+    a = tl.load(accepted + b)
+    if not COPY_UNCHANGED:
+        if a < 0:
+            return
+    hk = hv // (HV // HK)
+    o_k = tl.arange(0, BK)
+    o_v = vb * BV + tl.arange(0, BV)
+    m = (o_v < DV)[:, None] & (o_k < DK)[None, :]
+    slot = tl.load(state_indices + b).to(tl.int64)
+    src = tl.load(src_ptrs + layer).to(tl.pointer_type(ref.dtype.element_ty))
+    dst = tl.load(dst_ptrs + layer).to(tl.pointer_type(ref.dtype.element_ty))
+    S = tl.load(src + _offsets(strides + layer * 8, slot, hv, o_v, o_k), mask=m, other=0.0).to(tl.float32)
+    if a >= 0:
+        bos = tl.load(cu_seqlens + b).to(tl.int64)
+        base = layer.to(tl.int64) * N
+        g_a = tl.load(g_cum + (base + bos + a) * HV + hv)
+        S *= tl.exp(g_a)
+        node = a
+        # Walk the accepted path upward; each node adds one rank-1 term.
+        while node >= 0:
+            j = base + bos + node
+            w = tl.exp(g_a - tl.load(g_cum + j * HV + hv))
+            u_j = tl.load(u + (j * HV + hv) * DV + o_v, mask=o_v < DV, other=0.0)
+            k_j = tl.load(k + (j * HK + hk) * DK + o_k, mask=o_k < DK, other=0.0)
+            S += (w * u_j)[:, None] * k_j[None, :]
+            node = tl.load(parent + bos + node)
+    tl.store(dst + _offsets(strides + layer * 8 + 4, slot, hv, o_v, o_k), S.to(ref.dtype.element_ty), mask=m)
+
+
+def _launch(srcs, dsts, state_indices, factors: TreeFactors, accepted, parent, cu_seqlens, copy_unchanged):
+    n_layers, n = factors.u.shape[0], factors.u.shape[1]
+    hk, dk = factors.k.shape[-2:]
+    hv, dv = factors.u.shape[-2:]
+    batch = accepted.numel()
+    if batch == 0 or n_layers == 0:
+        return
+    ref = dsts[0]
+    assert all(t.dtype == ref.dtype and t.shape[1:] == (hv, dv, dk) for t in list(srcs) + list(dsts))
+    dev = ref.device
+    src_ptrs = torch.tensor([t.data_ptr() for t in srcs], dtype=torch.int64, device=dev)
+    dst_ptrs = src_ptrs if srcs is dsts else torch.tensor([t.data_ptr() for t in dsts], dtype=torch.int64,
+                                                            device=dev)
+    strides = torch.tensor([list(s.stride()) + list(d.stride()) for s, d in zip(srcs, dsts)],
+                           dtype=torch.int64, device=dev)
+    block_v = min(64, max(16, triton.next_power_of_2(dv)))
+    nv = triton.cdiv(dv, block_v)
+    _commit_kernel[(batch, hv, n_layers * nv)](
+        src_ptrs, dst_ptrs, strides, ref, state_indices, factors.k.contiguous(), factors.u.contiguous(),
+        factors.g_cum.contiguous(), accepted, parent, cu_seqlens, n,
+        HK=hk, HV=hv, DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=block_v, NV=nv,
+        COPY_UNCHANGED=copy_unchanged, num_warps=4,
+    )
+
+
+def commit_accepted(initial_state, factors: TreeFactors, accepted, parent, cu_seqlens):
+    """Same contract as :func:`reference.commit_accepted` (returns a new ``[B, HV, dv, dk]`` tensor)."""
+    out = torch.empty_like(initial_state)
+    stacked = TreeFactors(k=factors.k[None], u=factors.u[None], g_cum=factors.g_cum[None])
+    slots = torch.arange(accepted.numel(), dtype=torch.int32, device=initial_state.device)
+    _launch([initial_state], [out], slots, stacked, accepted, parent, cu_seqlens, copy_unchanged=True)
+    return out
+
+
+def commit_accepted_inplace(states, state_indices, factors: TreeFactors, accepted, parent, cu_seqlens):
+    """Same contract as :func:`reference.commit_accepted_inplace`: all L layers in one launch."""
+    states = list(states)
+    _launch(states, states, state_indices, factors, accepted, parent, cu_seqlens, copy_unchanged=False)

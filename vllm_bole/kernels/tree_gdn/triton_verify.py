@@ -1,0 +1,230 @@
+"""Triton closed-form tree GDN verification (BOLE.md, Theorem 1), value-blocked.
+
+One program per (request, value head, value split). Nodes are taken in row tiles of ``BT``. For each tile the
+ancestor-masked G and C are built once on chip and (I + G)^{-1} of the tile is formed exactly by block
+doubling (M_2b = M_b - M_b G_b M_b, with G_b the entries between the two halves of each 2b-block: the block
+form of forward substitution, log2(BT) pairs of matmuls, stable at any depth). The program's value blocks
+reuse G, C and the inverse; earlier tiles of a long tree enter through G_rc U_c and C_rc U_c.
+
+The ancestor relation comes from a per-node bitmask built once per forest by pointer jumping
+(:func:`ancestor_bits`), so the kernel never walks parent chains.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import TreeFactors
+
+
+@triton.jit
+def _ancestor_bits_kernel(parent, cu_seqlens, bits, jump, W: tl.constexpr, TP: tl.constexpr,
+                          WP: tl.constexpr, LOG: tl.constexpr):
+    # bits[i] starts as {i}; after step s it covers i's ancestors closer than 2^s, jump[i] is the 2^s-th one.
+    b = tl.program_id(0)
+    bos = tl.load(cu_seqlens + b)
+    t = tl.load(cu_seqlens + b + 1) - bos
+    i = tl.arange(0, TP)
+    w = tl.arange(0, WP)
+    valid = i < t
+    m2 = valid[:, None] & (w[None, :] < W)
+    par = tl.load(parent + bos + i, mask=valid, other=-1)
+    acc = tl.where(w[None, :] == (i // 32)[:, None], 1 << (i % 32)[:, None], 0)
+    p_bits = bits + (bos + i)[:, None] * W + w[None, :]
+    tl.store(p_bits, acc, mask=m2)
+    tl.store(jump + bos + i, par, mask=valid)
+    for _ in tl.static_range(LOG):
+        tl.debug_barrier()
+        has = valid & (par >= 0)
+        acc |= tl.load(bits + (bos + par)[:, None] * W + w[None, :], mask=has[:, None] & m2, other=0)
+        par = tl.load(jump + bos + par, mask=has, other=-1)
+        tl.debug_barrier()
+        tl.store(p_bits, acc, mask=m2)
+        tl.store(jump + bos + i, par, mask=valid)
+
+
+def ancestor_bits(parent: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """``[N, ceil(max_seqlen/32)]`` int32: bit j of node i's row is set iff local node j is i or its ancestor.
+
+    Depends only on the forest, so one call serves every layer and head.
+    """
+    n, batch = parent.numel(), cu_seqlens.numel() - 1
+    words = max(1, triton.cdiv(max_seqlen, 32))
+    bits = torch.empty(n, words, dtype=torch.int32, device=parent.device)
+    jump = torch.empty(n, dtype=torch.int32, device=parent.device)
+    tp = max(16, triton.next_power_of_2(max_seqlen))
+    if n and batch:
+        _ancestor_bits_kernel[(batch,)](parent, cu_seqlens, bits, jump, W=words, TP=tp,
+                                        WP=max(2, triton.next_power_of_2(words)), LOG=tp.bit_length() - 1,
+                                        num_warps=4)
+    return bits
+
+
+@triton.jit
+def _ancestor_mask(bits, bos, rows, cols, t, W: tl.constexpr):
+    """[len(rows), len(cols)] bool: cols[j] is rows[i] or one of its ancestors (local indices)."""
+    ok = (rows[:, None] < t) & (cols[None, :] < t)
+    word = tl.load(bits + (bos + rows)[:, None] * W + (cols // 32)[None, :], mask=ok, other=0)
+    return ok & (((word >> (cols % 32)[None, :]) & 1) != 0)
+
+
+@triton.jit
+def _unit_lower_inverse(G, BT: tl.constexpr, LOG_BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + G)^{-1} of a strictly lower-triangular [BT, BT] G, exact up to rounding."""
+    o = tl.arange(0, BT)
+    M = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    for s in tl.static_range(LOG_BT):
+        # M is the inverse of I + (G restricted to 2^s-blocks); add the coupling between block pairs.
+        off = ((o[:, None] >> (s + 1)) == (o[None, :] >> (s + 1))) & ((o[:, None] >> s) != (o[None, :] >> s))
+        Gb = tl.where(off, G, 0.0)
+        M = M - tl.dot(tl.dot(M, Gb, input_precision=PREC), M, input_precision=PREC)
+    return M
+
+
+@triton.jit
+def _load_qk(ptr, stride, bos, rows, hk, o_k, t, scale, HK: tl.constexpr, DK: tl.constexpr,
+             L2NORM: tl.constexpr):
+    x = tl.load(ptr + (bos + rows)[:, None] * stride + hk * DK + o_k[None, :],
+                mask=(rows < t)[:, None] & (o_k < DK)[None, :], other=0.0).to(tl.float32)
+    if L2NORM:
+        x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+    return x * scale
+
+
+@triton.jit
+def _tree_gdn_verify_kernel(
+    q, k, v, g, beta, h0, o, k_out, u_out, g_cum, bits, cu_seqlens, scale,
+    stride_q, stride_k, stride_v, stride_g, stride_beta,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, NVB: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr, W: tl.constexpr, L2NORM: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    b, hv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hk = hv // (HV // HK)
+    bos = tl.load(cu_seqlens + b).to(tl.int64)
+    t = tl.load(cu_seqlens + b + 1).to(tl.int64) - bos
+    n_tiles = tl.cdiv(t, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    mk = o_k < DK
+    writes_k = (split == 0) & (hv % (HV // HK) == 0)
+
+    # log P_i = sum of g over the ancestors of i and i itself.
+    for r in range(n_tiles):
+        rows = r * BT + o_t
+        acc = tl.zeros([BT], dtype=tl.float32)
+        for c in range(r + 1):
+            cols = c * BT + o_t
+            anc = _ancestor_mask(bits, bos, rows, cols, t, W)
+            gc = tl.load(g + (bos + cols) * stride_g + hv, mask=cols < t, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.where(anc, gc[None, :], 0.0), 1)
+        tl.store(g_cum + (bos + rows) * HV + hv, acc, mask=rows < t)
+    tl.debug_barrier()
+
+    for r in range(n_tiles):
+        rows = r * BT + o_t
+        mr = rows < t
+        b_q = _load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM)
+        b_k = _load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM)
+        tl.store(k_out + ((bos + rows) * HK + hk)[:, None] * DK + o_k[None, :], b_k,
+                 mask=(mr & writes_k)[:, None] & mk[None, :])
+        g_r = tl.load(g_cum + (bos + rows) * HV + hv, mask=mr, other=0.0)
+        beta_r = tl.load(beta + (bos + rows) * stride_beta + hv, mask=mr, other=0.0).to(tl.float32)
+        p_r = tl.exp(g_r)
+
+        anc = _ancestor_mask(bits, bos, rows, rows, t, W)
+        decay = tl.where(anc, tl.exp(tl.minimum(g_r[:, None] - g_r[None, :], 0.0)), 0.0)
+        kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+        G = tl.where(o_t[:, None] != o_t[None, :], beta_r[:, None] * decay * kk, 0.0)
+        C = decay * tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        M = _unit_lower_inverse(G, BT, LOG_BT, PREC)
+
+        for vb in range(NVB):
+            o_v = (split * NVB + vb) * BV + tl.arange(0, BV)
+            mv = o_v < DV
+            # S^T block [BV, BK] of the committed state (vLLM's [dv, dk] layout).
+            s_t = tl.load(h0 + ((b * HV + hv) * DV + o_v)[:, None] * DK + o_k[None, :],
+                          mask=mv[:, None] & mk[None, :], other=0.0)
+            b_v = tl.load(v + (bos + rows)[:, None] * stride_v + hv * DV + o_v[None, :],
+                          mask=mr[:, None] & mv[None, :], other=0.0).to(tl.float32)
+            R = beta_r[:, None] * (b_v - p_r[:, None] * tl.dot(b_k, tl.trans(s_t), input_precision=PREC))
+            O = p_r[:, None] * tl.dot(b_q, tl.trans(s_t), input_precision=PREC)
+            for c in range(r):
+                cols = c * BT + o_t
+                k_c = _load_qk(k, stride_k, bos, cols, hk, o_k, t, 1.0, HK, DK, L2NORM)
+                g_c = tl.load(g_cum + (bos + cols) * HV + hv, mask=cols < t, other=0.0)
+                anc_rc = _ancestor_mask(bits, bos, rows, cols, t, W)
+                dec = tl.where(anc_rc, tl.exp(tl.minimum(g_r[:, None] - g_c[None, :], 0.0)), 0.0)
+                G_rc = beta_r[:, None] * dec * tl.dot(b_k, tl.trans(k_c), input_precision=PREC)
+                C_rc = dec * tl.dot(b_q, tl.trans(k_c), input_precision=PREC)
+                u_c = tl.load(u_out + ((bos + cols) * HV + hv)[:, None] * DV + o_v[None, :],
+                              mask=(cols < t)[:, None] & mv[None, :], other=0.0)
+                R -= tl.dot(G_rc, u_c, input_precision=PREC)
+                O += tl.dot(C_rc, u_c, input_precision=PREC)
+            U = tl.dot(M, R, input_precision=PREC)
+            O += tl.dot(C, U, input_precision=PREC)
+            m2 = mr[:, None] & mv[None, :]
+            tl.store(u_out + ((bos + rows) * HV + hv)[:, None] * DV + o_v[None, :], U, mask=m2)
+            tl.store(o + ((bos + rows) * HV + hv)[:, None] * DV + o_v[None, :], O.to(o.dtype.element_ty),
+                     mask=m2)
+        # Later tiles read this tile's u.
+        tl.debug_barrier()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.device) -> dict:
+    """Tile sizes: one row tile up to 64 nodes; split the value dim across programs when the batch alone
+    gives too few programs to fill the GPU (each split rebuilds G and C, which is cheap next to S)."""
+    block_t = min(64, max(16, triton.next_power_of_2(max_seqlen)))
+    block_v = min(64, max(16, triton.next_power_of_2(dv)))
+    n_vb = triton.cdiv(dv, block_v)
+    splits = 1
+    while splits < n_vb and batch * hv * splits < 2 * _num_sms(device) and n_vb % (2 * splits) == 0:
+        splits *= 2
+    return {"block_t": block_t, "block_v": block_v, "v_splits": splits, "num_warps": 4 if block_t <= 32 else 8}
+
+
+def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,
+                    use_qk_l2norm_in_kernel=False, max_seqlen=None, bits=None, config=None):
+    """Same contract as :func:`reference.tree_gdn_verify`.
+
+    max_seqlen (largest tree; read from cu_seqlens when None, which syncs) and bits (from
+    :func:`ancestor_bits`, shared by all layers of one forest) let a caller skip the host sync and the
+    per-layer mask build; config overrides :func:`launch_config`.
+    """
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    batch = cu_seqlens.numel() - 1
+    assert hv % hk == 0 and initial_state.shape == (batch, hv, dv, dk)
+    assert q.stride(-1) == 1 and q.stride(-2) == dk and k.stride() == q.stride()
+    assert v.stride(-1) == 1 and v.stride(-2) == dv
+    scale = dk ** -0.5 if scale is None else scale
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if batch else 0
+    if bits is None:
+        bits = ancestor_bits(parent, cu_seqlens, max(max_seqlen, 1))
+    h0 = initial_state.float().contiguous()
+    cfg = config or launch_config(batch, hv, dv, max_seqlen, q.device)
+
+    o = torch.empty(n, hv, dv, dtype=v.dtype, device=q.device)
+    k_out = torch.empty(n, hk, dk, dtype=torch.float32, device=q.device)
+    u = torch.empty(n, hv, dv, dtype=torch.float32, device=q.device)
+    g_cum = torch.empty(n, hv, dtype=torch.float32, device=q.device)
+    if n and batch:
+        block_v, splits = cfg["block_v"], cfg["v_splits"]
+        nvb = triton.cdiv(triton.cdiv(dv, block_v), splits)
+        # fp32 inputs keep fp32 accuracy (3 tf32 passes); bf16/fp16 inputs are exact in tf32.
+        prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
+        _tree_gdn_verify_kernel[(batch, hv, splits)](
+            q, k, v, g, beta, h0, o, k_out, u, g_cum, bits, cu_seqlens, scale,
+            q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
+            HK=hk, HV=hv, DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=block_v, NVB=nvb,
+            BT=cfg["block_t"], LOG_BT=cfg["block_t"].bit_length() - 1, W=bits.shape[1], L2NORM=use_qk_l2norm_in_kernel, PREC=prec,
+            num_warps=cfg["num_warps"],
+        )
+    return o, TreeFactors(k=k_out, u=u, g_cum=g_cum)
