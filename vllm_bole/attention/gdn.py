@@ -1,0 +1,146 @@
+"""Bole's Qwen GDN layer: verifies a packed forest of trees from one committed state per request.
+
+Registered over vLLM's ``QwenGatedDeltaNetAttention`` (``PluggableLayer.register_oot``) in Bole's workers only.
+Tree requests (vLLM's "spec decodes") run the closed-form tree kernels; prefills and plain decodes run vLLM's
+own path unchanged. The state cache keeps one (conv, ssm) slot per request: nothing is written during
+verification; :func:`commit_step` writes the accepted path's state after sampling.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, is_conv_state_dim_first
+from vllm.platforms import current_platform
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from .. import kernels
+from ..kernels.reference import TreeFactors
+from ..worker.forest_context import current_forest
+
+
+def conv_state_view(layer) -> torch.Tensor:
+    """The conv cache as ``[num_slots, dim, W-1]`` (a view)."""
+    conv = layer.kv_cache[0]
+    return conv if is_conv_state_dim_first() else conv.transpose(-1, -2)
+
+
+def ssm_state_view(layer) -> torch.Tensor:
+    """The SSM cache as ``[num_slots, HV, dv, dk]`` (S transposed, the layout Bole's kernels use).
+
+    vLLM's CPU GDN kernels keep S itself in that memory ([HV, dk, dv]); the GPU kernels keep S transposed.
+    """
+    ssm = layer.kv_cache[1]
+    if current_platform.is_cpu():
+        n, h, dv, dk = ssm.shape
+        return ssm.view(n, h, dk, dv).transpose(-1, -2)
+    return ssm
+
+
+def gdn_gates(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) as ``[N, HV]`` float32, computed by the same op vLLM's GDN path uses on this platform."""
+    if current_platform.is_cpu():
+        from vllm import _custom_ops as ops
+
+        g, beta = ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a.contiguous(), b=b.contiguous(),
+                                           dt_bias=layer.dt_bias)
+    else:
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import fused_gdn_gating
+
+        g, beta = fused_gdn_gating(layer.A_log, a.contiguous(), b.contiguous(), layer.dt_bias)
+    n = a.shape[0]
+    return g.reshape(n, -1).float(), beta.reshape(n, -1).float()
+
+
+def conv_weight_2d(layer) -> torch.Tensor:
+    w = getattr(layer.conv1d, "_cpu_unpacked_conv_weight", None)
+    if w is None:
+        w = layer.conv1d.weight
+    return w.view(w.shape[0], w.shape[-1])
+
+
+class BoleQwenGDN(QwenGatedDeltaNetAttention):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Every platform reaches ``_forward_core`` through vLLM's ``qwen_gdn_attention_core`` op; its input and
+        # output projections are the same torch modules the CPU path uses.
+        self._forward_method = self.forward_cuda
+
+    def get_state_shape(self):
+        # One state per request: no rolling conv window for drafts (Bole keeps conv inputs as tree factors).
+        return MambaStateShapeCalculator.gated_delta_net_state_shape(
+            self.tp_size, self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+            self.conv_kernel_size, 0)
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        return dataclasses.replace(spec, num_speculative_blocks=0) if isinstance(spec, MambaSpec) else spec
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        forward_context = get_forward_context()
+        meta = (forward_context.attn_metadata or {}).get(self.prefix) if isinstance(
+            forward_context.attn_metadata, dict) else None
+        forest = current_forest()
+        if meta is None or meta.spec_sequence_masks is None or forest is None:
+            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+
+        tree_idx = meta.spec_token_indx
+        n_tree = meta.num_spec_decode_tokens
+        if tree_idx is None:  # every token belongs to a tree
+            tree_idx = torch.arange(n_tree, device=mixed_qkv.device)
+        core_attn_out.index_copy_(0, tree_idx, self._verify_trees(
+            mixed_qkv.index_select(0, tree_idx), b.index_select(0, tree_idx), a.index_select(0, tree_idx),
+            meta.spec_state_indices_tensor[:, 0], forest))
+
+        if meta.num_prefills > 0:
+            rest = meta.non_spec_token_indx
+            sub_meta = dataclasses.replace(
+                meta, num_spec_decodes=0, num_spec_decode_tokens=0, spec_query_start_loc=None,
+                spec_state_indices_tensor=None, spec_sequence_masks=None, spec_token_indx=None,
+                non_spec_token_indx=None, num_accepted_tokens=None,
+                num_actual_tokens=meta.num_prefill_tokens + meta.num_decode_tokens)
+            sub_out = torch.zeros_like(core_attn_out[: rest.numel()])
+            attn = forward_context.attn_metadata
+            attn[self.prefix] = sub_meta
+            try:
+                super()._forward_core(mixed_qkv.index_select(0, rest).contiguous(), b.index_select(0, rest),
+                                      a.index_select(0, rest), sub_out)
+            finally:
+                attn[self.prefix] = meta
+            core_attn_out.index_copy_(0, rest, sub_out)
+
+    def _verify_trees(self, x, b, a, state_slots, forest):
+        """Outputs of every tree node ``[N, HV, dv]``; stashes the factors for :func:`commit_step`."""
+        slots = state_slots.long()
+        conv_state = conv_state_view(self)[slots]
+        y = kernels.tree_causal_conv1d(x, conv_weight_2d(self), self.conv1d.bias, conv_state,
+                                       forest.parent, forest.cu_seqlens, activation=self.activation)
+        q, k, v = self.rearrange_mixed_qkv(y)
+        n = x.shape[0]
+        q, k, v = (t.reshape(n, -1, t.shape[-1]) for t in (q, k, v))
+        g, beta = gdn_gates(self, a, b)
+        o, factors = kernels.tree_gdn_verify(
+            q, k, v, g, beta, ssm_state_view(self)[slots].float(), forest.parent, forest.cu_seqlens,
+            use_qk_l2norm_in_kernel=True)
+        forest.gdn_scratch[self.prefix] = (self, factors, x, state_slots)
+        return o.to(x.dtype)
+
+
+def commit_step(forest) -> None:
+    """Write the accepted path's GDN state and conv window into every GDN layer's single slot."""
+    if not forest.gdn_scratch:
+        return
+    accepted = torch.tensor(forest.accepted, dtype=torch.int64)
+    entries = list(forest.gdn_scratch.values())
+    slots = entries[0][3]
+    factors = TreeFactors(k=torch.stack([e[1].k for e in entries]), u=torch.stack([e[1].u for e in entries]),
+                          g_cum=torch.stack([e[1].g_cum for e in entries]))
+    ssm_views = [ssm_state_view(e[0]) for e in entries]
+    kernels.commit_accepted_inplace(ssm_views, slots, factors, accepted.to(slots.device),
+                                    forest.parent, forest.cu_seqlens)
+    kernels.commit_conv_state_inplace([conv_state_view(e[0]) for e in entries], slots,
+                                      torch.stack([e[2] for e in entries]), forest.parent, forest.cu_seqlens,
+                                      accepted.to(slots.device))
+    forest.gdn_scratch.clear()

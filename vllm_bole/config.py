@@ -1,0 +1,82 @@
+"""Bole's speculative configuration: parsed and validated in one place.
+
+Users write ``speculative_config={"method": "bole", ...}``. vLLM's own ``SpeculativeConfig`` knows no such
+method, so :func:`translate_speculative_config` turns the dict into what vLLM validates (the model's own MTP
+drafter, ``num_speculative_tokens`` = the most tree nodes one request may carry) and returns the Bole settings,
+which travel to every process in ``additional_config["bole"]``.
+"""
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+BOLE_METHOD = "bole"
+ADDITIONAL_CONFIG_KEY = "bole"
+# Keys vLLM's SpeculativeConfig accepts next to a Bole method and that Bole passes through unchanged.
+_PASSTHROUGH_KEYS = {"draft_tensor_parallel_size", "max_model_len", "disable_by_batch_size"}
+
+
+class BoleConfigError(ValueError):
+    """A bad value in ``speculative_config``; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class BoleConfig:
+    # Deepest tree level a drafter may propose (vLLM's ``num_speculative_tokens``).
+    max_depth: int = 8
+    # Children expanded per frontier node.
+    topk: int = 4
+    # Tree nodes verified per engine step over the whole batch: an int, or "auto" (calibrated table).
+    budget: int | str = "auto"
+    # "mtp" (the model's own MTP head) or "module.path:ClassName" of a tree drafter.
+    drafter: str = "mtp"
+    # Free-form arguments handed to a custom drafter.
+    drafter_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_nodes_per_request(self) -> int:
+        """Draft nodes one request may carry in a step (the token slots vLLM reserves per request)."""
+        return self.max_depth * self.topk
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BoleConfig":
+        return cls(**d)
+
+
+def _int_field(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise BoleConfigError(f"speculative_config.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]:
+    """Split a ``{"method": "bole", ...}`` dict into (BoleConfig, remaining vLLM keys)."""
+    spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
+    known = {"method", "num_speculative_tokens", "topk", "budget", "drafter", "drafter_args"} | _PASSTHROUGH_KEYS
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise BoleConfigError(
+            f"speculative_config has unknown key(s) {unknown} for method 'bole'; allowed: {sorted(known)}")
+    depth = _int_field("num_speculative_tokens", spec.get("num_speculative_tokens", 8), 1, 32)
+    topk = _int_field("topk", spec.get("topk", 4), 1, 16)
+    budget = spec.get("budget", "auto")
+    if budget != "auto":
+        budget = _int_field("budget", budget, 1, 65536)
+    drafter = spec.get("drafter", "mtp")
+    if not isinstance(drafter, str) or (drafter != "mtp" and ":" not in drafter):
+        raise BoleConfigError(
+            f"speculative_config.drafter must be 'mtp' or 'module.path:ClassName', got {drafter!r}")
+    drafter_args = spec.get("drafter_args", {})
+    if not isinstance(drafter_args, dict):
+        raise BoleConfigError(f"speculative_config.drafter_args must be a dict, got {type(drafter_args).__name__}")
+    return BoleConfig(depth, topk, budget, drafter, drafter_args), rest
+
+
+def bole_config_from_vllm(vllm_config) -> BoleConfig | None:
+    """The Bole settings of a built VllmConfig, or None when Bole is off."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    d = extra.get(ADDITIONAL_CONFIG_KEY)
+    return BoleConfig.from_dict(d) if d else None

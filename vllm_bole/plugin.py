@@ -1,0 +1,69 @@
+"""vLLM general plugin: makes ``speculative_config={"method": "bole"}`` work in ``LLM(...)`` and ``vllm serve``.
+
+Loaded by vLLM in every process (``vllm.general_plugins`` entry point ``bole``); registration is idempotent and
+changes nothing unless a Bole config is present.
+"""
+
+import logging
+
+from .config import ADDITIONAL_CONFIG_KEY, BOLE_METHOD, BoleConfigError, parse_bole_config
+
+logger = logging.getLogger("vllm_bole")
+_REGISTERED = False
+
+# Hybrid architectures whose GDN layers, attention layers and MTP head Bole knows.
+SUPPORTED_ARCHITECTURES = (
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3NextForCausalLM",
+)
+
+
+def _has_mtp_head(hf_config) -> bool:
+    text = getattr(hf_config, "text_config", hf_config)
+    return bool(getattr(text, "mtp_num_hidden_layers", 0) or getattr(text, "num_nextn_predict_layers", 0))
+
+
+def apply_bole_engine_args(engine_args, target_model_config, target_parallel_config) -> None:
+    """Translate a Bole speculative config in place (no-op for any other method)."""
+    spec = engine_args.speculative_config
+    if not isinstance(spec, dict) or spec.get("method") != BOLE_METHOD:
+        return
+    cfg, passthrough = parse_bole_config(spec)
+    archs = getattr(target_model_config.hf_config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise BoleConfigError(
+            f"model: speculative method 'bole' needs a hybrid GDN model ({', '.join(SUPPORTED_ARCHITECTURES)}); "
+            f"got architectures {archs}")
+    if not _has_mtp_head(target_model_config.hf_config):
+        raise BoleConfigError(
+            "model: speculative method 'bole' needs the model's MTP head (mtp_num_hidden_layers > 0 in its config)")
+    if engine_args.enable_prefix_caching:
+        raise BoleConfigError(
+            "enable_prefix_caching: not supported with speculative method 'bole' yet; set it to False")
+    if target_parallel_config.pipeline_parallel_size > 1:
+        raise BoleConfigError(
+            "pipeline_parallel_size: speculative method 'bole' supports 1 only, got "
+            f"{target_parallel_config.pipeline_parallel_size}")
+    if engine_args.async_scheduling:
+        logger.warning("Bole runs with synchronous scheduling; ignoring async_scheduling=True")
+
+    engine_args.speculative_config = {
+        "method": "mtp", "num_speculative_tokens": cfg.max_nodes_per_request, **passthrough}
+    engine_args.additional_config = {**(engine_args.additional_config or {}), ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
+    engine_args.async_scheduling = False
+    engine_args.scheduler_cls = "vllm_bole.worker.scheduler.BoleScheduler"
+    target_parallel_config.worker_cls = "vllm_bole.worker.worker.BoleWorker"
+    logger.info("Bole tree speculation: depth %d, topk %d, budget %s, drafter %s",
+                cfg.max_depth, cfg.topk, cfg.budget, cfg.drafter)
+
+
+def register() -> None:
+    """Entry point for ``vllm.general_plugins``."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from . import _vllm_compat
+
+    _vllm_compat.wrap_create_speculative_config(apply_bole_engine_args)
+    _REGISTERED = True

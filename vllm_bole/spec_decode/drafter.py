@@ -1,0 +1,48 @@
+"""Tree drafters: what a drafter receives after each verification step and how one is chosen."""
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from .tree import DraftTree
+
+
+@dataclass
+class DraftStep:
+    """Everything a drafter may use after a verification step, per batch request (index = batch row).
+
+    contexts[r]: the request's tokens so far, including the ones accepted in this step (None: do not draft,
+    e.g. a prefill chunk that sampled nothing). hidden_states: the target's last hidden states of this step's
+    tokens; path_rows[r]: rows of hidden_states along the accepted path (the tokens before each new token);
+    path_positions[r]: their positions.
+    """
+
+    req_ids: list[str]
+    contexts: list[list[int] | None]
+    hidden_states: torch.Tensor | None = None
+    path_rows: list[list[int]] | None = None
+    path_positions: list[list[int]] | None = None
+
+
+class TreeDrafter:
+    """Base class: ``propose`` returns one DraftTree (possibly empty) per batch request."""
+
+    def __init__(self, runner, bole_config):
+        self.runner = runner
+        self.bole_config = bole_config
+
+    def propose(self, step: DraftStep) -> list[DraftTree]:
+        raise NotImplementedError
+
+
+def make_drafter(runner, bole_config) -> TreeDrafter:
+    if bole_config.drafter == "mtp":
+        from .mtp_tree_drafter import MTPTreeDrafter
+
+        return MTPTreeDrafter(runner, bole_config)
+    module, _, name = bole_config.drafter.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, TreeDrafter)):
+        raise TypeError(f"speculative_config.drafter {bole_config.drafter!r} is not a TreeDrafter subclass")
+    return cls(runner, bole_config)

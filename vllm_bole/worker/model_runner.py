@@ -1,0 +1,171 @@
+"""Bole's model runner: carries a packed forest of draft trees through vLLM's V1 GPU/CPU model runner.
+
+Per step: ``_prepare_inputs`` turns each request's scheduled drafts into its verification tree (root = last
+sampled token), rewrites RoPE positions to prefix length + depth and publishes the forest to the layers;
+``_sample`` walks each tree greedily; ``_update_states_after_model_execute`` commits the accepted path's GDN
+state and moves its K/V to contiguous slots; ``propose_draft_token_ids`` asks the tree drafter for new trees
+and applies the per-step node budget.
+"""
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+from vllm.v1.outputs import SamplerOutput
+
+from ..attention.gdn import commit_step
+from ..config import bole_config_from_vllm
+from ..spec_decode.budget import node_budget
+from ..spec_decode.drafter import DraftStep, make_drafter
+from ..spec_decode.tree import DraftTree, select_global
+from ..spec_decode.tree_sampler import is_plain_greedy, pad_outputs, walk_tree
+from .forest_context import StepForest, set_current_forest
+from .kv_compaction import compact_accepted_kv
+
+logger = init_logger(__name__)
+
+
+class BoleModelRunnerMixin:
+    """Mixed in front of the platform's V1 model runner class (see :func:`bole_runner_class`)."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.bole_config = bole_config_from_vllm(vllm_config)
+        self._bole_trees: dict[str, DraftTree] = {}
+        self._bole_forest: StepForest | None = None
+        self._bole_step = None
+        self.bole_drafter = None
+
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        self.bole_drafter = make_drafter(self, self.bole_config)
+
+    # ---- verification inputs ------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        try:
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        finally:
+            set_current_forest(None)
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self._bole_forest = None
+        if spec_meta is not None:
+            self._bole_forest = self._build_forest(scheduler_output, num_scheduled_tokens)
+            set_current_forest(self._bole_forest)
+        return logits_indices, spec_meta
+
+    def _build_forest(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> StepForest:
+        req_ids = self.input_batch.req_ids
+        starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
+        forest_req, parents, cu, tokens, q_starts, prefixes = [], [], [0], [], [], []
+        depth_fix = []  # (flat row, linear offset - depth)
+        for r, req_id in enumerate(req_ids):
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts is None or num_scheduled_tokens[r] != len(drafts) + 1:
+                continue
+            tree = self._bole_trees.get(req_id)
+            if tree is None or tree.tokens[:len(drafts)] != list(drafts):
+                # Drafts Bole did not propose (e.g. vLLM's placeholders): verify them as a chain.
+                tree = DraftTree(list(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
+            tree = tree.truncated(len(drafts))
+            vpar = tree.verify_parents()
+            depths = [0] + tree.depths()
+            forest_req.append(r)
+            parents += vpar
+            cu.append(cu[-1] + len(vpar))
+            tokens.append([-1] + tree.tokens)
+            q_starts.append(int(starts[r]))
+            prefixes.append(int(self.input_batch.num_computed_tokens_cpu[r]))
+            depth_fix += [(int(starts[r]) + j, j - d) for j, d in enumerate(depths) if j != d]
+        forest = StepForest(
+            req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
+            parent=torch.tensor(parents, dtype=torch.int32, device=self.device),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            tokens=tokens, query_starts=q_starts, prefix_lens=prefixes)
+        if depth_fix:
+            rows = torch.tensor([f[0] for f in depth_fix], dtype=torch.long)
+            shift = torch.tensor([f[1] for f in depth_fix], dtype=torch.int64)
+            self.positions[rows.to(self.device)] -= shift.to(self.device)
+            if self.uses_mrope:
+                self.mrope_positions.gpu[:, rows.to(self.device)] -= shift.to(self.device)
+        forest.build_attention_rows()
+        return forest
+
+    # ---- verification -------------------------------------------------------------------------------------
+    def _sample(self, logits, spec_decode_metadata):
+        forest = self._bole_forest
+        if spec_decode_metadata is None or forest is None:
+            self._bole_step = None
+            return super()._sample(logits, spec_decode_metadata)
+        self.input_batch.update_async_output_token_ids()
+        num_rows = [n + 1 for n in spec_decode_metadata.num_draft_tokens]
+        row_start = np.concatenate([[0], np.cumsum(num_rows)[:-1]]).tolist()
+        argmax = logits.argmax(dim=-1).tolist()
+        tree_of = {r: i for i, r in enumerate(forest.tree_req_indices)}
+        # Logprobs are returned for one token per request, so a batch that asks for them verifies roots only.
+        batch_plain = not self.input_batch.sampling_metadata.max_num_logprobs
+        paths, final_rows = [], []
+        for r, req_id in enumerate(self.input_batch.req_ids):
+            i = tree_of.get(r)
+            path = [0]
+            if i is not None and batch_plain and is_plain_greedy(self.requests[req_id].sampling_params):
+                path = walk_tree(forest.parents_of(i), forest.tokens[i],
+                                 argmax[row_start[r]:row_start[r] + num_rows[r]])
+            paths.append(path)
+            final_rows.append(row_start[r] + path[-1])
+        final = self.sampler(logits=logits[torch.tensor(final_rows, device=logits.device)],
+                             sampling_metadata=self.input_batch.sampling_metadata)
+        bonus = final.sampled_token_ids[:, 0].tolist()
+        outputs = []
+        for r, path in enumerate(paths):
+            i = tree_of.get(r)
+            drafted = [forest.tokens[i][j] for j in path[1:]] if i is not None else []
+            outputs.append(drafted + [bonus[r]])
+        forest.accepted_paths = [paths[r] for r in forest.tree_req_indices]
+        self._bole_step = (paths, outputs, row_start)
+        return SamplerOutput(sampled_token_ids=pad_outputs(outputs, logits.device),
+                             logprobs_tensors=final.logprobs_tensors)
+
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        super()._update_states_after_model_execute(output_token_ids, scheduler_output)
+        forest = self._bole_forest
+        if forest is None or forest.accepted_paths is None:
+            return
+        commit_step(forest)
+        compact_accepted_kv(self, forest)
+
+    # ---- drafting -----------------------------------------------------------------------------------------
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                                common_attn_metadata, slot_mappings):
+        step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states)
+        trees = self.bole_drafter.propose(step)
+        k = self.speculative_config.num_speculative_tokens
+        trees = [t.truncated(k) for t in trees]
+        trees = select_global(trees, node_budget(self.bole_config, len(trees)))
+        self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
+        return [t.tokens for t in trees]
+
+    def _draft_step(self, scheduler_output, sampled_token_ids, hidden_states) -> DraftStep:
+        req_ids = list(self.input_batch.req_ids)
+        discard = self.discard_request_mask.np[:len(req_ids)]
+        sampled = sampled_token_ids.tolist()
+        contexts = []
+        for r, req_id in enumerate(req_ids):
+            new = [t for t in sampled[r] if t != -1]
+            if discard[r] or not new:
+                contexts.append(None)
+                continue
+            state = self.requests[req_id]
+            contexts.append(list(state.prompt_token_ids or []) + list(state.output_token_ids) + new)
+        return DraftStep(req_ids=req_ids, contexts=contexts, hidden_states=hidden_states)
+
+
+_RUNNER_CLASSES: dict[type, type] = {}
+
+
+def bole_runner_class(base: type) -> type:
+    """``BoleModelRunnerMixin`` in front of ``base`` (one class per base)."""
+    if base not in _RUNNER_CLASSES:
+        _RUNNER_CLASSES[base] = type(f"Bole{base.__name__}", (BoleModelRunnerMixin, base), {})
+    return _RUNNER_CLASSES[base]

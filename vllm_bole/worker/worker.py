@@ -1,0 +1,29 @@
+"""Bole's worker: the platform's V1 worker, building Bole's model runner and registering Bole's layers."""
+
+import importlib
+
+from vllm.platforms import current_platform
+
+from .._vllm_compat import runner_class_override
+from ..attention.registration import register_bole_layers
+from .model_runner import BoleModelRunnerMixin, bole_runner_class
+
+if current_platform.is_cpu():
+    from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
+
+    _RUNNER_MODULE, _RUNNER_NAME = "vllm.v1.worker.cpu_worker", "CPUModelRunner"
+else:
+    from vllm.v1.worker.gpu_worker import Worker as _PlatformWorker
+
+    _RUNNER_MODULE, _RUNNER_NAME = "vllm.v1.worker.gpu_model_runner", "GPUModelRunner"
+
+
+class BoleWorker(_PlatformWorker):
+    def init_device(self):
+        register_bole_layers()
+        base = getattr(importlib.import_module(_RUNNER_MODULE), _RUNNER_NAME)
+        with runner_class_override(_RUNNER_MODULE, _RUNNER_NAME, bole_runner_class(base)):
+            super().init_device()
+        if not isinstance(self.model_runner, BoleModelRunnerMixin):
+            raise RuntimeError(
+                "speculative method 'bole' needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
