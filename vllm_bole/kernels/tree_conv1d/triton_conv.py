@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tree_gdn.triton_commit import device_table
+
 
 @triton.jit
 def _tree_conv_kernel(
@@ -122,15 +124,11 @@ def _launch_commit(srcs, dsts, state_indices, xs, parent, cu_seqlens, accepted, 
     dim, width = ref.shape[1], ref.shape[2] + 1
     assert all(t.dtype == ref.dtype and t.shape[1:] == ref.shape[1:] for t in list(srcs) + list(dsts))
     assert xs.shape[0] == n_layers and xs.shape[2] == dim and xs.stride(2) == 1
-    dev = ref.device
-    src_ptrs = torch.tensor([t.data_ptr() for t in srcs], dtype=torch.int64, device=dev)
-    dst_ptrs = src_ptrs if srcs is dsts else torch.tensor([t.data_ptr() for t in dsts], dtype=torch.int64,
-                                                            device=dev)
-    strides = torch.tensor([list(s.stride()) + list(d.stride()) for s, d in zip(srcs, dsts)],
-                           dtype=torch.int64, device=dev)
+    ptrs = device_table([[t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts]], ref.device)
+    strides = device_table([list(s.stride()) + list(d.stride()) for s, d in zip(srcs, dsts)], ref.device)
     block_d = min(256, triton.next_power_of_2(dim))
     _commit_conv_kernel[(batch, triton.cdiv(dim, block_d), n_layers)](
-        src_ptrs, dst_ptrs, strides, ref, state_indices, xs, accepted, parent, cu_seqlens,
+        ptrs[0], ptrs[1], strides, ref, state_indices, xs, accepted, parent, cu_seqlens,
         xs.stride(0), xs.stride(1), dim, W=width, WP=max(2, triton.next_power_of_2(width - 1)), BD=block_d,
         COPY_UNCHANGED=copy_unchanged, num_warps=4,
     )

@@ -12,6 +12,24 @@ import triton.language as tl
 from .reference import TreeFactors
 
 
+_TABLES: dict = {}
+
+
+def device_table(rows, device) -> torch.Tensor:
+    """int64 tensor of ``rows`` (cache addresses, strides) on ``device``, built once per distinct content.
+
+    The caches of a running engine keep their addresses, so after the first step this is a dict lookup:
+    no host-to-device copy, which also lets the commit be captured in a CUDA graph.
+    """
+    key = (str(device), tuple(map(tuple, rows)))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) > 256:
+            _TABLES.clear()
+        table = _TABLES[key] = torch.tensor(rows, dtype=torch.int64, device=device)
+    return table
+
+
 @triton.jit
 def _offsets(strides, slot, hv, o_v, o_k):
     # strides: (slot, head, v, k) of one cache view, in elements.
@@ -44,7 +62,7 @@ def _commit_kernel(
         base = layer.to(tl.int64) * N
         g_a = tl.load(g_cum + (base + bos + a) * HV + hv)
         S *= tl.exp(g_a)
-        node = a
+        node = a.to(tl.int64)
         # Walk the accepted path upward; each node adds one rank-1 term.
         while node >= 0:
             j = base + bos + node
@@ -52,7 +70,7 @@ def _commit_kernel(
             u_j = tl.load(u + (j * HV + hv) * DV + o_v, mask=o_v < DV, other=0.0)
             k_j = tl.load(k + (j * HK + hk) * DK + o_k, mask=o_k < DK, other=0.0)
             S += (w * u_j)[:, None] * k_j[None, :]
-            node = tl.load(parent + bos + node)
+            node = tl.load(parent + bos + node).to(tl.int64)
     tl.store(dst + _offsets(strides + layer * 8 + 4, slot, hv, o_v, o_k), S.to(ref.dtype.element_ty), mask=m)
 
 
@@ -65,16 +83,12 @@ def _launch(srcs, dsts, state_indices, factors: TreeFactors, accepted, parent, c
         return
     ref = dsts[0]
     assert all(t.dtype == ref.dtype and t.shape[1:] == (hv, dv, dk) for t in list(srcs) + list(dsts))
-    dev = ref.device
-    src_ptrs = torch.tensor([t.data_ptr() for t in srcs], dtype=torch.int64, device=dev)
-    dst_ptrs = src_ptrs if srcs is dsts else torch.tensor([t.data_ptr() for t in dsts], dtype=torch.int64,
-                                                            device=dev)
-    strides = torch.tensor([list(s.stride()) + list(d.stride()) for s, d in zip(srcs, dsts)],
-                           dtype=torch.int64, device=dev)
+    ptrs = device_table([[t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts]], ref.device)
+    strides = device_table([list(s.stride()) + list(d.stride()) for s, d in zip(srcs, dsts)], ref.device)
     block_v = min(64, max(16, triton.next_power_of_2(dv)))
     nv = triton.cdiv(dv, block_v)
     _commit_kernel[(batch, hv, n_layers * nv)](
-        src_ptrs, dst_ptrs, strides, ref, state_indices, factors.k.contiguous(), factors.u.contiguous(),
+        ptrs[0], ptrs[1], strides, ref, state_indices, factors.k.contiguous(), factors.u.contiguous(),
         factors.g_cum.contiguous(), accepted, parent, cu_seqlens, n,
         HK=hk, HV=hv, DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=block_v, NV=nv,
         COPY_UNCHANGED=copy_unchanged, num_warps=4,
