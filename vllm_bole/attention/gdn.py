@@ -80,36 +80,48 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
 
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         forward_context = get_forward_context()
-        meta = (forward_context.attn_metadata or {}).get(self.prefix) if isinstance(
-            forward_context.attn_metadata, dict) else None
+        attn = forward_context.attn_metadata
+        meta = attn.get(self.prefix) if isinstance(attn, dict) else None
         forest = current_forest()
         if meta is None or meta.spec_sequence_masks is None or forest is None:
-            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+            return self._vllm_core(mixed_qkv, b, a, core_attn_out, meta)
 
         tree_idx = meta.spec_token_indx
-        n_tree = meta.num_spec_decode_tokens
         if tree_idx is None:  # every token belongs to a tree
-            tree_idx = torch.arange(n_tree, device=mixed_qkv.device)
+            tree_idx = torch.arange(meta.num_spec_decode_tokens, device=mixed_qkv.device)
+        tree_idx = tree_idx.long()
         core_attn_out.index_copy_(0, tree_idx, self._verify_trees(
             mixed_qkv.index_select(0, tree_idx), b.index_select(0, tree_idx), a.index_select(0, tree_idx),
             meta.spec_state_indices_tensor[:, 0], forest))
 
         if meta.num_prefills > 0:
-            rest = meta.non_spec_token_indx
+            # The other requests are prefills (vLLM files plain decodes beside spec decodes as prefills).
+            rest = meta.non_spec_token_indx.long()
             sub_meta = dataclasses.replace(
                 meta, num_spec_decodes=0, num_spec_decode_tokens=0, spec_query_start_loc=None,
                 spec_state_indices_tensor=None, spec_sequence_masks=None, spec_token_indx=None,
-                non_spec_token_indx=None, num_accepted_tokens=None,
-                num_actual_tokens=meta.num_prefill_tokens + meta.num_decode_tokens)
+                non_spec_token_indx=None, num_accepted_tokens=None, num_actual_tokens=meta.num_prefill_tokens)
             sub_out = torch.zeros_like(core_attn_out[: rest.numel()])
-            attn = forward_context.attn_metadata
-            attn[self.prefix] = sub_meta
-            try:
-                super()._forward_core(mixed_qkv.index_select(0, rest).contiguous(), b.index_select(0, rest),
-                                      a.index_select(0, rest), sub_out)
-            finally:
-                attn[self.prefix] = meta
+            self._vllm_core(mixed_qkv.index_select(0, rest).contiguous(), b.index_select(0, rest),
+                            a.index_select(0, rest), sub_out, sub_meta)
             core_attn_out.index_copy_(0, rest, sub_out)
+
+    def _vllm_core(self, mixed_qkv, b, a, core_attn_out, meta):
+        """vLLM's own GDN core for requests without a tree, reading ``meta`` as this layer's metadata."""
+        if current_platform.is_cpu():
+            if meta is None or meta.num_actual_tokens == 0:
+                return
+            from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _cpu_gdn_attention_nonspec
+
+            return _cpu_gdn_attention_nonspec(self, meta, mixed_qkv, b, a, core_attn_out)
+        attn = get_forward_context().attn_metadata
+        if meta is None or not isinstance(attn, dict) or attn.get(self.prefix) is meta:
+            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+        original, attn[self.prefix] = attn[self.prefix], meta
+        try:
+            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+        finally:
+            attn[self.prefix] = original
 
     def _verify_trees(self, x, b, a, state_slots, forest):
         """Outputs of every tree node ``[N, HV, dv]``; stashes the factors for :func:`commit_step`."""
@@ -129,18 +141,24 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
 
 
 def commit_step(forest) -> None:
-    """Write the accepted path's GDN state and conv window into every GDN layer's single slot."""
+    """Write the accepted path's GDN state and conv window into every GDN layer's single slot.
+
+    Layers of one KV-cache group share their slots and commit together; vLLM may put GDN layers in several
+    groups, whose block ids differ.
+    """
     if not forest.gdn_scratch:
         return
-    accepted = torch.tensor(forest.accepted, dtype=torch.int64)
-    entries = list(forest.gdn_scratch.values())
-    slots = entries[0][3]
-    factors = TreeFactors(k=torch.stack([e[1].k for e in entries]), u=torch.stack([e[1].u for e in entries]),
-                          g_cum=torch.stack([e[1].g_cum for e in entries]))
-    ssm_views = [ssm_state_view(e[0]) for e in entries]
-    kernels.commit_accepted_inplace(ssm_views, slots, factors, accepted.to(slots.device),
-                                    forest.parent, forest.cu_seqlens)
-    kernels.commit_conv_state_inplace([conv_state_view(e[0]) for e in entries], slots,
-                                      torch.stack([e[2] for e in entries]), forest.parent, forest.cu_seqlens,
-                                      accepted.to(slots.device))
+    groups: dict[tuple, list] = {}
+    for entry in forest.gdn_scratch.values():
+        groups.setdefault(tuple(entry[3].tolist()), []).append(entry)
+    for entries in groups.values():
+        slots = entries[0][3]
+        accepted = torch.tensor(forest.accepted, dtype=torch.int64, device=slots.device)
+        factors = TreeFactors(k=torch.stack([e[1].k for e in entries]), u=torch.stack([e[1].u for e in entries]),
+                              g_cum=torch.stack([e[1].g_cum for e in entries]))
+        kernels.commit_accepted_inplace([ssm_state_view(e[0]) for e in entries], slots, factors, accepted,
+                                        forest.parent, forest.cu_seqlens)
+        kernels.commit_conv_state_inplace([conv_state_view(e[0]) for e in entries], slots,
+                                          torch.stack([e[2] for e in entries]), forest.parent, forest.cu_seqlens,
+                                          accepted)
     forest.gdn_scratch.clear()

@@ -12,16 +12,14 @@ from ..kernels.tree_attention.reference import compact_kv
 
 
 def paged_kv(kv_cache: torch.Tensor):
-    """(get, set) slot accessors for one attention layer's cache on this platform."""
+    """Slot accessors (``get``/``set``) for one attention layer's cache on this platform."""
     if current_platform.is_cpu():
         from ..attention.tree_attn_cpu import CPUPagedKV
 
-        view = CPUPagedKV(kv_cache)
-    else:
-        from ..attention.tree_attn_gpu import NHDPagedKV
+        return CPUPagedKV(kv_cache)
+    from ..attention.tree_attn_gpu import NHDPagedKV
 
-        view = NHDPagedKV(kv_cache)
-    return view.get, lambda slots, kv: view.set(slots, *kv)
+    return NHDPagedKV(kv_cache)
 
 
 def accepted_slot_moves(forest, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,5 +46,4 @@ def compact_accepted_kv(runner, forest) -> None:
         total = forest.query_starts[-1] + len(forest.tokens[-1])
         src, dst = accepted_slot_moves(forest, runner.input_batch.block_table[gid].slot_mapping.gpu[:total])
         for name in group.layer_names:
-            get, put = paged_kv(layers[name].kv_cache)
-            compact_kv(get, put, src, dst)
+            compact_kv(paged_kv(layers[name].kv_cache), src, dst)

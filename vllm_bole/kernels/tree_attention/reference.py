@@ -23,11 +23,12 @@ def tree_attention(q, k, v, region_mask, scale):
     return out.transpose(0, 1).to(q.dtype)
 
 
-def compact_kv(cache_get, cache_set, src_slots, dst_slots):
+def compact_kv(paged, src_slots, dst_slots):
     """Move the accepted path's K/V: every ``src_slots[i]`` to ``dst_slots[i]`` (gather all, then scatter).
 
-    ``cache_get(slots) -> tensor`` and ``cache_set(slots, tensor)`` abstract the backend's cache layout.
+    ``paged.get(slots) -> (k, v)`` and ``paged.set(slots, k, v)`` hide the backend's cache layout.
     """
     if len(src_slots) == 0:
         return
-    cache_set(dst_slots, cache_get(src_slots).clone())
+    k, v = paged.get(src_slots)
+    paged.set(dst_slots, k.clone(), v.clone())
