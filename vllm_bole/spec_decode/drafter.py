@@ -13,16 +13,17 @@ class DraftStep:
     """Everything a drafter may use after a verification step, per batch request (index = batch row).
 
     contexts[r]: the request's tokens so far, including the ones accepted in this step (None: do not draft,
-    e.g. a prefill chunk that sampled nothing). hidden_states: the target's last hidden states of this step's
-    tokens; path_rows[r]: rows of hidden_states along the accepted path (the tokens before each new token);
-    path_positions[r]: their positions.
+    e.g. a prefill chunk that sampled nothing). hidden_states: the target's hidden states of this step's
+    tokens. first_pass[r]: (rows of hidden_states, the token that follows each row, each row's position) for
+    the tokens this step committed (a verified tree contributes its accepted path only); None if the request
+    ran no tokens. common_attn_metadata: vLLM's metadata of this step for the drafter's KV-cache group.
     """
 
     req_ids: list[str]
     contexts: list[list[int] | None]
     hidden_states: torch.Tensor | None = None
-    path_rows: list[list[int]] | None = None
-    path_positions: list[list[int]] | None = None
+    first_pass: list[tuple[list[int], list[int], list[int]] | None] | None = None
+    common_attn_metadata: object = None
 
 
 class TreeDrafter:

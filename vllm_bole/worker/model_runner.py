@@ -138,27 +138,44 @@ class BoleModelRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
-        step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states)
-        trees = self.bole_drafter.propose(step)
-        k = self.speculative_config.num_speculative_tokens
-        trees = [t.truncated(k) for t in trees]
+        step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
+        per_request = self.speculative_config.num_speculative_tokens
+        trees = [select_global([t], per_request)[0] for t in self.bole_drafter.propose(step)]
         trees = select_global(trees, node_budget(self.bole_config, len(trees)))
         self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
         return [t.tokens for t in trees]
 
-    def _draft_step(self, scheduler_output, sampled_token_ids, hidden_states) -> DraftStep:
+    def _draft_step(self, scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata) -> DraftStep:
         req_ids = list(self.input_batch.req_ids)
         discard = self.discard_request_mask.np[:len(req_ids)]
         sampled = sampled_token_ids.tolist()
-        contexts = []
+        forest = self._bole_forest
+        tree_of = {r: i for i, r in enumerate(forest.tree_req_indices)} if forest is not None else {}
+        paths = self._bole_step[0] if self._bole_step is not None else None
+        input_ids = self.input_ids.cpu
+        contexts, first_pass, row = [], [], 0
         for r, req_id in enumerate(req_ids):
+            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             new = [t for t in sampled[r] if t != -1]
-            if discard[r] or not new:
-                contexts.append(None)
-                continue
+            drafting = not discard[r] and bool(new)
             state = self.requests[req_id]
-            contexts.append(list(state.prompt_token_ids or []) + list(state.output_token_ids) + new)
-        return DraftStep(req_ids=req_ids, contexts=contexts, hidden_states=hidden_states)
+            start = int(self.input_batch.num_computed_tokens_cpu[r])
+            if r in tree_of:
+                path = paths[r]
+                tokens = forest.tokens[tree_of[r]]
+                first_pass.append(([row + p for p in path], [tokens[p] for p in path[1:]] + [new[-1]],
+                                   [start + m for m in range(len(path))]))
+            elif n:
+                following = new[-1] if drafting else int(self.input_batch.token_ids_cpu[r, start + n])
+                first_pass.append((list(range(row, row + n)), input_ids[row + 1:row + n].tolist() + [following],
+                                   list(range(start, start + n))))
+            else:
+                first_pass.append(None)
+            row += n
+            contexts.append(list(state.prompt_token_ids or []) + list(state.output_token_ids) + new
+                            if drafting else None)
+        return DraftStep(req_ids=req_ids, contexts=contexts, hidden_states=hidden_states,
+                         first_pass=first_pass, common_attn_metadata=common_attn_metadata)
 
 
 _RUNNER_CLASSES: dict[type, type] = {}

@@ -1,0 +1,157 @@
+"""Tree drafter on the model's own MTP head.
+
+After a verification step the MTP layer first catches up on the tokens the step committed (its KV at their
+final positions; for a verified tree only the accepted path). Then it grows a tree level by level: the
+``topk`` best new nodes of the last level (by cumulative draft probability) are fed back through the MTP
+layer, each attending to the committed prefix plus its own ancestors' MTP entries (ancestor mask), and each
+expands into its ``topk`` most probable children. Every created node is a candidate; the runner keeps the
+best ones within the per-request and per-step budgets.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from ..kernels.forest import ancestor_mask
+from ..worker.forest_context import StepForest, TreeRows, forest_scope
+from .drafter import DraftStep, TreeDrafter
+from .tree import DraftTree
+
+
+@dataclass
+class _Growing:
+    """One request's tree while it grows; ``query`` holds the MTP query index of each expanded node."""
+
+    req_index: int
+    next_pos: int                       # position of the root (the last sampled token)
+    tree: DraftTree = field(default_factory=DraftTree)
+    hidden: dict = field(default_factory=dict)    # node -> MTP hidden of the query that predicted its children
+    query_of: dict = field(default_factory=dict)  # expanded node -> its index among this request's queries
+    frontier: list = field(default_factory=list)  # nodes created in the last level
+
+
+class MTPTreeDrafter(TreeDrafter):
+    def __init__(self, runner, bole_config):
+        super().__init__(runner, bole_config)
+        self.proposer = runner.drafter  # vLLM's MTP proposer: owns the loaded MTP model and its KV group
+
+    # ---- one MTP forward over a packed batch of per-request query chunks ----
+    def _forward(self, cm: CommonAttentionMetadata, chunks, tree_rows=None):
+        """chunks: per request (req_index, tokens, hidden [n, H], positions [n], seq_len, slots [n]).
+
+        Returns the MTP hidden states of all rows, in chunk order."""
+        device = cm.block_table_tensor.device
+        tokens = torch.tensor([t for c in chunks for t in c[1]], dtype=torch.long, device=device)
+        hidden = torch.cat([c[2] for c in chunks])
+        positions = torch.tensor([p for c in chunks for p in c[3]], dtype=torch.long, device=device)
+        slots = torch.tensor([s for c in chunks for s in c[5]], dtype=torch.long, device=device)
+        lens = [len(c[1]) for c in chunks]
+        qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        seq_lens_cpu = torch.tensor([c[4] for c in chunks], dtype=torch.int32)
+        req_rows = torch.tensor([c[0] for c in chunks], dtype=torch.long, device=device)
+        meta = CommonAttentionMetadata(
+            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_lens_cpu.to(device),
+            num_reqs=len(chunks), num_actual_tokens=int(qsl[-1]), max_query_len=max(lens),
+            max_seq_len=int(seq_lens_cpu.max()), block_table_tensor=cm.block_table_tensor[req_rows],
+            slot_mapping=slots, _seq_lens_cpu=seq_lens_cpu)
+        _, per_layer = self.proposer.build_per_group_and_layer_attn_metadata(meta)
+        if self.runner.uses_mrope:
+            positions = positions.unsqueeze(0).expand(3, -1).contiguous()
+        forest = StepForest(req_ids=[], tree_req_indices=[], parent=None, cu_seqlens=None, tokens=[],
+                            attention_rows=tree_rows or [])
+        with forest_scope(forest), set_forward_context(
+                per_layer, self.runner.vllm_config, num_tokens=len(tokens),
+                slot_mapping={name: slots for name in per_layer}):
+            return self.proposer.model(input_ids=tokens, positions=positions, hidden_states=hidden)
+
+    def _top_children(self, hidden_rows: torch.Tensor):
+        logits = self.proposer.model.compute_logits(hidden_rows).float()
+        probs = torch.softmax(logits, dim=-1)
+        p, tok = probs.topk(self.bole_config.topk, dim=-1)
+        return p.tolist(), tok.tolist()
+
+    def propose(self, step: DraftStep) -> list[DraftTree]:
+        cm, block_size = step.common_attn_metadata, self._block_size()
+        slot = lambda r, pos: int(cm.block_table_tensor[r, pos // block_size]) * block_size + pos % block_size
+
+        # 1. Catch up on the committed tokens (every request that ran this step keeps its MTP KV in step).
+        chunks, last_rows, growing = [], [], []
+        for r, fp in enumerate(step.first_pass):
+            if fp is None:
+                continue
+            rows, tokens, positions = fp
+            chunks.append((r, tokens, step.hidden_states[torch.tensor(rows, device=step.hidden_states.device)],
+                           positions, positions[-1] + 1, [slot(r, p) for p in positions]))
+            last_rows.append(sum(len(c[1]) for c in chunks) - 1)
+            if step.contexts[r] is not None:
+                growing.append((r, len(chunks) - 1))
+        if not chunks:
+            return [DraftTree() for _ in step.req_ids]
+        mtp_hidden = self._forward(cm, chunks)
+        trees = {}
+        first_hidden = mtp_hidden[torch.tensor([last_rows[c] for _, c in growing], device=mtp_hidden.device)]
+        probs, toks = self._top_children(first_hidden)
+        for (r, c), p_row, t_row, h in zip(growing, probs, toks, first_hidden):
+            g = _Growing(req_index=r, next_pos=chunks[c][3][-1] + 1)
+            for p, t in zip(p_row, t_row):
+                g.tree.tokens.append(t)
+                g.tree.parents.append(-1)
+                g.tree.scores.append(p)
+                g.frontier.append(len(g.tree) - 1)
+            g.hidden[-1] = h
+            trees[r] = g
+
+        # 2. Grow one level per MTP forward.
+        for _ in range(self.bole_config.max_depth - 1):
+            chunks, tree_rows, expanded = [], [], []
+            row = 0
+            for g in trees.values():
+                best = sorted(g.frontier, key=lambda n: -g.tree.scores[n])[: self.bole_config.topk]
+                if not best:
+                    continue
+                for n in best:
+                    g.query_of[n] = len(g.query_of)
+                depths = g.tree.depths()
+                hidden = torch.stack([g.hidden[g.tree.parents[n]] for n in best])
+                positions = [g.next_pos + depths[n] - 1 for n in best]
+                query_slots = [slot(g.req_index, g.next_pos + g.query_of[n]) for n in best]
+                n_queries = len(g.query_of)
+                chunks.append((g.req_index, [g.tree.tokens[n] for n in best], hidden, positions,
+                               g.next_pos + n_queries, query_slots))
+                tree_rows.append(TreeRows(req_index=len(chunks) - 1, row_start=row,
+                                          region_mask=self._query_mask(g, best, n_queries)))
+                expanded.append((g, best))
+                row += len(best)
+                g.frontier = []
+            if not chunks:
+                break
+            out = self._forward(cm, chunks, tree_rows)
+            probs, toks = self._top_children(out)
+            i = 0
+            for g, best in expanded:
+                for n in best:
+                    g.hidden[n] = out[i]
+                    for p, t in zip(probs[i], toks[i]):
+                        g.tree.tokens.append(t)
+                        g.tree.parents.append(n)
+                        g.tree.scores.append(g.tree.scores[n] * p)
+                        g.frontier.append(len(g.tree) - 1)
+                    i += 1
+        return [trees[r].tree if r in trees else DraftTree() for r in range(len(step.req_ids))]
+
+    @staticmethod
+    def _query_mask(g: _Growing, best, n_queries) -> torch.Tensor:
+        """[len(best), n_queries]: each new query sees the queries of its expanded ancestors and itself."""
+        query_parent = [-1] * n_queries
+        for n, q in g.query_of.items():
+            p = g.tree.parents[n]
+            query_parent[q] = g.query_of[p] if p >= 0 else -1
+        full = ancestor_mask(torch.tensor(query_parent, dtype=torch.int32))
+        return full[[g.query_of[n] for n in best]]
+
+    def _block_size(self) -> int:
+        layers = self.runner.compilation_config.static_forward_context
+        name = next(iter(self.proposer.draft_attn_groups[0].layer_names))
+        return layers[name].kv_cache.shape[2]
