@@ -4,7 +4,7 @@ import torch
 
 
 def is_plain_greedy(params) -> bool:
-    """True for requests whose next token is exactly the argmax of the raw logits (no processors, no logprobs).
+    """True for requests whose next token is exactly the argmax of the raw logits (no logits processors).
 
     Other requests verify only the root: their next token comes from vLLM's sampler with all their settings.
     """
@@ -14,7 +14,7 @@ def is_plain_greedy(params) -> bool:
         params.temperature == 0.0
         and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0
-        and not params.logprobs and not params.prompt_logprobs
+        and not params.prompt_logprobs
         and not params.bad_words and not params.logit_bias and not params.allowed_token_ids
         and not params.min_tokens
         and getattr(params, "structured_outputs", None) is None

@@ -102,13 +102,15 @@ class BoleModelRunnerMixin:
         row_start = np.concatenate([[0], np.cumsum(num_rows)[:-1]]).tolist()
         argmax = logits.argmax(dim=-1).tolist()
         tree_of = {r: i for i, r in enumerate(forest.tree_req_indices)}
-        # Logprobs are returned for one token per request, so a batch that asks for them verifies roots only.
-        batch_plain = not self.input_batch.sampling_metadata.max_num_logprobs
+        # Emitted-token logprobs are rebuilt from raw logits; other logprob modes verify roots only.
+        own_logprobs = self.model_config.logprobs_mode == "raw_logprobs"
+        wants_logprobs = self.input_batch.sampling_metadata.max_num_logprobs is not None
         paths, final_rows = [], []
         for r, req_id in enumerate(self.input_batch.req_ids):
             i = tree_of.get(r)
             path = [0]
-            if i is not None and batch_plain and is_plain_greedy(self.requests[req_id].sampling_params):
+            if (i is not None and is_plain_greedy(self.requests[req_id].sampling_params)
+                    and (own_logprobs or not wants_logprobs)):
                 path = walk_tree(forest.parents_of(i), forest.tokens[i],
                                  argmax[row_start[r]:row_start[r] + num_rows[r]])
             paths.append(path)
@@ -123,8 +125,23 @@ class BoleModelRunnerMixin:
             outputs.append(drafted + [bonus[r]])
         forest.accepted_paths = [paths[r] for r in forest.tree_req_indices]
         self._bole_step = (paths, outputs, row_start)
-        return SamplerOutput(sampled_token_ids=pad_outputs(outputs, logits.device),
-                             logprobs_tensors=final.logprobs_tensors)
+        sampled = pad_outputs(outputs, logits.device)
+        if wants_logprobs and not own_logprobs:
+            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=final.logprobs_tensors)
+        return SamplerOutput(sampled_token_ids=sampled,
+                             logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
+
+    def _path_logprobs(self, logits, sampled, paths, row_start):
+        """Raw logprobs of every emitted token, from the logits row of the node that produced it; laid out
+        ``[num_reqs * width]`` like vLLM's rejection sampler (padding rows are filtered out by vLLM)."""
+        k = self.input_batch.sampling_metadata.max_num_logprobs
+        if k is None:
+            return None
+        width = sampled.shape[1]
+        rows = [row_start[r] + path[min(m, len(path) - 1)] for r, path in enumerate(paths) for m in range(width)]
+        tokens = sampled.flatten().long().clamp(min=0)
+        logprobs = self.sampler.compute_logprobs(logits[torch.tensor(rows, device=logits.device)].float())
+        return self.sampler.gather_logprobs(logprobs, k, tokens)
 
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
         super()._update_states_after_model_execute(output_token_ids, scheduler_output)

@@ -83,12 +83,34 @@ def _unit_lower_inverse(G, BT: tl.constexpr, LOG_BT: tl.constexpr, PREC: tl.cons
 
 @triton.jit
 def _load_qk(ptr, stride, bos, rows, hk, o_k, t, scale, HK: tl.constexpr, DK: tl.constexpr,
-             L2NORM: tl.constexpr):
+             L2NORM: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """Raw rows [BT, BK] and the per-row factor (L2 norm, scale) that the math applies to them.
+
+    Dots run on the raw rows and the factors scale the results, so bf16 operands stay exact and half the
+    size; without BF16_DOTS the rows are widened to fp32 first.
+    """
     x = tl.load(ptr + (bos + rows)[:, None] * stride + hk * DK + o_k[None, :],
-                mask=(rows < t)[:, None] & (o_k < DK)[None, :], other=0.0).to(tl.float32)
+                mask=(rows < t)[:, None] & (o_k < DK)[None, :], other=0.0)
+    if not BF16_DOTS:
+        x = x.to(tl.float32)
     if L2NORM:
-        x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
-    return x * scale
+        xf = x.to(tl.float32)
+        factor = scale * tl.rsqrt(tl.sum(xf * xf, 1) + 1e-6)
+    else:
+        factor = tl.zeros([x.shape[0]], dtype=tl.float32) + scale
+    return x, factor
+
+
+@triton.jit
+def _dot_state(x, s_hi, s_lo, PREC: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """x [BT, BK] @ S^T-block [BV, BK]^T in fp32. With bf16 x, S is split as bf16 hi + lo: two exact-product
+    matmuls keep ~16 mantissa bits of S, more than one tf32 pass, at half the operand size."""
+    if BF16_DOTS:
+        acc = tl.dot(x, tl.trans(s_lo))
+        acc = tl.dot(x, tl.trans(s_hi), acc)
+    else:
+        acc = tl.dot(x, tl.trans(s_hi), input_precision=PREC)
+    return acc
 
 
 @triton.jit
@@ -96,8 +118,8 @@ def _tree_gdn_verify_kernel(
     q, k, v, g, beta, h0, o, k_out, u_out, g_cum, bits, cu_seqlens, scale,
     stride_q, stride_k, stride_v, stride_g, stride_beta,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, NVB: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr, W: tl.constexpr, L2NORM: tl.constexpr,
-    PREC: tl.constexpr,
+    BV: tl.constexpr, NVB: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr, W: tl.constexpr,
+    L2NORM: tl.constexpr, PREC: tl.constexpr, BF16_DOTS: tl.constexpr,
 ):
     b, hv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = hv // (HV // HK)
@@ -124,19 +146,19 @@ def _tree_gdn_verify_kernel(
     for r in range(n_tiles):
         rows = r * BT + o_t
         mr = rows < t
-        b_q = _load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM)
-        b_k = _load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM)
-        tl.store(k_out + ((bos + rows) * HK + hk)[:, None] * DK + o_k[None, :], b_k,
-                 mask=(mr & writes_k)[:, None] & mk[None, :])
+        q_r, fq_r = _load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM, BF16_DOTS)
+        k_r, fk_r = _load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
+        tl.store(k_out + ((bos + rows) * HK + hk)[:, None] * DK + o_k[None, :],
+                 k_r.to(tl.float32) * fk_r[:, None], mask=(mr & writes_k)[:, None] & mk[None, :])
         g_r = tl.load(g_cum + (bos + rows) * HV + hv, mask=mr, other=0.0)
         beta_r = tl.load(beta + (bos + rows) * stride_beta + hv, mask=mr, other=0.0).to(tl.float32)
         p_r = tl.exp(g_r)
 
         anc = _ancestor_mask(bits, bos, rows, rows, t, W)
         decay = tl.where(anc, tl.exp(tl.minimum(g_r[:, None] - g_r[None, :], 0.0)), 0.0)
-        kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+        kk = tl.dot(k_r, tl.trans(k_r), input_precision=PREC) * fk_r[:, None] * fk_r[None, :]
         G = tl.where(o_t[:, None] != o_t[None, :], beta_r[:, None] * decay * kk, 0.0)
-        C = decay * tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        C = decay * tl.dot(q_r, tl.trans(k_r), input_precision=PREC) * fq_r[:, None] * fk_r[None, :]
         M = _unit_lower_inverse(G, BT, LOG_BT, PREC)
 
         for vb in range(NVB):
@@ -145,18 +167,25 @@ def _tree_gdn_verify_kernel(
             # S^T block [BV, BK] of the committed state (vLLM's [dv, dk] layout).
             s_t = tl.load(h0 + ((b * HV + hv) * DV + o_v)[:, None] * DK + o_k[None, :],
                           mask=mv[:, None] & mk[None, :], other=0.0)
+            if BF16_DOTS:
+                s_hi = s_t.to(tl.bfloat16)
+                s_lo = (s_t - s_hi.to(tl.float32)).to(tl.bfloat16)
+            else:
+                s_hi = s_t
+                s_lo = s_t
             b_v = tl.load(v + (bos + rows)[:, None] * stride_v + hv * DV + o_v[None, :],
                           mask=mr[:, None] & mv[None, :], other=0.0).to(tl.float32)
-            R = beta_r[:, None] * (b_v - p_r[:, None] * tl.dot(b_k, tl.trans(s_t), input_precision=PREC))
-            O = p_r[:, None] * tl.dot(b_q, tl.trans(s_t), input_precision=PREC)
+            ks = _dot_state(k_r, s_hi, s_lo, PREC, BF16_DOTS) * fk_r[:, None]
+            R = beta_r[:, None] * (b_v - p_r[:, None] * ks)
+            O = (p_r * fq_r)[:, None] * _dot_state(q_r, s_hi, s_lo, PREC, BF16_DOTS)
             for c in range(r):
                 cols = c * BT + o_t
-                k_c = _load_qk(k, stride_k, bos, cols, hk, o_k, t, 1.0, HK, DK, L2NORM)
+                k_c, fk_c = _load_qk(k, stride_k, bos, cols, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
                 g_c = tl.load(g_cum + (bos + cols) * HV + hv, mask=cols < t, other=0.0)
                 anc_rc = _ancestor_mask(bits, bos, rows, cols, t, W)
-                dec = tl.where(anc_rc, tl.exp(tl.minimum(g_r[:, None] - g_c[None, :], 0.0)), 0.0)
-                G_rc = beta_r[:, None] * dec * tl.dot(b_k, tl.trans(k_c), input_precision=PREC)
-                C_rc = dec * tl.dot(b_q, tl.trans(k_c), input_precision=PREC)
+                dec = tl.where(anc_rc, tl.exp(tl.minimum(g_r[:, None] - g_c[None, :], 0.0)), 0.0) * fk_c[None, :]
+                G_rc = (beta_r * fk_r)[:, None] * dec * tl.dot(k_r, tl.trans(k_c), input_precision=PREC)
+                C_rc = fq_r[:, None] * dec * tl.dot(q_r, tl.trans(k_c), input_precision=PREC)
                 u_c = tl.load(u_out + ((bos + cols) * HV + hv)[:, None] * DV + o_v[None, :],
                               mask=(cols < t)[:, None] & mv[None, :], other=0.0)
                 R -= tl.dot(G_rc, u_c, input_precision=PREC)
@@ -169,6 +198,11 @@ def _tree_gdn_verify_kernel(
                      mask=m2)
         # Later tiles read this tile's u.
         tl.debug_barrier()
+
+
+def _interpreting() -> bool:
+    # Triton's interpreter multiplies bf16 tiles as raw integers, so there the dots run in fp32.
+    return triton.knobs.runtime.interpret
 
 
 def _num_sms(device: torch.device) -> int:
@@ -186,7 +220,8 @@ def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.d
     splits = 1
     while splits < n_vb and batch * hv * splits < 2 * _num_sms(device) and n_vb % (2 * splits) == 0:
         splits *= 2
-    return {"block_t": block_t, "block_v": block_v, "v_splits": splits, "num_warps": 4 if block_t <= 32 else 8}
+    return {"block_t": block_t, "block_v": block_v, "v_splits": splits, "num_warps": 4 if block_t <= 32 else 8,
+            "num_stages": 1}
 
 
 def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,
@@ -218,13 +253,15 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
     if n and batch:
         block_v, splits = cfg["block_v"], cfg["v_splits"]
         nvb = triton.cdiv(triton.cdiv(dv, block_v), splits)
-        # fp32 inputs keep fp32 accuracy (3 tf32 passes); bf16/fp16 inputs are exact in tf32.
+        # fp32 inputs keep fp32 accuracy (3 tf32 passes); with 16-bit inputs only the fp32 intermediates
+        # (inverse, C U) go through tf32, below the bf16 rounding of the output.
         prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
         _tree_gdn_verify_kernel[(batch, hv, splits)](
             q, k, v, g, beta, h0, o, k_out, u, g_cum, bits, cu_seqlens, scale,
             q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
             HK=hk, HV=hv, DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=block_v, NVB=nvb,
-            BT=cfg["block_t"], LOG_BT=cfg["block_t"].bit_length() - 1, W=bits.shape[1], L2NORM=use_qk_l2norm_in_kernel, PREC=prec,
-            num_warps=cfg["num_warps"],
+            BT=cfg["block_t"], LOG_BT=cfg["block_t"].bit_length() - 1, W=bits.shape[1],
+            L2NORM=use_qk_l2norm_in_kernel, PREC=prec, BF16_DOTS=q.dtype == torch.bfloat16 and not _interpreting(),
+            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
         )
     return o, TreeFactors(k=k_out, u=u, g_cum=g_cum)
