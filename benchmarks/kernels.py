@@ -162,6 +162,52 @@ def chain_call(fla, s, cache, slots, n_acc):
     return run
 
 
+SWEEP = ((32, 1, 4), (32, 4, 4), (64, 1, 4), (64, 1, 8), (64, 2, 8), (128, 1, 8))
+
+
+def verify_configs(batch, t, args, device):
+    """The default launch config and, with --sweep, variants of value block, split and warps (and 32-node
+    row tiles for trees over 32 nodes)."""
+    default = triton_verify.launch_config(batch, args.hv, args.dv, t, torch.device(device))
+    configs = {"default": default}
+    if args.sweep:
+        for bt in {default["block_t"], 32} if t > 32 else {default["block_t"]}:
+            for bv, splits, warps in SWEEP:
+                if bv <= args.dv and (bt == default["block_t"] or (bv, splits) == (64, 1)):
+                    configs[f"bt{bt}-bv{bv}-s{splits}-w{warps}"] = dict(
+                        default, block_t=bt, block_v=bv, v_splits=splits, num_warps=warps)
+    return configs
+
+
+def _compile_one(job):
+    """Run one verify launch config once on a small forest, filling Triton's on-disk kernel cache."""
+    t, cfg, hk, hv, dk, dv = job
+    s = make_set(1, t, "random", hk, hv, dk, dv, "cuda", seed=0)
+    try:
+        triton_verify.tree_gdn_verify(s["q"], s["k"], s["v"], s["g"], s["beta"], s["h0"], s["parent"], s["cu"],
+                                      use_qk_l2norm_in_kernel=True, max_seqlen=t, config=cfg)
+        torch.cuda.synchronize()
+    except triton.runtime.errors.OutOfResources:
+        pass
+
+
+def precompile(args):
+    """Compile every verify variant in parallel processes (compiling is most of a sweep's time)."""
+    import multiprocessing as mp
+    jobs, seen = [], set()
+    for t in args.tree:
+        for batch in args.batch:
+            for cfg in verify_configs(batch, t, args, "cuda").values():
+                key = (triton.cdiv(t, 32), tuple(sorted(cfg.items())))
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((t, cfg, args.hk, args.hv, args.dk, args.dv))
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(min(12, len(jobs))) as pool:
+        pool.map(_compile_one, jobs)
+    print(f"compiled {len(jobs)} verify variants in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def bench_point(batch, t, args, timer, fla, bw, device):
     hk, hv, dk, dv = args.hk, args.hv, args.dk, args.dv
     sets = [make_set(batch, t, args.shape, hk, hv, dk, dv, device, seed=1000 * batch + t + r)
@@ -170,13 +216,7 @@ def bench_point(batch, t, args, timer, fla, bw, device):
     row = {"B": batch, "T": t}
 
     # Bole: the ancestor bits are per forest (shared by all layers), timed with the verify all the same.
-    configs = {"default": triton_verify.launch_config(batch, hv, dv, t, torch.device(device))}
-    if args.sweep:
-        for bv, splits, warps in ((32, 1, 4), (32, 4, 4), (64, 1, 4), (64, 1, 8), (64, 2, 8), (128, 1, 8)):
-            if bv <= dv:
-                configs[f"bv{bv}-s{splits}-w{warps}"] = dict(configs["default"], block_v=bv, v_splits=splits,
-                                                             num_warps=warps)
-
+    configs = verify_configs(batch, t, args, device)
     for s in sets:
         s["bits"] = triton_verify.ancestor_bits(s["parent"], s["cu"], t)
 
@@ -185,10 +225,15 @@ def bench_point(batch, t, args, timer, fla, bw, device):
             s["q"], s["k"], s["v"], s["g"], s["beta"], s["h0"], s["parent"], s["cu"],
             use_qk_l2norm_in_kernel=True, max_seqlen=t, bits=s["bits"], config=cfg)
 
-    config_us = {name: timer([verify(s, cfg) for s in sets]) for name, cfg in configs.items()}
+    config_us = {}
+    for name, cfg in configs.items():
+        try:
+            config_us[name] = timer([verify(s, cfg) for s in sets])
+        except triton.runtime.errors.OutOfResources as e:
+            print(f"B={batch} T={t} {name}: {e}", flush=True)
     best = min(config_us, key=config_us.get)
     row["bole_us"] = config_us[best]
-    row["bole_config"] = best if best == "default" else configs[best]
+    row["bole_config"] = dict(configs[best], name=best)
     row["bole_default_us"] = config_us["default"]
     row["config_us"] = config_us
     row["ancestor_bits_us"] = timer([(lambda s=s: triton_verify.ancestor_bits(s["parent"], s["cu"], t))
@@ -284,8 +329,11 @@ def main():
           f"{'found' if fla else 'MISSING'}", flush=True)
     timer = Timer(device, args.reps)
     rows = []
-    for batch in args.batch:
-        for t in args.tree:
+    if not args.smoke:
+        precompile(args)
+    # Largest trees last: they alone take the multi-tile path.
+    for t in args.tree:
+        for batch in args.batch:
             row = bench_point(batch, t, args, timer, fla, bw, device)
             row["gpu"] = gpu
             rows.append(row)
