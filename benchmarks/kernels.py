@@ -162,20 +162,22 @@ def chain_call(fla, s, cache, slots, n_acc):
     return run
 
 
-SWEEP = ((32, 1, 4), (32, 4, 4), (64, 1, 4), (64, 1, 8), (64, 2, 8), (128, 1, 8))
+SWEEP = ((32, 1, 4), (32, 4, 4), (64, 1, 4), (64, 2, 4), (128, 1, 8))
 
 
 def verify_configs(batch, t, args, device):
-    """The default launch config and, with --sweep, variants of value block, split and warps (and 32-node
-    row tiles for trees over 32 nodes)."""
+    """The default launch config and, with --sweep, variants of row tile, value block, split, warps and
+    register cap."""
     default = triton_verify.launch_config(batch, args.hv, args.dv, t, torch.device(device))
     configs = {"default": default}
     if args.sweep:
-        for bt in {default["block_t"], 32} if t > 32 else {default["block_t"]}:
+        tiles = {default["block_t"]} | ({16} if t > 16 else set()) | ({64} if t > 32 else set())
+        for bt in sorted(tiles):
             for bv, splits, warps in SWEEP:
-                if bv <= args.dv and (bt == default["block_t"] or (bv, splits) == (64, 1)):
-                    configs[f"bt{bt}-bv{bv}-s{splits}-w{warps}"] = dict(
-                        default, block_t=bt, block_v=bv, v_splits=splits, num_warps=warps)
+                for maxnreg in (None, 128):
+                    if bv <= args.dv and (bt != 64 or (bv, maxnreg) == (64, None)):
+                        configs[f"bt{bt}-bv{bv}-s{splits}-w{warps}-r{maxnreg or 0}"] = dict(
+                            default, block_t=bt, block_v=bv, v_splits=splits, num_warps=warps, maxnreg=maxnreg)
     return configs
 
 
@@ -290,8 +292,14 @@ def bench_point(batch, t, args, timer, fla, bw, device):
     accepted = depth.view(batch, t).argmax(1).to(torch.int32).to(device)
     row["accepted_path_len"] = int(depth.view(batch, t).max(1).values.float().mean()) + 1
     state_indices = torch.arange(1, batch + 1, dtype=torch.int32, device=device)
-    row["commit_us_all_layers"] = timer([lambda: triton_commit.commit_accepted_inplace(
-        caches, state_indices, stacked, accepted, s["parent"], s["cu"])])
+    commit_us = {}
+    for block_v, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+        commit_us[f"bv{block_v}-w{warps}"] = timer([lambda: triton_commit.commit_accepted_inplace(
+            caches, state_indices, stacked, accepted, s["parent"], s["cu"], block_v=block_v, num_warps=warps)])
+    row["commit_us_all_layers"] = commit_us["bv32-w4"]
+    row["commit_variants_us"] = commit_us
+    state_bytes = 2 * layers * batch * hv * dv * dk * 4
+    row["commit_floor_us"] = state_bytes / bw * 1e6
     row["commit_layers"] = layers
     del caches, stacked, sets
     if device == "cuda":

@@ -212,16 +212,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.device) -> dict:
-    """Tile sizes: one row tile up to 64 nodes; split the value dim across programs when the batch alone
-    gives too few programs to fill the GPU (each split rebuilds G and C, which is cheap next to S)."""
-    block_t = min(64, max(16, triton.next_power_of_2(max_seqlen)))
+    """Row tiles of up to 32 nodes (a 64-node tile's inverse and register footprint cost more than the
+    off-diagonal block a second tile adds, measured on H200); value blocks of 64; the value dim is split
+    across programs only when the batch alone gives under half a program per SM (each split rebuilds G, C)."""
+    block_t = min(32, max(16, triton.next_power_of_2(max_seqlen)))
     block_v = min(64, max(16, triton.next_power_of_2(dv)))
-    n_vb = triton.cdiv(dv, block_v)
-    splits = 1
-    while splits < n_vb and batch * hv * splits < 2 * _num_sms(device) and n_vb % (2 * splits) == 0:
-        splits *= 2
-    return {"block_t": block_t, "block_v": block_v, "v_splits": splits, "num_warps": 4 if block_t <= 32 else 8,
-            "num_stages": 1}
+    splits = 2 if batch * hv < _num_sms(device) // 2 and triton.cdiv(dv, block_v) % 2 == 0 else 1
+    return {"block_t": block_t, "block_v": block_v, "v_splits": splits, "num_warps": 4, "num_stages": 1}
 
 
 def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,
@@ -263,5 +260,6 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
             BT=cfg["block_t"], LOG_BT=cfg["block_t"].bit_length() - 1, W=bits.shape[1],
             L2NORM=use_qk_l2norm_in_kernel, PREC=prec, BF16_DOTS=q.dtype == torch.bfloat16 and not _interpreting(),
             num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
     return o, TreeFactors(k=k_out, u=u, g_cum=g_cum)
