@@ -9,8 +9,7 @@ request's prefix plus the node's ancestors, read back from the paged cache. The 
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from ..kernels.tree_attention.reference import tree_attention
-from ..worker.forest_context import current_forest
+from .tree_rows import redo_tree_rows
 
 _PLAIN_LAYOUT_ISAS = ("vec", "vec16")
 
@@ -36,10 +35,6 @@ class CPUPagedKV:
         self.v[b, :, o] = v
 
 
-def request_slots(block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table_row[positions // block_size].long() * block_size + positions % block_size
-
-
 class BoleCPUAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -50,20 +45,7 @@ class BoleCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        forest = current_forest()
-        if attn_metadata is None or forest is None or not forest.attention_rows:
-            return out
-        paged = CPUPagedKV(kv_cache)
-        q = query.view(query.shape[0], self.num_heads, self.head_size)
-        o = output.view(output.shape[0], self.num_heads, self.head_size)
-        seq_lens = attn_metadata.seq_lens.tolist()
-        for rows in forest.attention_rows:
-            n_rows = rows.region_mask.shape[0]
-            positions = torch.arange(seq_lens[rows.req_index])
-            slots = request_slots(attn_metadata.block_table[rows.req_index], positions, paged.block_size)
-            k, v = paged.get(slots)
-            o[rows.row_start:rows.row_start + n_rows] = tree_attention(
-                q[rows.row_start:rows.row_start + n_rows], k, v, rows.region_mask, self.scale)
+        redo_tree_rows(CPUPagedKV(kv_cache), query, output, attn_metadata, self.num_heads, self.head_size, self.scale)
         return out
 
 

@@ -8,9 +8,7 @@ torch reference over the request's prefix plus the node's ancestors. Correct, no
 import torch
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
-from ..kernels.tree_attention.reference import tree_attention
-from ..worker.forest_context import current_forest
-from .tree_attn_cpu import request_slots
+from .tree_rows import redo_tree_rows
 
 
 class NHDPagedKV:
@@ -34,20 +32,8 @@ class NHDPagedKV:
 class BoleFlashAttentionImpl(FlashAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        forest = current_forest()
-        if attn_metadata is None or forest is None or not forest.attention_rows:
-            return out
-        paged = NHDPagedKV(kv_cache)
-        q = query.view(query.shape[0], self.num_heads, self.head_size)
-        o = output.view(output.shape[0], self.num_heads, self.head_size)
-        seq_lens = attn_metadata.seq_lens.tolist()
-        for rows in forest.attention_rows:
-            n_rows = rows.region_mask.shape[0]
-            positions = torch.arange(seq_lens[rows.req_index], device=q.device)
-            slots = request_slots(attn_metadata.block_table[rows.req_index], positions, paged.block_size)
-            k, v = paged.get(slots)
-            o[rows.row_start:rows.row_start + n_rows] = tree_attention(
-                q[rows.row_start:rows.row_start + n_rows], k, v, rows.region_mask.to(q.device), self.scale)
+        redo_tree_rows(NHDPagedKV(kv_cache), query, output, attn_metadata, self.num_heads, self.head_size,
+                       self.scale)
         return out
 
 

@@ -1,6 +1,8 @@
 """A drafter that plants the true greedy continuation in random trees (tests of exact verification).
 
-``drafter_args``: ``{"oracle": path of a JSON list of {"prompt": [ids], "output": [ids]}, "seed": int}``. For a
+``drafter_args``: ``{"oracle": path of a JSON list of {"prompt": [ids], "output": [ids]}, "seed": int,
+"stats": optional path}``; with "stats", every proposal appends a JSON line ``{"depth": d, "siblings": [i...]}``
+(planted depth and the sibling index of the true token at each level). For a
 request whose tokens so far are a prefix of an oracle entry's prompt + output, each proposed tree hides the
 next true tokens along one root path to a random depth (0 = nowhere), at a random sibling position, among
 distractor nodes whose tokens differ from the truth at their position. Every acceptance depth and many
@@ -22,7 +24,7 @@ class PlantedDrafter(TreeDrafter):
             self.truths = [e["prompt"] + e["output"] for e in json.load(f)]
         self.rng = random.Random(args.get("seed", 0))
         self.vocab = runner.model_config.get_vocab_size()
-        self.proposed_depths: list[int] = []
+        self.stats_path = args.get("stats")
 
     def _truth_after(self, context: list[int]) -> list[int]:
         for t in self.truths:
@@ -45,13 +47,15 @@ class PlantedDrafter(TreeDrafter):
                 continue
             truth = self._truth_after(ctx)
             depth = self.rng.randint(0, min(cfg.max_depth, len(truth)))
-            self.proposed_depths.append(depth)
-            tree = DraftTree()
-            self._grow(tree, -1, 1, truth, depth, 1.0)
+            tree, siblings = DraftTree(), []
+            self._grow(tree, -1, 1, truth, depth, 1.0, siblings)
             trees.append(tree)
+            if self.stats_path:
+                with open(self.stats_path, "a") as f:
+                    f.write(json.dumps({"depth": depth, "siblings": siblings}) + "\n")
         return trees
 
-    def _grow(self, tree, parent, level, truth, plant_depth, score):
+    def _grow(self, tree, parent, level, truth, plant_depth, score, siblings):
         """Add one sibling group under ``parent`` (breadth of 1..topk), recursing under some of them."""
         cfg = self.bole_config
         if level > cfg.max_depth or len(tree) >= cfg.max_nodes_per_request:
@@ -65,6 +69,8 @@ class PlantedDrafter(TreeDrafter):
             if len(tree) >= cfg.max_nodes_per_request:
                 break
             tok = true_tok if s == planted else self._other_token(used)
+            if s == planted:
+                siblings.append(s)
             used.add(tok)
             score_s = score * self.rng.uniform(0.5, 1.0)
             tree.tokens.append(tok)
@@ -73,6 +79,6 @@ class PlantedDrafter(TreeDrafter):
             group.append((len(tree) - 1, s == planted, score_s))
         for node, is_planted, score_s in group:
             if is_planted:
-                self._grow(tree, node, level + 1, truth, plant_depth, score_s)
+                self._grow(tree, node, level + 1, truth, plant_depth, score_s, siblings)
             elif self.rng.random() < 0.3:
-                self._grow(tree, node, level + 1, [], 0, score_s)
+                self._grow(tree, node, level + 1, [], 0, score_s, [])

@@ -21,6 +21,13 @@ class TreeRows:
     row_start: int
     region_mask: torch.Tensor  # [n_rows, T] bool
 
+    def differs_from_causal(self) -> torch.Tensor:
+        """``[n_rows]`` bool: rows whose visible set is not what a causal kernel already computed for them
+        (the query rows are the last ``n_rows`` key positions)."""
+        n, t = self.region_mask.shape
+        causal = torch.ones(n, t, dtype=torch.bool).tril(diagonal=t - n)
+        return (self.region_mask.bool() != causal).any(dim=1)
+
 
 @dataclass
 class StepForest:

@@ -39,7 +39,9 @@ def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activati
             y = (win * weight.float()).sum(-1)
             if bias is not None:
                 y = y + bias.float()
-            out[i] = (F.silu(y) if activation else y).to(x.dtype)
+            # Round the pre-activation to x's dtype first, as vLLM's CPU conv (bf16 F.conv1d, then SiLU) does.
+            y = y.to(x.dtype)
+            out[i] = F.silu(y) if activation else y
     return out
 
 

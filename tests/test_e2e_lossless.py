@@ -1,0 +1,107 @@
+"""Greedy generation with Bole through vLLM equals vLLM without speculation (CPU, tiny Qwen3.5).
+
+Each engine runs in its own process. The planted drafter hides the reference continuation in random trees
+(random depth, random sibling position, sometimes nowhere), so every acceptance depth and many commit paths
+occur; the MTP drafter runs the real product path.
+"""
+
+import json
+import random
+
+import pytest
+
+from e2e_support import assert_lossless, run_engine
+
+pytestmark = pytest.mark.vllm
+
+PROMPT_LENS = [3, 5, 8, 13, 21, 34, 55, 89, 7, 4, 150, 200]
+MAX_TOKENS = 40
+LONG = len(PROMPT_LENS) - 1  # its max_tokens runs into max_model_len (256)
+
+
+def _requests(vocab: int):
+    rng = random.Random(1234)
+    reqs = [{"prompt": [rng.randrange(10, vocab) for _ in range(n)], "max_tokens": MAX_TOKENS}
+            for n in PROMPT_LENS]
+    reqs[LONG]["max_tokens"] = 100
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def requests_(model):
+    vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
+    return _requests(vocab)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp, model, requests_):
+    ref = run_engine(tmp, "ref", {"model": model, "engine": {"max_num_seqs": 16}, "requests": requests_,
+                                  "logprobs": 2})
+    oracle = [{"prompt": r["prompt"], "output": o["tokens"]} for r, o in zip(requests_, ref["outputs"])]
+    (tmp / "oracle.json").write_text(json.dumps(oracle))
+    assert ref["outputs"][LONG]["finish_reason"] == "length"
+    assert len(ref["outputs"][LONG]["tokens"]) == 256 - PROMPT_LENS[LONG]
+    return ref
+
+
+def _bole(tmp, name, depth, topk, budget, drafter="planted", **engine):
+    spec = {"method": "bole", "num_speculative_tokens": depth, "topk": topk, "budget": budget}
+    if drafter == "planted":
+        spec["drafter"] = "vllm_bole.testing.planted_drafter:PlantedDrafter"
+        spec["drafter_args"] = {"oracle": str(tmp / "oracle.json"), "seed": depth * 10 + topk,
+                                "stats": str(tmp / f"{name}.stats.jsonl")}
+    return {"speculative_config": spec, **engine}
+
+
+PLANTED = {
+    "chain_d3": dict(depth=3, topk=1, budget=512, max_num_seqs=16),
+    "k2_d8": dict(depth=8, topk=2, budget=512, max_num_seqs=16),
+    "k4_d3_budget24_seqs3": dict(depth=3, topk=4, budget=24, max_num_seqs=3),
+    "k2_d3_batch1": dict(depth=3, topk=2, budget=64, max_num_seqs=1),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
+    cfg = dict(PLANTED[name])
+    depth, topk, budget = cfg.pop("depth"), cfg.pop("topk"), cfg.pop("budget")
+    out = run_engine(tmp, name, {"model": model, "requests": requests_, "logprobs": 2,
+                                 "engine": _bole(tmp, name, depth, topk, budget, **cfg)})
+    divs = assert_lossless(reference, out, max_near_ties=2)
+    print(f"{name}: near-tie divergences {len(divs)}; counters {out['counters']}")
+    assert out["outputs"][LONG]["finish_reason"] == "length"
+    # One GDN state slot per request, conv window of width-1: no per-draft snapshots.
+    assert out["mamba_state"] and all(g["num_speculative_blocks"] == 0 for g in out["mamba_state"])
+    assert all(g["runner"].startswith("Bole") for g in out["mamba_state"])
+    per_pos = out["counters"]["accepted_per_pos"]
+    assert per_pos[depth - 1] > 0, f"no request accepted a full depth-{depth} path: {per_pos}"
+    stats = [json.loads(line) for line in (tmp / f"{name}.stats.jsonl").read_text().splitlines()]
+    assert any(d["depth"] == 0 for d in stats), "no tree without the truth"
+    if topk > 1:
+        assert any(any(s > 0 for s in d["siblings"]) for d in stats), "truth never under a non-first sibling"
+
+
+def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, reference):
+    reqs = [dict(r) for r in requests_]
+    reqs.append({"prompt": requests_[3]["prompt"], "max_tokens": 20, "temperature": 0.8, "seed": 7})
+    out = run_engine(tmp, "mtp", {"model": model, "requests": reqs, "logprobs": 2,
+                                  "engine": _bole(tmp, "mtp", depth=3, topk=4, budget="auto", drafter="mtp",
+                                                  max_num_seqs=16)})
+    sampled = out["outputs"].pop()
+    assert len(sampled["tokens"]) == 20
+    divs = assert_lossless(reference, out, max_near_ties=2)
+    counters = out["counters"]
+    print(f"mtp: near-tie divergences {len(divs)}; counters {counters}")
+    assert counters["mean_acceptance_length"] > 1.5, counters

@@ -1,0 +1,67 @@
+"""Run one vLLM engine configuration on token-id prompts and write outputs, logprobs and counters as JSON.
+
+    python -m vllm_bole.testing.engine_run --spec SPEC.json --out OUT.json
+
+SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "requests": [{"prompt": [ids],
+"max_tokens": n, "ignore_eos": bool, "temperature": t, "seed": s}], "logprobs": 2}. Each configuration runs
+in its own process (tests start one per engine), so registries and caches never leak between engines.
+"""
+
+import argparse
+import json
+import os
+
+
+def _mamba_state_summary(llm) -> list[dict]:
+    """Per Mamba KV-cache group: state shapes and how many slots a request holds (in-process engines only)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    try:
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return []
+    return [{"shapes": [list(s) for s in g.kv_cache_spec.shapes],
+             "num_speculative_blocks": g.kv_cache_spec.num_speculative_blocks,
+             "runner": type(runner).__name__}
+            for g in runner.kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from vllm_bole.testing.greedy_check import spec_decode_counters
+    from vllm_bole.testing.tiny_models import engine_kwargs
+
+    llm = LLM(model=spec["model"], disable_log_stats=False,
+              **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
+    params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=r.get("ignore_eos", True),
+                             temperature=r.get("temperature", 0.0), seed=r.get("seed"),
+                             logprobs=spec.get("logprobs"))
+              for r in spec["requests"]]
+    outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in spec["requests"]], params, use_tqdm=False)
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        top = [{int(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
+        results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top})
+    return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
+            "mamba_state": _mamba_state_summary(llm)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with open(args.spec) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
