@@ -45,7 +45,8 @@ class BoleCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        redo_tree_rows(CPUPagedKV(kv_cache), query, output, attn_metadata, self.num_heads, self.head_size, self.scale)
+        redo_tree_rows(CPUPagedKV, kv_cache, query, output, attn_metadata, self.num_heads, self.head_size,
+                       self.scale)
         return out
 
 

@@ -32,7 +32,7 @@ class NHDPagedKV:
 class BoleFlashAttentionImpl(FlashAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        redo_tree_rows(NHDPagedKV(kv_cache), query, output, attn_metadata, self.num_heads, self.head_size,
+        redo_tree_rows(NHDPagedKV, kv_cache, query, output, attn_metadata, self.num_heads, self.head_size,
                        self.scale)
         return out
 

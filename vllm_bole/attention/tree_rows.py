@@ -10,12 +10,13 @@ def request_slots(block_table_row: torch.Tensor, positions: torch.Tensor, block_
     return block_table_row[positions // block_size].long() * block_size + positions % block_size
 
 
-def redo_tree_rows(paged, query, output, attn_metadata, num_heads, head_size, scale) -> None:
+def redo_tree_rows(paged_view, kv_cache, query, output, attn_metadata, num_heads, head_size, scale) -> None:
     """After a causal kernel ran (and wrote this step's K/V), overwrite the rows of the current forest whose
-    ancestor set differs from the causal one. ``paged.get(slots) -> (k, v)`` reads the backend's cache."""
+    ancestor set differs from the causal one. ``paged_view(kv_cache).get(slots) -> (k, v)`` reads the cache."""
     forest = current_forest()
     if attn_metadata is None or forest is None or not forest.attention_rows:
         return
+    paged = paged_view(kv_cache)
     q = query.view(query.shape[0], num_heads, head_size)
     o = output.view(output.shape[0], num_heads, head_size)
     seq_lens = attn_metadata.seq_lens.tolist()

@@ -9,53 +9,65 @@ the most recent committed input.
 import torch
 import torch.nn.functional as F
 
-from ..forest import path_to_root
+
+def _global_parents(parent: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global parent index or -1, request index) of every node."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    req = torch.repeat_interleave(torch.arange(len(lens), device=parent.device), lens)
+    start = cu_seqlens[:-1].long()[req]
+    gparent = torch.where(parent >= 0, parent.long() + start, torch.full_like(start, -1))
+    return gparent, req
 
 
-def _window(x, conv_state_b, parent_seg, start, node, width):
-    """``[dim, W]`` float32 inputs seen by ``node`` (local index), oldest first.
+def tree_windows(x, conv_state, parent, cu_seqlens, width, nodes=None) -> torch.Tensor:
+    """``[n, dim, W]`` inputs each node convolves over, oldest first (``nodes``: global indices, default all).
 
-    Float32, not x's dtype: a conv state kept wider than x (e.g. float32 state, bf16 inputs) must be
-    neither rounded in the conv nor in the committed window."""
-    path = [start + j for j in path_to_root(parent_seg, node)]
-    hist = torch.cat([conv_state_b.float(), x[path].float().transpose(0, 1)], dim=1)
-    return hist[:, -width:]
+    Tap ``W-1`` is the node itself, tap ``W-1-d`` its ancestor at distance d; past the root the taps come from
+    the committed conv state. Values keep the conv state's dtype where they come from it (no rounding)."""
+    gparent, req = _global_parents(parent, cu_seqlens)
+    nodes = torch.arange(x.shape[0], device=x.device) if nodes is None else nodes.long()
+    dtype = torch.promote_types(x.dtype, conv_state.dtype)
+    win = torch.empty(len(nodes), x.shape[1], width, dtype=dtype, device=x.device)
+    cur = nodes.clone()                    # ancestor at distance d (-1 once past the root)
+    past_root = torch.zeros_like(nodes)    # how many taps ago the walk left the tree
+    for d in range(width):
+        inside = cur >= 0
+        past_root = past_root + (~inside).long()
+        tap = width - 1 - d
+        win[inside, :, tap] = x[cur[inside]].to(dtype)
+        outside = (~inside).nonzero().flatten()
+        if len(outside):
+            state_idx = (width - 1) - past_root[outside]
+            win[outside, :, tap] = conv_state[req[nodes[outside]]].to(dtype).gather(
+                -1, state_idx.view(-1, 1, 1).expand(-1, x.shape[1], 1)).squeeze(-1)
+        cur = torch.where(inside, gparent[cur.clamp(min=0)], cur)
+    return win
 
 
 def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activation="silu"):
     """x: ``[N, dim]``; weight: ``[dim, W]``; bias: ``[dim]`` or None; conv_state: ``[B, dim, W-1]``.
 
     Returns ``[N, dim]`` in the dtype of x; conv_state is not modified (see :func:`commit_conv_state`).
+    Each node's output is one depthwise ``F.conv1d`` over its window, the computation vLLM's CPU conv does per
+    token, so a chain gives bit-identical results.
     """
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
-    width = weight.shape[1]
-    out = torch.empty_like(x)
-    cu = cu_seqlens.tolist()
-    for b in range(len(cu) - 1):
-        s, e = cu[b], cu[b + 1]
-        for i in range(s, e):
-            win = _window(x, conv_state[b], parent[s:e], s, i - s, width).float()
-            y = (win * weight.float()).sum(-1)
-            if bias is not None:
-                y = y + bias.float()
-            # Round the pre-activation to x's dtype first, as vLLM's CPU conv (bf16 F.conv1d, then SiLU) does.
-            y = y.to(x.dtype)
-            out[i] = F.silu(y) if activation else y
-    return out
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    win = tree_windows(x, conv_state, parent, cu_seqlens, weight.shape[1]).to(weight.dtype)
+    y = F.conv1d(win, weight.unsqueeze(1), bias, groups=x.shape[1])[..., 0]
+    return (F.silu(y) if activation else y).to(x.dtype)
 
 
 def commit_conv_state(conv_state, x, parent, cu_seqlens, accepted):
     """New ``[B, dim, W-1]`` conv state: the last W-1 inputs along root..accepted[b] (-1 keeps it unchanged)."""
     new_state = conv_state.clone()
-    width = conv_state.shape[-1] + 1
-    cu = cu_seqlens.tolist()
-    for b, a in enumerate(accepted.tolist()):
-        if a < 0:
-            continue
-        s, e = cu[b], cu[b + 1]
-        win = _window(x, conv_state[b], parent[s:e], s, a, width)
-        new_state[b] = win[:, 1:].to(conv_state.dtype)
+    rows = (accepted >= 0).nonzero().flatten()
+    if len(rows):
+        nodes = cu_seqlens[:-1].long()[rows] + accepted.long()[rows]
+        win = tree_windows(x, conv_state, parent, cu_seqlens, conv_state.shape[-1] + 1, nodes)
+        new_state[rows] = win[..., 1:].to(conv_state.dtype)
     return new_state
 
 
