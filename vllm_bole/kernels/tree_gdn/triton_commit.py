@@ -76,7 +76,7 @@ def _commit_kernel(
 
 
 def _launch(srcs, dsts, state_indices, factors: TreeFactors, accepted, parent, cu_seqlens, copy_unchanged,
-            block_v=32, num_warps=4):
+            block_v=64, num_warps=4):
     n_layers, n = factors.u.shape[0], factors.u.shape[1]
     hk, dk = factors.k.shape[-2:]
     hv, dv = factors.u.shape[-2:]
@@ -111,7 +111,7 @@ def commit_accepted(initial_state, factors: TreeFactors, accepted, parent, cu_se
 
 
 def commit_accepted_inplace(states, state_indices, factors: TreeFactors, accepted, parent, cu_seqlens, *,
-                            block_v=32, num_warps=4):
+                            block_v=64, num_warps=4):
     """Same contract as :func:`reference.commit_accepted_inplace`: all L layers in one launch."""
     states = list(states)
     _launch(states, states, state_indices, factors, accepted, parent, cu_seqlens, copy_unchanged=False,

@@ -72,8 +72,10 @@ def _ancestor_mask(bits, bos, rows, cols, t, W: tl.constexpr):
 def _unit_lower_inverse(G, BT: tl.constexpr, LOG_BT: tl.constexpr, PREC: tl.constexpr):
     """(I + G)^{-1} of a strictly lower-triangular [BT, BT] G, exact up to rounding."""
     o = tl.arange(0, BT)
-    M = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-    for s in tl.static_range(LOG_BT):
+    # First step in closed form: for 2x2 blocks, [[1, 0], [x, 1]]^{-1} = [[1, 0], [-x, 1]].
+    pairs = ((o[:, None] >> 1) == (o[None, :] >> 1)) & (o[:, None] != o[None, :])
+    M = tl.where(o[:, None] == o[None, :], 1.0, 0.0) - tl.where(pairs, G, 0.0)
+    for s in tl.static_range(1, LOG_BT):
         # M is the inverse of I + (G restricted to 2^s-blocks); add the coupling between block pairs.
         off = ((o[:, None] >> (s + 1)) == (o[None, :] >> (s + 1))) & ((o[:, None] >> s) != (o[None, :] >> s))
         Gb = tl.where(off, G, 0.0)
@@ -102,15 +104,18 @@ def _load_qk(ptr, stride, bos, rows, hk, o_k, t, scale, HK: tl.constexpr, DK: tl
 
 
 @triton.jit
-def _dot_state(x, s_hi, s_lo, PREC: tl.constexpr, BF16_DOTS: tl.constexpr):
-    """x [BT, BK] @ S^T-block [BV, BK]^T in fp32. With bf16 x, S is split as bf16 hi + lo: two exact-product
-    matmuls keep ~16 mantissa bits of S, more than one tf32 pass, at half the operand size."""
-    if BF16_DOTS:
-        acc = tl.dot(x, tl.trans(s_lo))
-        acc = tl.dot(x, tl.trans(s_hi), acc)
-    else:
-        acc = tl.dot(x, tl.trans(s_hi), input_precision=PREC)
-    return acc
+def _coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos, rows, c, hv, hk, o_t, o_k, t,
+              HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
+              L2NORM: tl.constexpr, PREC: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """G and C between row tile ``rows`` and an earlier column tile ``c``, and that tile's columns."""
+    cols = c * BT + o_t
+    k_c, fk_c = _load_qk(k, stride_k, bos, cols, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
+    g_c = tl.load(g_cum + (bos + cols) * HV + hv, mask=cols < t, other=0.0)
+    anc = _ancestor_mask(bits, bos, rows, cols, t, W)
+    dec = tl.where(anc, tl.exp(tl.minimum(g_r[:, None] - g_c[None, :], 0.0)), 0.0) * fk_c[None, :]
+    G = (beta_r * fk_r)[:, None] * dec * tl.dot(k_r, tl.trans(k_c), input_precision=PREC)
+    C = fq_r[:, None] * dec * tl.dot(q_r, tl.trans(k_c), input_precision=PREC)
+    return G, C, cols
 
 
 @triton.jit
@@ -161,33 +166,46 @@ def _tree_gdn_verify_kernel(
         C = decay * tl.dot(q_r, tl.trans(k_r), input_precision=PREC) * fq_r[:, None] * fk_r[None, :]
         M = _unit_lower_inverse(G, BT, LOG_BT, PREC)
 
+        # The previous tile's coupling is shared by all value blocks (trees up to 2 tiles need no other);
+        # older tiles are rebuilt per value block, keeping the register footprint flat.
+        G_p = tl.zeros([BT, BT], dtype=tl.float32)
+        C_p = tl.zeros([BT, BT], dtype=tl.float32)
+        cols_p = rows - BT
+        if r > 0:
+            G_p, C_p, cols_p = _coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos, rows,
+                                         r - 1, hv, hk, o_t, o_k, t, HK, HV, DK, BT, W, L2NORM, PREC, BF16_DOTS)
+
         for vb in range(NVB):
             o_v = (split * NVB + vb) * BV + tl.arange(0, BV)
             mv = o_v < DV
             # S^T block [BV, BK] of the committed state (vLLM's [dv, dk] layout).
             s_t = tl.load(h0 + ((b * HV + hv) * DV + o_v)[:, None] * DK + o_k[None, :],
                           mask=mv[:, None] & mk[None, :], other=0.0)
-            if BF16_DOTS:
-                s_hi = s_t.to(tl.bfloat16)
-                s_lo = (s_t - s_hi.to(tl.float32)).to(tl.bfloat16)
-            else:
-                s_hi = s_t
-                s_lo = s_t
             b_v = tl.load(v + (bos + rows)[:, None] * stride_v + hv * DV + o_v[None, :],
                           mask=mr[:, None] & mv[None, :], other=0.0).to(tl.float32)
-            ks = _dot_state(k_r, s_hi, s_lo, PREC, BF16_DOTS) * fk_r[:, None]
-            R = beta_r[:, None] * (b_v - p_r[:, None] * ks)
-            O = (p_r * fq_r)[:, None] * _dot_state(q_r, s_hi, s_lo, PREC, BF16_DOTS)
-            for c in range(r):
-                cols = c * BT + o_t
-                k_c, fk_c = _load_qk(k, stride_k, bos, cols, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
-                g_c = tl.load(g_cum + (bos + cols) * HV + hv, mask=cols < t, other=0.0)
-                anc_rc = _ancestor_mask(bits, bos, rows, cols, t, W)
-                dec = tl.where(anc_rc, tl.exp(tl.minimum(g_r[:, None] - g_c[None, :], 0.0)), 0.0) * fk_c[None, :]
-                G_rc = (beta_r * fk_r)[:, None] * dec * tl.dot(k_r, tl.trans(k_c), input_precision=PREC)
-                C_rc = fq_r[:, None] * dec * tl.dot(q_r, tl.trans(k_c), input_precision=PREC)
+            if BF16_DOTS:
+                # K S feeds u, which the commit folds into the state: S as bf16 hi + lo, two exact-product
+                # matmuls (~16 mantissa bits). Q S only feeds this step's bf16 output: S in bf16 suffices.
+                s_hi = s_t.to(tl.bfloat16)
+                s_lo = (s_t - s_hi.to(tl.float32)).to(tl.bfloat16)
+                ks = tl.dot(k_r, tl.trans(s_hi), tl.dot(k_r, tl.trans(s_lo)))
+                qs = tl.dot(q_r, tl.trans(s_hi))
+            else:
+                ks = tl.dot(k_r, tl.trans(s_t), input_precision=PREC)
+                qs = tl.dot(q_r, tl.trans(s_t), input_precision=PREC)
+            R = beta_r[:, None] * (b_v - (p_r * fk_r)[:, None] * ks)
+            O = (p_r * fq_r)[:, None] * qs
+            if r > 0:
+                u_p = tl.load(u_out + ((bos + cols_p) * HV + hv)[:, None] * DV + o_v[None, :],
+                              mask=mv[None, :], other=0.0)
+                R -= tl.dot(G_p, u_p, input_precision=PREC)
+                O += tl.dot(C_p, u_p, input_precision=PREC)
+            for c in range(r - 1):
+                G_rc, C_rc, cols = _coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos,
+                                             rows, c, hv, hk, o_t, o_k, t, HK, HV, DK, BT, W, L2NORM, PREC,
+                                             BF16_DOTS)
                 u_c = tl.load(u_out + ((bos + cols) * HV + hv)[:, None] * DV + o_v[None, :],
-                              mask=(cols < t)[:, None] & mv[None, :], other=0.0)
+                              mask=mv[None, :], other=0.0)
                 R -= tl.dot(G_rc, u_c, input_precision=PREC)
                 O += tl.dot(C_rc, u_c, input_precision=PREC)
             U = tl.dot(M, R, input_precision=PREC)
