@@ -1,0 +1,120 @@
+"""Bole's speculative-config translation and validation (no engine start needed)."""
+
+import json
+
+import pytest
+
+from vllm_bole.config import BoleConfig, BoleConfigError, parse_bole_config
+
+
+def test_defaults():
+    cfg, rest = parse_bole_config({"method": "bole"})
+    assert cfg == BoleConfig(max_depth=8, topk=4, budget="auto", drafter="mtp")
+    assert cfg.max_nodes_per_request == 32 and rest == {}
+
+
+def test_values_and_dashes():
+    cfg, _ = parse_bole_config({"method": "bole", "num-speculative-tokens": 3, "topk": 2, "budget": 64})
+    assert (cfg.max_depth, cfg.topk, cfg.budget) == (3, 2, 64)
+
+
+@pytest.mark.parametrize("key,value,field", [
+    ("num_speculative_tokens", 0, "num_speculative_tokens"),
+    ("num_speculative_tokens", 33, "num_speculative_tokens"),
+    ("num_speculative_tokens", "8", "num_speculative_tokens"),
+    ("topk", 0, "topk"),
+    ("topk", True, "topk"),
+    ("budget", "big", "budget"),
+    ("budget", -1, "budget"),
+    ("drafter", "eagle", "drafter"),
+    ("drafter_args", [1], "drafter_args"),
+    ("tree", [[0]], "unknown key"),
+])
+def test_bad_values_name_the_field(key, value, field):
+    with pytest.raises(BoleConfigError, match=field) as e:
+        parse_bole_config({"method": "bole", key: value})
+    assert "\n" not in str(e.value)
+
+
+def test_round_trip_through_additional_config():
+    cfg, _ = parse_bole_config({"method": "bole", "topk": 3, "drafter": "a.b:C", "drafter_args": {"x": 1}})
+    assert BoleConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+class _Args:
+    def __init__(self, spec, **kw):
+        self.speculative_config = spec
+        self.enable_prefix_caching = kw.get("prefix", False)
+        self.async_scheduling = None
+        self.additional_config = {}
+        self.scheduler_cls = None
+
+
+class _Parallel:
+    pipeline_parallel_size = 1
+    worker_cls = "auto"
+
+
+class _Model:
+    def __init__(self, archs, mtp=1):
+        from types import SimpleNamespace
+
+        self.hf_config = SimpleNamespace(architectures=archs, text_config=SimpleNamespace(mtp_num_hidden_layers=mtp))
+
+
+def test_translation_sets_engine_fields():
+    from vllm_bole.plugin import apply_bole_engine_args
+
+    args, par = _Args({"method": "bole", "num_speculative_tokens": 3, "topk": 2}), _Parallel()
+    apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), par)
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 6}
+    assert args.additional_config["bole"]["topk"] == 2
+    assert args.async_scheduling is False
+    assert args.scheduler_cls.endswith("BoleScheduler") and par.worker_cls.endswith("BoleWorker")
+
+
+def test_other_methods_untouched():
+    from vllm_bole.plugin import apply_bole_engine_args
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    args = _Args(dict(spec))
+    apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), _Parallel())
+    assert args.speculative_config == spec and args.scheduler_cls is None
+
+
+@pytest.mark.parametrize("model,kw,field", [
+    (_Model(["LlamaForCausalLM"]), {}, "model"),
+    (_Model(["Qwen3_5ForConditionalGeneration"], mtp=0), {}, "MTP head"),
+    (_Model(["Qwen3NextForCausalLM"]), {"prefix": True}, "enable_prefix_caching"),
+])
+def test_unsupported_setups(model, kw, field):
+    from vllm_bole.plugin import apply_bole_engine_args
+
+    with pytest.raises(BoleConfigError, match=field):
+        apply_bole_engine_args(_Args({"method": "bole"}, **kw), model, _Parallel())
+
+
+def test_register_is_idempotent():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_bole import plugin
+
+    plugin.register()
+    wrapped = EngineArgs.create_speculative_config
+    plugin.register()
+    assert EngineArgs.create_speculative_config is wrapped
+
+
+def test_llm_rejects_bad_value_with_one_line(tiny_model_path):
+    from vllm import LLM
+
+    with pytest.raises(Exception, match="speculative_config.topk must be an integer"):
+        LLM(model=tiny_model_path, speculative_config={"method": "bole", "topk": 99}, language_model_only=True,
+            dtype="bfloat16", enforce_eager=True, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path():
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("qwen3_5")
