@@ -162,19 +162,23 @@ def chain_call(fla, s, cache, slots, n_acc):
     return run
 
 
-# (row tile, value block, value splits, warps): the variants that came closest to the default on H200.
-SWEEP = ((16, 32, 4, 4), (16, 64, 1, 4), (32, 64, 1, 4), (32, 64, 2, 4), (32, 128, 1, 8))
+# (row tile, value block, value splits, warps, register cap): the variants that came closest to the
+# default on H200, and register caps that allow 3 programs per SM.
+SWEEP = ((16, 32, 4, 4, None), (16, 64, 1, 4, None), (32, 64, 2, 4, None), (32, 128, 1, 8, None),
+         (None, None, None, None, 168), (None, None, None, None, 192))
 
 
 def verify_configs(batch, t, args, device):
-    """The default launch config and, with --sweep, the SWEEP variants that fit the tree."""
+    """The default launch config and, with --sweep, the SWEEP variants that fit the tree (None: default)."""
     default = triton_verify.launch_config(batch, args.hv, args.dv, t, torch.device(device))
     configs = {"default": default}
     if args.sweep:
-        for bt, bv, splits, warps in SWEEP:
-            if bv <= args.dv and bt <= max(16, triton.next_power_of_2(t)):
-                configs[f"bt{bt}-bv{bv}-s{splits}-w{warps}"] = dict(
-                    default, block_t=bt, block_v=bv, v_splits=splits, num_warps=warps)
+        for variant in SWEEP:
+            cfg = dict(default, **{key: value for key, value in zip(
+                ("block_t", "block_v", "v_splits", "num_warps", "maxnreg"), variant) if value is not None})
+            if cfg["block_v"] <= args.dv and cfg["block_t"] <= max(16, triton.next_power_of_2(t)):
+                name = "bt{block_t}-bv{block_v}-s{v_splits}-w{num_warps}".format(**cfg)
+                configs[name + (f"-r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")] = cfg
     return configs
 
 

@@ -260,6 +260,9 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
         bits = ancestor_bits(parent, cu_seqlens, max(max_seqlen, 1))
     h0 = initial_state.float().contiguous()
     cfg = config or launch_config(batch, hv, dv, max_seqlen, q.device)
+    # 64-row tiles would run on Hopper's asynchronous matmul path, which Triton 3.6 miscompiled under this
+    # kernel's control flow (illegal addresses on H200); they also measured slower than two 32-row tiles.
+    assert cfg["block_t"] in (16, 32), f"block_t must be 16 or 32, got {cfg['block_t']}"
 
     o = torch.empty(n, hv, dv, dtype=v.dtype, device=q.device)
     k_out = torch.empty(n, hk, dk, dtype=torch.float32, device=q.device)
