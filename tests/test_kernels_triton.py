@@ -159,6 +159,7 @@ def test_verify_requests_of_1_to_256_nodes_and_an_empty_one():
 @pytest.mark.parametrize("config", [
     dict(block_t=16, block_v=16, v_splits=1, num_warps=4),    # many row tiles: off-diagonal G_rc, C_rc
     dict(block_t=32, block_v=16, v_splits=2, num_warps=4),    # value blocks split across programs
+    dict(block_t=16, block_v=16, v_splits=2, num_warps=4),    # one value block per program, 16-node tiles
     dict(block_t=32, block_v=32, v_splits=1, num_warps=8, maxnreg=168),   # register cap
 ])
 def test_verify_launch_configs(config):

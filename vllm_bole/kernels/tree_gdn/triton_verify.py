@@ -230,12 +230,19 @@ def _num_sms(device: torch.device) -> int:
 
 
 def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.device) -> dict:
-    """Row tiles of up to 32 nodes (a 64-node tile's inverse and register footprint cost more than the
-    off-diagonal block a second tile adds, measured on H200); value blocks of 64; the value dim is split
-    across programs only when the batch alone gives under half a program per SM (each split rebuilds G, C)."""
-    block_t = min(32, max(16, triton.next_power_of_2(max_seqlen)))
-    block_v = min(64, max(16, triton.next_power_of_2(dv)))
-    splits = 2 if batch * hv < _num_sms(device) // 2 and triton.cdiv(dv, block_v) % 2 == 0 else 1
+    """Launch parameters, from sweeps on H200 at Qwen3.5 shapes (benchmarks/kernels.py --sweep).
+
+    Row tiles of up to 32 nodes: a 64-node tile's inverse and registers cost more than the off-diagonal
+    block a second tile adds. When the batch gives under half a program per SM, every 32-wide value block
+    gets its own program (each rebuilds G and C, cheap next to the latency it hides) with 16-node tiles;
+    otherwise one program per (request, head) walks value blocks of 64.
+    """
+    if batch * hv < _num_sms(device) // 2:
+        block_t, block_v = 16, min(32, max(16, triton.next_power_of_2(dv)))
+        splits = triton.cdiv(dv, block_v)
+    else:
+        block_t = min(32, max(16, triton.next_power_of_2(max_seqlen)))
+        block_v, splits = min(64, max(16, triton.next_power_of_2(dv))), 1
     return {"block_t": block_t, "block_v": block_v, "v_splits": splits, "num_warps": 4, "num_stages": 1}
 
 
