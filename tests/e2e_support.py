@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -58,3 +59,25 @@ def assert_lossless(ref: dict, test: dict, max_near_ties: int) -> list[Divergenc
     assert not real, f"outputs differ beyond bf16 near-ties: {real}"
     assert len(divs) <= max_near_ties, f"too many near-tie divergences ({len(divs)}): {divs}"
     return divs
+
+
+def random_requests(vocab: int, prompt_lens, max_tokens: int, seed: int = 1234) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": [rng.randrange(10, vocab) for _ in range(n)], "max_tokens": max_tokens} for n in prompt_lens]
+
+
+def write_oracle(tmp_path, requests, ref: dict):
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps([{"prompt": r["prompt"], "output": o["tokens"]}
+                                for r, o in zip(requests, ref["outputs"])]))
+    return path
+
+
+def bole_engine(tmp_path, name, depth, topk, budget, drafter="planted", **engine) -> dict:
+    """LLM kwargs for a Bole run; the planted drafter reads ``oracle.json`` and logs its trees to ``<name>.stats.jsonl``."""
+    spec = {"method": "bole", "num_speculative_tokens": depth, "topk": topk, "budget": budget}
+    if drafter == "planted":
+        spec["drafter"] = "vllm_bole.testing.planted_drafter:PlantedDrafter"
+        spec["drafter_args"] = {"oracle": str(tmp_path / "oracle.json"), "seed": depth * 10 + topk,
+                                "stats": str(tmp_path / f"{name}.stats.jsonl")}
+    return {"speculative_config": spec, **engine}

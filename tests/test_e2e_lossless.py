@@ -6,11 +6,10 @@ occur; the MTP drafter runs the real product path.
 """
 
 import json
-import random
 
 import pytest
 
-from e2e_support import assert_lossless, run_engine
+from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, write_oracle
 
 pytestmark = pytest.mark.vllm
 
@@ -20,9 +19,7 @@ LONG = len(PROMPT_LENS) - 1  # its max_tokens runs into max_model_len (256)
 
 
 def _requests(vocab: int):
-    rng = random.Random(1234)
-    reqs = [{"prompt": [rng.randrange(10, vocab) for _ in range(n)], "max_tokens": MAX_TOKENS}
-            for n in PROMPT_LENS]
+    reqs = random_requests(vocab, PROMPT_LENS, MAX_TOKENS)
     reqs[LONG]["max_tokens"] = 100
     return reqs
 
@@ -49,20 +46,10 @@ def requests_(model):
 def reference(tmp, model, requests_):
     ref = run_engine(tmp, "ref", {"model": model, "engine": {"max_num_seqs": 16}, "requests": requests_,
                                   "logprobs": 2})
-    oracle = [{"prompt": r["prompt"], "output": o["tokens"]} for r, o in zip(requests_, ref["outputs"])]
-    (tmp / "oracle.json").write_text(json.dumps(oracle))
+    write_oracle(tmp, requests_, ref)
     assert ref["outputs"][LONG]["finish_reason"] == "length"
     assert len(ref["outputs"][LONG]["tokens"]) == 256 - PROMPT_LENS[LONG]
     return ref
-
-
-def _bole(tmp, name, depth, topk, budget, drafter="planted", **engine):
-    spec = {"method": "bole", "num_speculative_tokens": depth, "topk": topk, "budget": budget}
-    if drafter == "planted":
-        spec["drafter"] = "vllm_bole.testing.planted_drafter:PlantedDrafter"
-        spec["drafter_args"] = {"oracle": str(tmp / "oracle.json"), "seed": depth * 10 + topk,
-                                "stats": str(tmp / f"{name}.stats.jsonl")}
-    return {"speculative_config": spec, **engine}
 
 
 PLANTED = {
@@ -78,7 +65,7 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
     cfg = dict(PLANTED[name])
     depth, topk, budget = cfg.pop("depth"), cfg.pop("topk"), cfg.pop("budget")
     out = run_engine(tmp, name, {"model": model, "requests": requests_, "logprobs": 2,
-                                 "engine": _bole(tmp, name, depth, topk, budget, **cfg)})
+                                 "engine": bole_engine(tmp, name, depth, topk, budget, **cfg)})
     divs = assert_lossless(reference, out, max_near_ties=2)
     print(f"{name}: near-tie divergences {len(divs)}; counters {out['counters']}")
     assert out["outputs"][LONG]["finish_reason"] == "length"
@@ -97,7 +84,7 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     reqs = [dict(r) for r in requests_]
     reqs.append({"prompt": requests_[3]["prompt"], "max_tokens": 20, "temperature": 0.8, "seed": 7})
     out = run_engine(tmp, "mtp", {"model": model, "requests": reqs, "logprobs": 2,
-                                  "engine": _bole(tmp, "mtp", depth=3, topk=4, budget="auto", drafter="mtp",
+                                  "engine": bole_engine(tmp, "mtp", depth=3, topk=4, budget="auto", drafter="mtp",
                                                   max_num_seqs=16)})
     sampled = out["outputs"].pop()
     assert len(sampled["tokens"]) == 20

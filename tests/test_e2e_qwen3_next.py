@@ -1,0 +1,30 @@
+"""Bole on the tiny Qwen3-Next (MoE + shared expert, GDN + attention, one MTP layer): lossless greedy."""
+
+import json
+
+import pytest
+
+from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, write_oracle
+
+pytestmark = pytest.mark.vllm
+
+
+def test_qwen3_next_planted_and_mtp_trees_are_lossless(tmp_path):
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    model = tiny_model_dir("qwen3_next")
+    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    reqs = random_requests(vocab, [4, 9, 17, 33, 60, 6], max_tokens=32, seed=7)
+    base = {"model": model, "kind": "qwen3_next", "requests": reqs, "logprobs": 2}
+    ref = run_engine(tmp_path, "ref", base | {"engine": {"max_num_seqs": 8}})
+    write_oracle(tmp_path, reqs, ref)
+    planted = run_engine(tmp_path, "planted", base | {"engine": bole_engine(tmp_path, "planted", 5, 3, 256,
+                                                                            max_num_seqs=8)})
+    assert_lossless(ref, planted, max_near_ties=1)
+    assert planted["counters"]["accepted_per_pos"][4] > 0
+    assert all(g["num_speculative_blocks"] == 0 for g in planted["mamba_state"])
+    mtp = run_engine(tmp_path, "mtp", base | {"engine": bole_engine(tmp_path, "mtp", 3, 2, "auto", drafter="mtp",
+                                                                    max_num_seqs=8)})
+    assert_lossless(ref, mtp, max_near_ties=1)
+    print("qwen3_next mtp counters", mtp["counters"])
+    assert mtp["counters"]["mean_acceptance_length"] > 1.5

@@ -1,0 +1,88 @@
+"""vLLM's OpenAI-compatible server with Bole on CPU: completions, chat, metrics, and a rejected request."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    model, port = tiny_model_dir("qwen3_5"), _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256",
+           "--language-model-only", "--speculative-config",
+           json.dumps({"method": "bole", "num_speculative_tokens": 4, "topk": 2})]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited:\n{log.read_text()[-5000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(2)
+        else:
+            raise AssertionError(f"server not ready:\n{log.read_text()[-5000:]}")
+        yield base, model
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_completion_chat_and_metrics(server):
+    base, model = server
+    status, out = _post(base + "/v1/completions", {"model": model, "prompt": "Hello there, my name is",
+                                                   "max_tokens": 24, "temperature": 0})
+    assert status == 200 and out["usage"]["completion_tokens"] == 24 and out["choices"][0]["text"]
+    status, chat = _post(base + "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 16,
+        "temperature": 0})
+    assert status == 200 and chat["usage"]["completion_tokens"] == 16
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert accepted and accepted[0] > 0
+
+
+def test_rejected_request_leaves_engine_serving(server):
+    base, model = server
+    status, _ = _post(base + "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": -3})
+    assert status == 400
+    status, _ = _post(base + "/v1/completions", {"model": model, "prompt": "x " * 400, "max_tokens": 8})
+    assert status == 400  # longer than max_model_len
+    status, out = _post(base + "/v1/completions", {"model": model, "prompt": "The river", "max_tokens": 8,
+                                                   "temperature": 0.7, "seed": 3})
+    assert status == 200 and out["usage"]["completion_tokens"] == 8
