@@ -43,6 +43,9 @@ def test_round_trip_through_additional_config():
 
 class _Args:
     def __init__(self, spec, **kw):
+        from vllm.config import CompilationConfig
+
+        self.compilation_config = CompilationConfig()
         self.speculative_config = spec
         self.enable_prefix_caching = kw.get("prefix", False)
         self.async_scheduling = None
@@ -71,6 +74,7 @@ def test_translation_sets_engine_fields():
     assert args.additional_config["bole"]["topk"] == 2
     assert args.async_scheduling is False
     assert args.scheduler_cls.endswith("BoleScheduler") and par.worker_cls.endswith("BoleWorker")
+    assert args.compilation_config.cudagraph_mode.name == "PIECEWISE"
 
 
 def test_other_methods_untouched():

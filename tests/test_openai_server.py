@@ -31,7 +31,7 @@ def _post(url, body):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from vllm_bole.testing.tiny_models import tiny_model_dir
+    from vllm_bole.testing.tiny_models import engine_kwargs, tiny_model_dir
 
     model, port = tiny_model_dir("qwen3_5"), _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
@@ -40,6 +40,9 @@ def server(tmp_path_factory):
            "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256",
            "--language-model-only", "--speculative-config",
            json.dumps({"method": "bole", "num_speculative_tokens": 4, "topk": 2})]
+    extra = engine_kwargs("qwen3_5").get("additional_config")
+    if extra:
+        cmd += ["--additional-config", json.dumps(extra)]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"

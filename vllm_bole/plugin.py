@@ -52,6 +52,15 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
         "method": "mtp", "num_speculative_tokens": cfg.max_nodes_per_request, **passthrough}
     engine_args.additional_config = {**(engine_args.additional_config or {}), ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
     engine_args.async_scheduling = False
+    # Tree batches are not uniform decodes: vLLM's full CUDA graphs would replay a chain-shaped capture without
+    # Bole's per-step forest, so only piecewise graphs (GDN and attention run eagerly between pieces) are used.
+    from vllm.config import CUDAGraphMode
+
+    cc = engine_args.compilation_config
+    if cc.cudagraph_mode is None or cc.cudagraph_mode.has_full_cudagraphs():
+        if cc.cudagraph_mode is not None:
+            logger.warning("Bole uses piecewise CUDA graphs; overriding cudagraph_mode=%s", cc.cudagraph_mode.name)
+        cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
     engine_args.scheduler_cls = "vllm_bole.worker.scheduler.BoleScheduler"
     target_parallel_config.worker_cls = "vllm_bole.worker.worker.BoleWorker"
     logger.info("Bole tree speculation: depth %d, topk %d, budget %s, drafter %s",

@@ -644,6 +644,10 @@ def engine_kwargs(kind: str = "qwen3_5") -> dict:
     On CPU also set ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) and ``HF_HUB_OFFLINE=1``.
     """
     kwargs = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8}
+
+    if torch.cuda.is_available():
+        # The GPU bundle has no FlashInfer, which vLLM would pick for GDN prefill on Hopper.
+        kwargs["additional_config"] = {"gdn_prefill_backend": "triton"}
     if kind == "qwen3_5":
         kwargs["language_model_only"] = True
     else:
