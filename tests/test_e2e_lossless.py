@@ -53,6 +53,7 @@ def reference(tmp, model, requests_):
 
 
 PLANTED = {
+    "k3_d1": dict(depth=1, topk=3, budget=64, max_num_seqs=16),
     "chain_d3": dict(depth=3, topk=1, budget=512, max_num_seqs=16),
     "k2_d8": dict(depth=8, topk=2, budget=512, max_num_seqs=16),
     "k4_d3_budget24_seqs3": dict(depth=3, topk=4, budget=24, max_num_seqs=3),
@@ -74,6 +75,7 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
     assert all(g["runner"].startswith("Bole") for g in out["mamba_state"])
     per_pos = out["counters"]["accepted_per_pos"]
     assert per_pos[depth - 1] > 0, f"no request accepted a full depth-{depth} path: {per_pos}"
+    assert not any(per_pos[depth:]), f"accepted deeper than depth {depth}: {per_pos}"
     stats = [json.loads(line) for line in (tmp / f"{name}.stats.jsonl").read_text().splitlines()]
     assert any(d["depth"] == 0 for d in stats), "no tree without the truth"
     if topk > 1:
@@ -92,3 +94,19 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     counters = out["counters"]
     print(f"mtp: near-tie divergences {len(divs)}; counters {counters}")
     assert counters["mean_acceptance_length"] > 1.5, counters
+
+
+def test_stop_token_inside_accepted_paths(tmp, model, requests_, reference):
+    """Each request stops at a token of its reference continuation; deep planted chains carry tokens past it,
+    so the stop lands inside accepted paths and vLLM must cut the output there."""
+    reqs, expected = [], []
+    for r, out in zip(requests_, reference["outputs"]):
+        stop = out["tokens"][7]
+        cut = out["tokens"].index(stop) + 1
+        reqs.append(dict(r, stop_token_ids=[stop]))
+        expected.append(out["tokens"][:cut])
+    out = run_engine(tmp, "stop", {"model": model, "requests": reqs,
+                                   "engine": bole_engine(tmp, "stop", 8, 1, 512, max_num_seqs=16)})
+    assert [o["tokens"] for o in out["outputs"]] == expected
+    assert all(o["finish_reason"] == "stop" for o in out["outputs"])
+    assert out["counters"]["num_accepted_tokens"] > 0

@@ -3,7 +3,7 @@
     python -m vllm_bole.testing.engine_run --spec SPEC.json --out OUT.json
 
 SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "requests": [{"prompt": [ids],
-"max_tokens": n, "ignore_eos": bool, "temperature": t, "seed": s}], "logprobs": 2}. Each configuration runs
+"max_tokens": n, "ignore_eos": bool, "temperature": t, "seed": s, "stop_token_ids": [ids]}], "logprobs": 2}. Each configuration runs
 in its own process (tests start one per engine), so registries and caches never leak between engines.
 """
 
@@ -36,6 +36,7 @@ def run(spec: dict) -> dict:
               **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
     params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=r.get("ignore_eos", True),
                              temperature=r.get("temperature", 0.0), seed=r.get("seed"),
+                             stop_token_ids=r.get("stop_token_ids"),
                              logprobs=spec.get("logprobs"))
               for r in spec["requests"]]
     outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in spec["requests"]], params, use_tqdm=False)

@@ -1,0 +1,64 @@
+"""Accepted-path KV compaction on vLLM's CPU cache layout: exactly the moved slots change."""
+
+import pytest
+import torch
+
+from vllm_bole.attention.tree_attn_cpu import CPUPagedKV
+from vllm_bole.kernels.tree_attention.reference import compact_kv, tree_attention
+from vllm_bole.worker.forest_context import StepForest
+from vllm_bole.worker.kv_compaction import accepted_slot_moves
+
+
+def _cpu_cache(nb=6, h=2, bs=16, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(nb, h, bs, 2 * d, generator=g).bfloat16()
+
+
+def test_paged_view_matches_vllm_cpu_layout():
+    import vllm._custom_ops as ops
+
+    cache = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
+    kv = cache.view(4, 2, 64, 64)
+    kc, vc = kv.chunk(2, dim=2)
+    k, v = torch.randn(40, 2, 64).bfloat16(), torch.randn(40, 2, 64).bfloat16()
+    slots = torch.arange(40) + 7
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    got_k, got_v = CPUPagedKV(cache).get(slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_compaction_moves_exactly_the_accepted_path(seed):
+    cache = _cpu_cache(seed=seed)
+    before = cache.clone()
+    paged = CPUPagedKV(cache)
+    # Two requests whose tree nodes sit at linear slots starting at 5 and 40.
+    paths = [[0, 2, 5, 6], [0, 1, 3]]
+    forest = StepForest(req_ids=["a", "b"], tree_req_indices=[0, 1], parent=None, cu_seqlens=None,
+                        tokens=[[0] * 8, [0] * 5], query_starts=[0, 8], prefix_lens=[5, 40])
+    forest.accepted_paths = paths
+    slot_mapping = torch.tensor([5 + i for i in range(8)] + [40 + i for i in range(5)])
+    src, dst = accepted_slot_moves(forest, slot_mapping)
+    k_src, v_src = paged.get(src)
+    compact_kv(paged, src, dst)
+    k_dst, v_dst = paged.get(dst)
+    assert torch.equal(k_dst, k_src) and torch.equal(v_dst, v_src)
+    changed = (cache != before).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    touched_blocks = sorted({int(s) // 16 for s in dst})
+    assert set(changed) <= set(touched_blocks)
+    untouched = [s for s in range(6 * 16) if s not in dst.tolist()]
+    k0, v0 = CPUPagedKV(before).get(torch.tensor(untouched))
+    k1, v1 = paged.get(torch.tensor(untouched))
+    assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_tree_attention_reference_masks_non_ancestors():
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 16)
+    k, v = torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # node 2 is a sibling of node 1
+    out = tree_attention(q, k, v, mask, 0.25)
+    # Row 2 must equal attention over prefix (4 keys) + key 4 + key 6 only.
+    keep = torch.tensor([0, 1, 2, 3, 4, 6])
+    ref = tree_attention(q[2:3], k[keep], v[keep], torch.ones(1, 2, dtype=torch.bool), 0.25)
+    assert torch.allclose(out[2:3], ref, atol=1e-6)
