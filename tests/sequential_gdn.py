@@ -134,3 +134,37 @@ def sequential_tree_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, acti
             for j in range(width - 1):                                  # oldest (lag W-2) .. newest (lag 0)
                 windows[i, :, j] = lagged[width - 2 - j]
     return out, windows
+
+
+MULTI_SPEC = [("single", 1), ("chain", 7), ("kary3", 13), ("random", 21), ("forest", 11), ("deep", 34),
+              ("star", 5), ("kary2", 2)]
+
+# Named forests every kernel test sweeps (each a list of (shape, nodes) trees packed into one call).
+NAMED_SPECS = {
+    "single": [("single", 1)],
+    "chain": [("chain", 20)],
+    "star": [("star", 9)],
+    "kary2": [("kary2", 15)],
+    "kary3": [("kary3", 13)],
+    "kary4": [("kary4", 21)],
+    "random": [("random", 25)],
+    "forest": [("forest", 24)],
+    "deep": [("deep", 40)],
+    "multi": MULTI_SPEC,
+}
+
+
+def random_gdn_inputs(parent, cu, hk, hv, dk, dv, *, l2norm_qk, seed, gate_scale=0.5):
+    """float32 (q, k, v, g, beta, initial_state) in the ranges vLLM feeds (g <= 0 log decay, beta in (0, 1))."""
+    gen = torch.Generator().manual_seed(seed)
+    n, b = parent.numel(), cu.numel() - 1
+    q = torch.randn(n, hk, dk, generator=gen)
+    k = torch.randn(n, hk, dk, generator=gen)
+    if not l2norm_qk:
+        # Without the in-kernel norm keep |k|^2 modest so the delta rule stays contractive at depth.
+        q, k = q / dk ** 0.5, 0.7 * k / dk ** 0.5
+    v = torch.randn(n, hv, dv, generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(n, hv, generator=gen)) * gate_scale
+    beta = torch.sigmoid(torch.randn(n, hv, generator=gen))
+    s0 = 0.5 * torch.randn(b, hv, dv, dk, generator=gen)
+    return q, k, v, g, beta, s0

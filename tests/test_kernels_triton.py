@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vllm_bole.kernels as kernels
-from sequential_gdn import build_forest, max_depth, rel_err, seed_of
+from sequential_gdn import build_forest, max_depth, random_gdn_inputs, rel_err, seed_of
 from vllm_bole.kernels.forest import ancestor_mask
 from vllm_bole.kernels.tree_conv1d import reference as conv_ref
 from vllm_bole.kernels.tree_gdn import reference as gdn_ref
@@ -78,16 +78,7 @@ def forest(spec, *seed_params):
 
 
 def gdn_inputs(parent, cu, hk, hv, dk, dv, *, seed, dtype=torch.float32, l2norm_qk=True):
-    gen = torch.Generator().manual_seed(seed)
-    n, b = parent.numel(), cu.numel() - 1
-    q = torch.randn(n, hk, dk, generator=gen)
-    k = torch.randn(n, hk, dk, generator=gen)
-    if not l2norm_qk:
-        q, k = q / dk ** 0.5, 0.7 * k / dk ** 0.5
-    v = torch.randn(n, hv, dv, generator=gen)
-    g = -torch.nn.functional.softplus(torch.randn(n, hv, generator=gen)) * 0.5
-    beta = torch.sigmoid(torch.randn(n, hv, generator=gen))
-    s0 = 0.5 * torch.randn(b, hv, dv, dk, generator=gen)
+    q, k, v, g, beta, s0 = random_gdn_inputs(parent, cu, hk, hv, dk, dv, l2norm_qk=l2norm_qk, seed=seed)
     return _dev(q.to(dtype), k.to(dtype), v.to(dtype), g, beta, s0)
 
 

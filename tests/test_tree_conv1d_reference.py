@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vllm_bole.kernels as kernels
-from sequential_gdn import build_forest, max_depth, rel_err, seed_of, sequential_tree_conv1d
+from sequential_gdn import NAMED_SPECS, build_forest, max_depth, rel_err, seed_of, sequential_tree_conv1d
 from vllm_bole.kernels.forest import node_depths
 from vllm_bole.kernels.tree_conv1d.reference import (
     commit_conv_state,
@@ -40,25 +40,10 @@ def sizes_of(cu):
     return [cu_l[b + 1] - cu_l[b] for b in range(len(cu_l) - 1)]
 
 
-SHAPE_SPECS = {
-    "single": [("single", 1)],
-    "chain": [("chain", 12)],
-    "star": [("star", 9)],
-    "kary2": [("kary2", 15)],
-    "kary3": [("kary3", 13)],
-    "kary4": [("kary4", 21)],
-    "random": [("random", 25)],
-    "forest": [("forest", 24)],
-    "deep": [("deep", 36)],
-    "multi": [("single", 1), ("chain", 6), ("kary3", 13), ("random", 17), ("forest", 11), ("deep", 32),
-              ("star", 4)],
-}
-
-
 @pytest.mark.parametrize("width", [2, 3, 4])
-@pytest.mark.parametrize("name", list(SHAPE_SPECS))
+@pytest.mark.parametrize("name", list(NAMED_SPECS))
 def test_conv_matches_sequential(name, width):
-    spec = SHAPE_SPECS[name]
+    spec = NAMED_SPECS[name]
     parent, cu, x, weight, bias, conv_state = setup(spec, 6, width, seed_params=(name,))
     state_before = conv_state.clone()
     out = tree_causal_conv1d(x, weight, bias, conv_state, parent, cu, activation="silu")
@@ -71,7 +56,7 @@ def test_conv_matches_sequential(name, width):
 @pytest.mark.parametrize("activation", [None, "silu", "swish"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_conv_bias_and_activation(with_bias, activation):
-    spec = SHAPE_SPECS["multi"]
+    spec = NAMED_SPECS["multi"]
     parent, cu, x, weight, bias, conv_state = setup(spec, 8, 4, seed_params=("act", with_bias, activation),
                                                     with_bias=with_bias)
     assert (bias is None) == (not with_bias)
@@ -157,7 +142,7 @@ def test_windows_cross_into_committed_state_only_for_shallow_nodes():
 @pytest.mark.parametrize("name", ["single", "chain", "star", "kary2", "kary4", "random", "forest", "deep", "multi"])
 def test_commit_every_accepted_node(name, width):
     """Committing node a keeps the last W-1 inputs along root..a (older ones from the committed state)."""
-    spec = SHAPE_SPECS[name]
+    spec = NAMED_SPECS[name]
     parent, cu, x, weight, bias, conv_state = setup(spec, 5, width, seed_params=("commit", name))
     _, windows = sequential_tree_conv1d(x, weight, bias, conv_state, parent, cu)
     sizes, cu_l = sizes_of(cu), cu.tolist()
@@ -197,7 +182,7 @@ def test_commit_keeps_state_dtype_exactly(state_dtype):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_bf16_inputs(state_dtype):
-    spec = SHAPE_SPECS["multi"]
+    spec = NAMED_SPECS["multi"]
     parent, cu, x, weight, bias, conv_state = setup(spec, 16, 4, seed_params=("bf16", str(state_dtype)),
                                                     dtype=torch.bfloat16, state_dtype=state_dtype)
     out = tree_causal_conv1d(x, weight, bias, conv_state, parent, cu)
@@ -242,7 +227,7 @@ def test_commit_inplace_multilayer_transposed_views():
 
 def test_public_dispatch_on_cpu_equals_reference(monkeypatch):
     monkeypatch.delenv("VLLM_BOLE_KERNELS", raising=False)
-    spec = SHAPE_SPECS["multi"]
+    spec = NAMED_SPECS["multi"]
     parent, cu, x, weight, bias, conv_state = setup(spec, 6, 4, seed_params=("dispatch",))
     out = kernels.tree_causal_conv1d(x, weight, bias, conv_state, parent, cu, activation="silu")
     assert torch.equal(out, tree_causal_conv1d(x, weight, bias, conv_state, parent, cu, activation="silu"))

@@ -4,10 +4,10 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import vllm_bole.kernels as kernels
-from sequential_gdn import build_forest, fla_l2norm, max_depth, rel_err, seed_of, sequential_tree_gdn
+from sequential_gdn import (MULTI_SPEC, NAMED_SPECS, build_forest, fla_l2norm, max_depth, random_gdn_inputs,
+                            rel_err, seed_of, sequential_tree_gdn)
 from vllm_bole.kernels.tree_gdn.reference import (
     TreeFactors,
     commit_accepted,
@@ -21,19 +21,9 @@ BF16_TOL = 2e-2
 
 
 def make_inputs(parent, cu, hk, hv, dk, dv, *, l2norm_qk, seed, dtype=torch.float32, gate_scale=0.5):
-    """Random GDN inputs in the ranges vLLM feeds (g <= 0 log decay, beta in (0, 1))."""
-    gen = torch.Generator().manual_seed(seed)
-    n, b = parent.numel(), cu.numel() - 1
-    q = torch.randn(n, hk, dk, generator=gen)
-    k = torch.randn(n, hk, dk, generator=gen)
-    if not l2norm_qk:
-        # Without the in-kernel norm keep |k|^2 modest so the delta rule stays contractive at depth.
-        q, k = q / dk ** 0.5, 0.7 * k / dk ** 0.5
-    v = torch.randn(n, hv, dv, generator=gen)
-    g = -F.softplus(torch.randn(n, hv, generator=gen)) * gate_scale
-    beta = torch.sigmoid(torch.randn(n, hv, generator=gen))
-    s0 = 0.5 * torch.randn(b, hv, dv, dk, generator=gen)
-    return tuple(t.to(dtype) for t in (q, k, v, g, beta)) + (s0,)
+    *qkvgb, s0 = random_gdn_inputs(parent, cu, hk, hv, dk, dv, l2norm_qk=l2norm_qk, seed=seed,
+                                   gate_scale=gate_scale)
+    return tuple(t.to(dtype) for t in qkvgb) + (s0,)
 
 
 def run_both(spec, hk, hv, dk, dv, *, l2norm_qk, scale=None, seed_params=()):
@@ -89,10 +79,6 @@ def test_verify_and_commit_batch_of_sizes_1_to_256():
     new = commit_accepted(r["s0"], r["factors"], torch.tensor(acc), r["parent"], r["cu"])
     for b, a in enumerate(acc):
         assert rel_err(new[b], r["states_seq"][cu_l[b] + a]) <= FP32_TOL
-
-
-MULTI_SPEC = [("single", 1), ("chain", 7), ("kary3", 13), ("random", 21), ("forest", 11), ("deep", 34),
-              ("star", 5), ("kary2", 2)]
 
 
 @pytest.mark.parametrize("hk,hv,dk,dv", [
@@ -272,25 +258,11 @@ def test_factor_log_decay_is_path_sum():
     assert torch.equal(f.k, k.float())        # no norm requested: keys are passed through unscaled
 
 
-COMMIT_SPECS = {
-    "single": [("single", 1)],
-    "chain": [("chain", 20)],
-    "star": [("star", 9)],
-    "kary2": [("kary2", 15)],
-    "kary3": [("kary3", 13)],
-    "kary4": [("kary4", 21)],
-    "random": [("random", 25)],
-    "forest": [("forest", 24)],
-    "deep": [("deep", 40)],
-    "multi": MULTI_SPEC,
-}
-
-
 @pytest.mark.parametrize("l2norm_qk", [True, False])
-@pytest.mark.parametrize("name", list(COMMIT_SPECS))
+@pytest.mark.parametrize("name", list(NAMED_SPECS))
 def test_commit_every_accepted_node(name, l2norm_qk):
     """For every node a of every tree, committing a gives the sequential state after a; -1 keeps S_pre."""
-    spec = COMMIT_SPECS[name]
+    spec = NAMED_SPECS[name]
     r = run_both(spec, 2, 4, 16, 8, l2norm_qk=l2norm_qk, seed_params=("commit", name))
     s0, f, parent, cu = r["s0"], r["factors"], r["parent"], r["cu"]
     cu_l = cu.tolist()

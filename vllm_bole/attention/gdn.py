@@ -9,7 +9,6 @@ verification; :func:`commit_step` writes the accepted path's state after samplin
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, is_conv_state_dim_first
