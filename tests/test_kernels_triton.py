@@ -192,7 +192,8 @@ def test_commit_every_accepted_node(spec_name):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_commit_inplace_multilayer_strided_caches(state_dtype):
+@pytest.mark.parametrize("per_layer_slots", [False, True])
+def test_commit_inplace_multilayer_strided_caches(state_dtype, per_layer_slots):
     spec = [("random", 9), ("deep", 20), ("single", 1), ("kary2", 6)]
     parent, cu = forest(spec, "inplace")
     hk, hv, dk, dv, n_layers, num_slots = 1, 2, 16, 16, 3, 7
@@ -207,6 +208,9 @@ def test_commit_inplace_multilayer_strided_caches(state_dtype):
                                           use_qk_l2norm_in_kernel=True)[1])
     stacked = gdn_ref.TreeFactors(*(torch.stack([getattr(f, a) for f in fs]) for a in ("k", "u", "g_cum")))
     state_indices = torch.tensor([5, 0, 3, 6], dtype=torch.int32, device=DEV)
+    if per_layer_slots:  # layers in different KV-cache groups: same requests, other slots per layer
+        state_indices = torch.stack([state_indices, torch.tensor([5, 0, 3, 6], dtype=torch.int32, device=DEV),
+                                     torch.tensor([6, 3, 1, 5], dtype=torch.int32, device=DEV)])
     accepted = torch.tensor([8, 19, -1, 4], dtype=torch.int32, device=DEV)
     want_buf = buf.clone()
     want = [want_buf[:, layer, 3:3 + hv * dv * dk].view(num_slots, hv, dv, dk) for layer in range(n_layers)]
@@ -214,8 +218,10 @@ def test_commit_inplace_multilayer_strided_caches(state_dtype):
     tc.commit_accepted_inplace(caches, state_indices, stacked, accepted, parent, cu)
     tol = 1e-5 if state_dtype == torch.float32 else 1e-2
     assert rel_err(buf.cpu(), want_buf.cpu()) <= tol
-    untouched = torch.ones(num_slots, dtype=torch.bool)
-    untouched[[5, 0, 6]] = False
+    untouched = torch.ones(num_slots, n_layers, dtype=torch.bool)
+    for layer in range(n_layers):
+        slots = state_indices[layer] if per_layer_slots else state_indices
+        untouched[[int(slots[b]) for b in (0, 1, 3)], layer] = False
     assert torch.equal(buf[untouched.to(DEV)], want_buf[untouched.to(DEV)])
     assert torch.equal(buf[..., :3], want_buf[..., :3]) and torch.equal(buf[..., -2:], want_buf[..., -2:])
 
@@ -282,7 +288,8 @@ def test_conv_commit_every_accepted_node(name, width):
         assert torch.equal(new.cpu(), want), i
 
 
-def test_conv_commit_inplace_multilayer_transposed_views():
+@pytest.mark.parametrize("per_layer_slots", [False, True])
+def test_conv_commit_inplace_multilayer_transposed_views(per_layer_slots):
     spec = [("random", 9), ("deep", 20), ("single", 1), ("kary2", 6)]
     parent, cu = forest(spec, "conv-inplace")
     dim, width, n_layers, num_slots = 40, 4, 3, 6
@@ -291,6 +298,9 @@ def test_conv_commit_inplace_multilayer_transposed_views():
     views = lambda b: [b[:, layer, :, 1:dim + 1].transpose(-1, -2) for layer in range(n_layers)]  # noqa: E731
     xs = torch.randn(n_layers, parent.numel(), dim, generator=gen).to(DEV)
     state_indices = torch.tensor([4, 1, 0, 5], dtype=torch.int32, device=DEV)
+    if per_layer_slots:
+        state_indices = torch.stack([state_indices, torch.tensor([2, 3, 1, 0], dtype=torch.int32, device=DEV),
+                                     torch.tensor([0, 5, 4, 1], dtype=torch.int32, device=DEV)])
     accepted = torch.tensor([3, 19, 0, -1], dtype=torch.int32, device=DEV)
     want = buf.clone()
     conv_ref.commit_conv_state_inplace(views(want), state_indices, xs, parent, cu, accepted)

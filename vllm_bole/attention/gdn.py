@@ -140,24 +140,18 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
 
 
 def commit_step(forest) -> None:
-    """Write the accepted path's GDN state and conv window into every GDN layer's single slot.
-
-    Layers of one KV-cache group share their slots and commit together; vLLM may put GDN layers in several
-    groups, whose block ids differ.
-    """
+    """Write the accepted path's GDN state and conv window into every GDN layer's single slot: one batched
+    call each for all layers (layers of different KV-cache groups have their own slot per request)."""
     if not forest.gdn_scratch:
         return
-    groups: dict[tuple, list] = {}
-    for entry in forest.gdn_scratch.values():
-        groups.setdefault(tuple(entry[3].tolist()), []).append(entry)
-    for entries in groups.values():
-        slots = entries[0][3]
-        accepted = torch.tensor(forest.accepted, dtype=torch.int64, device=slots.device)
-        factors = TreeFactors(k=torch.stack([e[1].k for e in entries]), u=torch.stack([e[1].u for e in entries]),
-                              g_cum=torch.stack([e[1].g_cum for e in entries]))
-        kernels.commit_accepted_inplace([ssm_state_view(e[0]) for e in entries], slots, factors, accepted,
-                                        forest.parent, forest.cu_seqlens)
-        kernels.commit_conv_state_inplace([conv_state_view(e[0]) for e in entries], slots,
-                                          torch.stack([e[2] for e in entries]), forest.parent, forest.cu_seqlens,
-                                          accepted)
+    entries = list(forest.gdn_scratch.values())
+    slots = torch.stack([e[3] for e in entries]).to(torch.int32).contiguous()       # [L, B]
+    accepted = torch.tensor(forest.accepted, dtype=torch.int32, device=slots.device)
+    factors = TreeFactors(k=torch.stack([e[1].k for e in entries]), u=torch.stack([e[1].u for e in entries]),
+                          g_cum=torch.stack([e[1].g_cum for e in entries]))
+    kernels.commit_accepted_inplace([ssm_state_view(e[0]) for e in entries], slots, factors, accepted,
+                                    forest.parent, forest.cu_seqlens)
+    kernels.commit_conv_state_inplace([conv_state_view(e[0]) for e in entries], slots,
+                                      torch.stack([e[2] for e in entries]), forest.parent, forest.cu_seqlens,
+                                      accepted)
     forest.gdn_scratch.clear()

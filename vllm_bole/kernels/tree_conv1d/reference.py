@@ -73,7 +73,7 @@ def commit_conv_state(conv_state, x, parent, cu_seqlens, accepted):
 
 def commit_conv_state_inplace(conv_states, state_indices, xs, parent, cu_seqlens, accepted):
     """Commit every layer's conv window at once: conv_states is a list of L ``[num_slots, dim, W-1]`` views,
-    xs the stacked conv inputs ``[L, N, dim]``; writes ``conv_states[l][state_indices[b]]``."""
-    idx = state_indices.long()
+    xs the stacked conv inputs ``[L, N, dim]``, state_indices ``[B]`` (all layers) or ``[L, B]`` (per layer)."""
     for layer, cache in enumerate(conv_states):
+        idx = (state_indices[layer] if state_indices.dim() == 2 else state_indices).long()
         cache[idx] = commit_conv_state(cache[idx], xs[layer], parent, cu_seqlens, accepted)

@@ -76,7 +76,8 @@ def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activati
 
 @triton.jit
 def _commit_conv_kernel(
-    src_ptrs, dst_ptrs, strides, ref, state_indices, x, accepted, parent, cu_seqlens, stride_x_layer,
+    src_ptrs, dst_ptrs, strides, ref, state_indices, idx_layer_stride, x, accepted, parent, cu_seqlens,
+    stride_x_layer,
     stride_x, DIM, W: tl.constexpr, WP: tl.constexpr, BD: tl.constexpr, COPY_UNCHANGED: tl.constexpr,
 ):
     b, pid_d, layer = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -85,7 +86,7 @@ def _commit_conv_kernel(
         if a < 0:
             return
     bos = tl.load(cu_seqlens + b).to(tl.int64)
-    slot = tl.load(state_indices + b).to(tl.int64)
+    slot = tl.load(state_indices + layer * idx_layer_stride + b).to(tl.int64)
     o_d = pid_d * BD + tl.arange(0, BD)
     o_t = tl.arange(0, WP)
     # New entry t (W-2 = most recent) is s = W-2-t steps back from the accepted node along its path,
@@ -128,7 +129,8 @@ def _launch_commit(srcs, dsts, state_indices, xs, parent, cu_seqlens, accepted, 
     strides = device_table([list(s.stride()) + list(d.stride()) for s, d in zip(srcs, dsts)], ref.device)
     block_d = min(256, triton.next_power_of_2(dim))
     _commit_conv_kernel[(batch, triton.cdiv(dim, block_d), n_layers)](
-        ptrs[0], ptrs[1], strides, ref, state_indices, xs, accepted, parent, cu_seqlens,
+        ptrs[0], ptrs[1], strides, ref, state_indices, state_indices.stride(0) if state_indices.dim() == 2 else 0,
+        xs, accepted, parent, cu_seqlens,
         xs.stride(0), xs.stride(1), dim, W=width, WP=max(2, triton.next_power_of_2(width - 1)), BD=block_d,
         COPY_UNCHANGED=copy_unchanged, num_warps=4,
     )
@@ -143,7 +145,8 @@ def commit_conv_state(conv_state, x, parent, cu_seqlens, accepted):
 
 
 def commit_conv_state_inplace(conv_states, state_indices, xs, parent, cu_seqlens, accepted):
-    """Same contract as :func:`reference.commit_conv_state_inplace`: all L layers in one launch."""
+    """Same contract as :func:`reference.commit_conv_state_inplace`: all L layers in one launch
+    (``state_indices``: ``[B]`` shared by all layers or ``[L, B]`` per layer, row-contiguous)."""
     conv_states = list(conv_states)
     _launch_commit(conv_states, conv_states, state_indices, xs, parent, cu_seqlens, accepted,
                    copy_unchanged=False)

@@ -119,10 +119,11 @@ def commit_accepted_inplace(states, state_indices, factors: TreeFactors, accepte
     """Commit every layer at once into vLLM's state caches.
 
     states: list of L per-layer caches ``[num_slots, HV, dv, dk]``; state_indices: ``[B]`` slot of each
-    request; factors: stacked ``[L, N, ...]``. Writes ``states[l][state_indices[b]]`` for every b with
+    request in every layer, or ``[L, B]`` per layer (layers of different KV-cache groups have different
+    slots); factors: stacked ``[L, N, ...]``. Writes ``states[l][slot of b in l]`` for every b with
     ``accepted[b] >= 0``.
     """
-    idx = state_indices.long()
     for layer, cache in enumerate(states):
+        idx = (state_indices[layer] if state_indices.dim() == 2 else state_indices).long()
         f = TreeFactors(k=factors.k[layer], u=factors.u[layer], g_cum=factors.g_cum[layer])
         cache[idx] = commit_accepted(cache[idx], f, accepted, parent, cu_seqlens)

@@ -33,7 +33,7 @@ def device_table(rows, device) -> torch.Tensor:
 
 @triton.jit
 def _commit_kernel(
-    src_ptrs, dst_ptrs, ref, state_indices, k, u, g_cum, accepted, parent, cu_seqlens, N,
+    src_ptrs, dst_ptrs, ref, state_indices, idx_layer_stride, k, u, g_cum, accepted, parent, cu_seqlens, N,
     src_slot, src_head, src_v, dst_slot, dst_head, dst_v,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, COPY_UNCHANGED: tl.constexpr, ALIGNED: tl.constexpr,
@@ -48,7 +48,7 @@ def _commit_kernel(
     o_k = tl.arange(0, BK)
     o_v = vb * BV + tl.arange(0, BV)
     m = (o_v < DV)[:, None] & (o_k < DK)[None, :]
-    slot = tl.load(state_indices + b).to(tl.int64)
+    slot = tl.load(state_indices + layer * idx_layer_stride + b).to(tl.int64)
     src = tl.load(src_ptrs + layer).to(tl.pointer_type(ref.dtype.element_ty))
     dst = tl.load(dst_ptrs + layer).to(tl.pointer_type(ref.dtype.element_ty))
     if ALIGNED:
@@ -93,7 +93,8 @@ def _launch(srcs, dsts, state_indices, factors: TreeFactors, accepted, parent, c
     block_v = min(block_v, max(16, triton.next_power_of_2(dv)))
     nv = triton.cdiv(dv, block_v)
     _commit_kernel[(batch, hv, n_layers * nv)](
-        ptrs[0], ptrs[1], ref, state_indices, factors.k.contiguous(), factors.u.contiguous(),
+        ptrs[0], ptrs[1], ref, state_indices, state_indices.stride(0) if state_indices.dim() == 2 else 0,
+        factors.k.contiguous(), factors.u.contiguous(),
         factors.g_cum.contiguous(), accepted, parent, cu_seqlens, n, *srcs[0].stride()[:3], *ref.stride()[:3],
         HK=hk, HV=hv, DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=block_v, NV=nv,
         COPY_UNCHANGED=copy_unchanged, ALIGNED=aligned, num_warps=num_warps,
@@ -112,7 +113,8 @@ def commit_accepted(initial_state, factors: TreeFactors, accepted, parent, cu_se
 
 def commit_accepted_inplace(states, state_indices, factors: TreeFactors, accepted, parent, cu_seqlens, *,
                             block_v=64, num_warps=4):
-    """Same contract as :func:`reference.commit_accepted_inplace`: all L layers in one launch."""
+    """Same contract as :func:`reference.commit_accepted_inplace`: all L layers in one launch
+    (``state_indices``: ``[B]`` shared by all layers or ``[L, B]`` per layer, row-contiguous)."""
     states = list(states)
     _launch(states, states, state_indices, factors, accepted, parent, cu_seqlens, copy_unchanged=False,
             block_v=block_v, num_warps=num_warps)
