@@ -35,7 +35,7 @@ def test_compaction_moves_exactly_the_accepted_path(seed):
     # Two requests whose tree nodes sit at linear slots starting at 5 and 40.
     paths = [[0, 2, 5, 6], [0, 1, 3]]
     forest = StepForest(req_ids=["a", "b"], tree_req_indices=[0, 1], parent=None, cu_seqlens=None,
-                        tokens=[[0] * 8, [0] * 5], query_starts=[0, 8], prefix_lens=[5, 40])
+                        tokens=[[0] * 8, [0] * 5], query_starts=[0, 8])
     forest.accepted_paths = paths
     slot_mapping = torch.tensor([5 + i for i in range(8)] + [40 + i for i in range(5)])
     src, dst = accepted_slot_moves(forest, slot_mapping)

@@ -43,9 +43,8 @@ class StepForest:
     # layer prefix -> (factors, conv inputs [N, conv_dim], state slots [B]) written by the GDN layers
     gdn_scratch: dict = field(default_factory=dict)
     accepted_paths: list[list[int]] | None = None  # per tree request, accepted local nodes, root first
-    # per tree request: batch row of its first node in the flat token arrays, and its committed length
+    # per tree request: row of its first node (the root) in the step's flat token arrays
     query_starts: list[int] = field(default_factory=list)
-    prefix_lens: list[int] = field(default_factory=list)
 
     @property
     def accepted(self) -> list[int] | None:

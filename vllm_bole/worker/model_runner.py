@@ -9,7 +9,6 @@ and applies the per-step node budget.
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from ..attention.gdn import commit_step
@@ -21,8 +20,6 @@ from ..spec_decode.tree_sampler import is_plain_greedy, pad_outputs, walk_tree
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 
-logger = init_logger(__name__)
-
 
 class BoleModelRunnerMixin:
     """Mixed in front of the platform's V1 model runner class (see :func:`bole_runner_class`)."""
@@ -32,7 +29,7 @@ class BoleModelRunnerMixin:
         self.bole_config = bole_config_from_vllm(vllm_config)
         self._bole_trees: dict[str, DraftTree] = {}
         self._bole_forest: StepForest | None = None
-        self._bole_step = None
+        self._bole_paths: list[list[int]] | None = None  # per batch request, this step's accepted nodes
         self.bole_drafter = None
 
     def load_model(self, *args, **kwargs):
@@ -57,7 +54,7 @@ class BoleModelRunnerMixin:
     def _build_forest(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> StepForest:
         req_ids = self.input_batch.req_ids
         starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
-        forest_req, parents, cu, tokens, q_starts, prefixes = [], [], [0], [], [], []
+        forest_req, parents, cu, tokens, q_starts = [], [], [0], [], []
         depth_fix = []  # (flat row, linear offset - depth)
         for r, req_id in enumerate(req_ids):
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -75,13 +72,12 @@ class BoleModelRunnerMixin:
             cu.append(cu[-1] + len(vpar))
             tokens.append([-1] + tree.tokens)
             q_starts.append(int(starts[r]))
-            prefixes.append(int(self.input_batch.num_computed_tokens_cpu[r]))
             depth_fix += [(int(starts[r]) + j, j - d) for j, d in enumerate(depths) if j != d]
         forest = StepForest(
             req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
             parent=torch.tensor(parents, dtype=torch.int32, device=self.device),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            tokens=tokens, query_starts=q_starts, prefix_lens=prefixes)
+            tokens=tokens, query_starts=q_starts)
         if depth_fix:
             rows = torch.tensor([f[0] for f in depth_fix], dtype=torch.long)
             shift = torch.tensor([f[1] for f in depth_fix], dtype=torch.int64)
@@ -95,7 +91,7 @@ class BoleModelRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         forest = self._bole_forest
         if spec_decode_metadata is None or forest is None:
-            self._bole_step = None
+            self._bole_paths = None
             return super()._sample(logits, spec_decode_metadata)
         self.input_batch.update_async_output_token_ids()
         num_rows = [n + 1 for n in spec_decode_metadata.num_draft_tokens]
@@ -124,7 +120,7 @@ class BoleModelRunnerMixin:
             drafted = [forest.tokens[i][j] for j in path[1:]] if i is not None else []
             outputs.append(drafted + [bonus[r]])
         forest.accepted_paths = [paths[r] for r in forest.tree_req_indices]
-        self._bole_step = (paths, outputs, row_start)
+        self._bole_paths = paths
         sampled = pad_outputs(outputs, logits.device)
         if wants_logprobs and not own_logprobs:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=final.logprobs_tensors)
@@ -168,7 +164,7 @@ class BoleModelRunnerMixin:
         sampled = sampled_token_ids.tolist()
         forest = self._bole_forest
         tree_of = {r: i for i, r in enumerate(forest.tree_req_indices)} if forest is not None else {}
-        paths = self._bole_step[0] if self._bole_step is not None else None
+        paths = self._bole_paths
         input_ids = self.input_ids.cpu
         contexts, first_pass, row = [], [], 0
         for r, req_id in enumerate(req_ids):
