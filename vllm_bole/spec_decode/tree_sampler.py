@@ -1,30 +1,101 @@
-"""Greedy tree verification: follow the child whose token is the target's argmax, then add the bonus token."""
+"""Tree verification: walk each request's tree from the root, following the child whose token is the target's
+token at the current node (the argmax for greedy requests, an exact sample for sampled ones), then add the bonus
+token."""
+
+import copy
 
 import torch
+from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                     MinTokensLogitsProcessor)
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
+from vllm.v1.sample.sampler import _SAMPLING_EPS, Sampler
 
 
-def is_plain_greedy(params) -> bool:
-    """True for requests whose next token is exactly the argmax of the raw logits (no logits processors).
-
-    Other requests verify only the root: their next token comes from vLLM's sampler with all their settings.
-    """
-    if params is None:
-        return False
+def _no_logits_processors(params) -> bool:
+    """True when nothing but temperature, top-k, top-p, min-p and the seed shapes the next-token distribution."""
     return (
-        params.temperature == 0.0
-        and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+        params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0
         and not params.prompt_logprobs
         and not params.bad_words and not params.logit_bias and not params.allowed_token_ids
         and not params.min_tokens
         and getattr(params, "structured_outputs", None) is None
+        and getattr(params, "thinking_token_budget", None) is None
+        and not getattr(params, "logprob_token_ids", None)
     )
 
 
-def walk_tree(parents: list[int], tokens: list[int], argmax: list[int]) -> list[int]:
+def is_plain_greedy(params) -> bool:
+    """True for requests whose next token is exactly the argmax of the raw logits (no logits processors).
+
+    Requests that are neither plain greedy nor plain random (:func:`is_plain_random`) verify only the root: their
+    next token comes from vLLM's sampler with all their settings.
+    """
+    return params is not None and params.temperature == 0.0 and _no_logits_processors(params)
+
+
+def is_plain_random(params) -> bool:
+    """True for sampled requests (temperature > 0) whose only other settings are top-k, top-p, min-p and seed."""
+    return params is not None and params.temperature >= _SAMPLING_EPS and _no_logits_processors(params)
+
+
+def tree_rows_supported(sampling_metadata: SamplingMetadata) -> bool:
+    """True when the batch's logits processors are vLLM's built-in ones, so that for a plain random request only
+    min-p (the one argmax-invariant processor) acts and :func:`tree_row_probs` reproduces vLLM's processing."""
+    procs = sampling_metadata.logitsprocs
+    return (all(isinstance(p, MinPLogitsProcessor) for p in procs.argmax_invariant)
+            and all(isinstance(p, (LogitBiasLogitsProcessor, MinTokensLogitsProcessor))
+                    for p in procs.non_argmax_invariant))
+
+
+def _for_rows(processor, row_req: torch.Tensor):
+    """``processor`` with its per-request state indexed by ``row_req`` (the request of each tree row)."""
+    if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
+        rows = copy.copy(processor)
+        rows.min_p = processor.min_p[row_req]
+        return rows
+    return processor
+
+
+def tree_row_probs(logits: torch.Tensor, row_req: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+    """``[R, V]`` float32 next-token distribution at each tree row, processed the way vLLM's ``Sampler`` processes
+    a row of request ``row_req[i]`` (batch index): temperature, argmax-invariant processors (min-p), then
+    top-k/top-p, all with vLLM's own functions. ``logits`` (``[R, V]`` raw rows) is not modified."""
+    md = sampling_metadata
+    rows = logits.to(torch.float32, copy=True)
+    rows = Sampler.apply_temperature(rows, md.temperature[row_req], all_random=True)
+    for processor in md.logitsprocs.argmax_invariant:
+        rows = _for_rows(processor, row_req).apply(rows)
+    top_k = None if md.top_k is None else md.top_k[row_req]
+    top_p = None if md.top_p is None else md.top_p[row_req]
+    rows = apply_top_k_top_p(rows, top_k, top_p)
+    return rows.softmax(dim=-1, dtype=torch.float32)
+
+
+def sample_tree_rows(logits: torch.Tensor, row_req: list[int], sampling_metadata: SamplingMetadata,
+                     use_fp64_gumbel: bool = False) -> list[int]:
+    """One independent draw per tree row from :func:`tree_row_probs`; rows of seeded requests draw from the
+    request's own ``torch.Generator`` (``sampling_metadata.generators``, by batch index), the rest from the
+    default generator."""
+    req = torch.tensor(row_req, dtype=torch.long, device=logits.device)
+    probs = tree_row_probs(logits, req, sampling_metadata)
+    gens = sampling_metadata.generators
+    row_generators = {i: gens[r] for i, r in enumerate(row_req) if r in gens}
+    return random_sample(probs, row_generators, use_fp64_gumbel).tolist()
+
+
+def walk_tree(parents: list[int], tokens: list[int], targets: list[int]) -> list[int]:
     """Accepted path (local node indices, root first) of one verification tree.
 
-    ``parents[0] = -1`` is the root; ``argmax[i]`` is the target's greedy token after node i.
+    ``parents[0] = -1`` is the root; ``targets[i]`` is the target's token after node i. At node i the walk moves
+    to the child whose token is ``targets[i]`` and stops where there is none; ``targets`` of the last node is then
+    the bonus token.
+
+    Greedy requests pass the argmax of each row. Sampled requests pass one independent draw per row from the
+    processed target distribution ("sample, then match"): every emitted token is the draw of the row whose
+    prefix is exactly the tokens emitted before it, so the emitted sequence has the distribution of plain
+    autoregressive sampling, whatever the tree holds.
     """
     children: dict[int, list[int]] = {}
     for i, p in enumerate(parents):
@@ -32,7 +103,7 @@ def walk_tree(parents: list[int], tokens: list[int], argmax: list[int]) -> list[
             children.setdefault(p, []).append(i)
     path = [0]
     while True:
-        want = argmax[path[-1]]
+        want = targets[path[-1]]
         nxt = next((c for c in children.get(path[-1], ()) if tokens[c] == want), None)
         if nxt is None:
             return path

@@ -2,9 +2,9 @@
 
 Per step: ``_prepare_inputs`` turns each request's scheduled drafts into its verification tree (root = last
 sampled token), rewrites RoPE positions to prefix length + depth and publishes the forest to the layers;
-``_sample`` walks each tree greedily; ``_update_states_after_model_execute`` commits the accepted path's GDN
-state and moves its K/V to contiguous slots; ``propose_draft_token_ids`` asks the tree drafter for new trees
-and applies the per-step node budget.
+``_sample`` walks each tree (by the argmax for greedy requests, sample-then-match for sampled ones);
+``_update_states_after_model_execute`` commits the accepted path's GDN state and moves its K/V to contiguous
+slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and applies the per-step node budget.
 """
 
 import numpy as np
@@ -16,7 +16,8 @@ from ..config import bole_config_from_vllm
 from ..spec_decode.budget import node_budget
 from ..spec_decode.drafter import DraftStep, make_drafter
 from ..spec_decode.tree import DraftTree, select_global
-from ..spec_decode.tree_sampler import is_plain_greedy, pad_outputs, walk_tree
+from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
+                                        tree_rows_supported, walk_tree)
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 
@@ -94,26 +95,43 @@ class BoleModelRunnerMixin:
             self._bole_paths = None
             return super()._sample(logits, spec_decode_metadata)
         self.input_batch.update_async_output_token_ids()
+        metadata = self.input_batch.sampling_metadata
         num_rows = [n + 1 for n in spec_decode_metadata.num_draft_tokens]
         row_start = np.concatenate([[0], np.cumsum(num_rows)[:-1]]).tolist()
-        argmax = logits.argmax(dim=-1).tolist()
         tree_of = {r: i for i, r in enumerate(forest.tree_req_indices)}
         # Emitted-token logprobs are rebuilt from raw logits; other logprob modes verify roots only.
         own_logprobs = self.model_config.logprobs_mode == "raw_logprobs"
-        wants_logprobs = self.input_batch.sampling_metadata.max_num_logprobs is not None
-        paths, final_rows = [], []
+        wants_logprobs = metadata.max_num_logprobs is not None
+        walks = own_logprobs or not wants_logprobs
+        rows_supported = walks and tree_rows_supported(metadata)
+        greedy, drawn = [], []  # batch indices of the tree requests walked by argmax / by samples
         for r, req_id in enumerate(self.input_batch.req_ids):
-            i = tree_of.get(r)
-            path = [0]
-            if (i is not None and is_plain_greedy(self.requests[req_id].sampling_params)
-                    and (own_logprobs or not wants_logprobs)):
-                path = walk_tree(forest.parents_of(i), forest.tokens[i],
-                                 argmax[row_start[r]:row_start[r] + num_rows[r]])
-            paths.append(path)
-            final_rows.append(row_start[r] + path[-1])
+            params = self.requests[req_id].sampling_params
+            if r not in tree_of or not walks:
+                continue
+            if is_plain_greedy(params):
+                greedy.append(r)
+            elif rows_supported and is_plain_random(params):
+                drawn.append(r)
+        targets = {}  # batch index -> the target's token after each of its tree rows
+        if greedy:
+            argmax = logits.argmax(dim=-1).tolist()
+            targets |= {r: argmax[row_start[r]:row_start[r] + num_rows[r]] for r in greedy}
+        if drawn:  # one draw per tree row of every sampled request, in one call
+            rows = [row_start[r] + j for r in drawn for j in range(num_rows[r])]
+            draws = sample_tree_rows(logits[torch.tensor(rows, device=logits.device)],
+                                     [r for r in drawn for _ in range(num_rows[r])], metadata,
+                                     self.sampler.use_fp64_gumbel)
+            offsets = np.concatenate([[0], np.cumsum([num_rows[r] for r in drawn])]).tolist()
+            targets |= {r: draws[offsets[k]:offsets[k + 1]] for k, r in enumerate(drawn)}
+        paths = [walk_tree(forest.parents_of(tree_of[r]), forest.tokens[tree_of[r]], targets[r])
+                 if r in targets else [0] for r in range(len(self.input_batch.req_ids))]
+        final_rows = [row_start[r] + path[-1] for r, path in enumerate(paths)]
         final = self.sampler(logits=logits[torch.tensor(final_rows, device=logits.device)],
-                             sampling_metadata=self.input_batch.sampling_metadata)
+                             sampling_metadata=metadata)
         bonus = final.sampled_token_ids[:, 0].tolist()
+        for r in drawn:  # the draw at the walk's last node is the bonus token
+            bonus[r] = targets[r][paths[r][-1]]
         outputs = []
         for r, path in enumerate(paths):
             i = tree_of.get(r)

@@ -1,0 +1,113 @@
+"""Sampled requests (temperature > 0 with top-k / top-p / min-p) through Bole's tree walk have the same output
+distribution as vLLM without speculation (CPU, tiny Qwen3.5).
+
+Hundreds of short continuations of one prompt (different seeds, some unseeded) run without speculation, with the
+planted drafter (trees that hold the greedy continuation) and with the MTP drafter; the 2nd and 3rd tokens and the
+(1st, 2nd) pair are compared with a chi-square two-sample test. The temperature is high enough that several tokens
+have real probability, and the spec-decode counters must show accepted drafts, so the trees are actually walked.
+"""
+
+import random
+from collections import Counter
+
+import pytest
+
+from e2e_support import bole_engine, run_engine, write_oracle
+
+pytestmark = pytest.mark.vllm
+
+NUM_REQUESTS = 800
+MAX_TOKENS = 3
+P_MIN = 1e-3
+# Two sampling settings, alternating; every third request has no seed (default generator). The tiny model's
+# logits are sharp (the top token leads by 7-10 nats), so the temperatures exceed vLLM's cap of 2 (engine_run
+# allows that).
+SETTINGS = [dict(temperature=5.0, top_k=6), dict(temperature=4.0, top_k=10, top_p=0.8)]
+
+
+def _sampled_requests(prompt: list[int]) -> list[dict]:
+    reqs = []
+    for i in range(NUM_REQUESTS):
+        req = {"prompt": prompt, "max_tokens": MAX_TOKENS, **SETTINGS[i % len(SETTINGS)]}
+        if i % 3:
+            req["seed"] = 1000 + i
+        reqs.append(req)
+    return reqs
+
+
+def chi_square_two_sample(a: list, b: list, min_count: int = 10) -> tuple[float, float, int]:
+    """Chi-square test of homogeneity of two samples of categories; categories with fewer than ``min_count``
+    observations in both samples together are pooled. Returns (statistic, p-value, degrees of freedom)."""
+    from scipy.stats import chi2_contingency
+
+    ca, cb = Counter(a), Counter(b)
+    keys = sorted(set(ca) | set(cb), key=str)
+    big = [k for k in keys if ca[k] + cb[k] >= min_count]
+    small = [k for k in keys if ca[k] + cb[k] < min_count]
+    table = [[ca[k] for k in big], [cb[k] for k in big]]
+    if sum(ca[k] + cb[k] for k in small) >= min_count:
+        table[0].append(sum(ca[k] for k in small))
+        table[1].append(sum(cb[k] for k in small))
+    stat, p, dof, _ = chi2_contingency(table)
+    return float(stat), float(p), int(dof)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e_sampling")
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    rng = random.Random(99)
+    return [rng.randrange(10, 1000) for _ in range(9)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp, model, prompt):
+    """Sampled continuations without speculation, plus the greedy one (the planted drafter's oracle)."""
+    greedy = {"prompt": prompt, "max_tokens": MAX_TOKENS + 1}
+    ref = run_engine(tmp, "sampled_ref", {"model": model, "engine": {"max_num_seqs": 64},
+                                          "requests": _sampled_requests(prompt) + [greedy]})
+    write_oracle(tmp, [greedy], {"outputs": [ref["outputs"].pop()]})
+    return ref
+
+
+def _tokens(out: dict) -> list[list[int]]:
+    tokens = [o["tokens"] for o in out["outputs"]]
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    return tokens
+
+
+def test_reference_is_spread(reference):
+    """The test has power only if several tokens are likely at each position."""
+    for pos in range(MAX_TOKENS):
+        counts = Counter(t[pos] for t in _tokens(reference))
+        top = counts.most_common(1)[0][1] / NUM_REQUESTS
+        likely = sum(1 for c in counts.values() if c >= 0.03 * NUM_REQUESTS)
+        print(f"position {pos}: top share {top:.2f}, tokens over 3%: {likely}, distinct {len(counts)}")
+        assert top < 0.75 and likely >= 3, counts.most_common(8)
+
+
+@pytest.mark.parametrize("drafter", ["planted", "mtp"])
+def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, reference, drafter):
+    name = f"sampled_{drafter}"
+    engine = bole_engine(tmp, name, depth=2, topk=3, budget=512, drafter=drafter, max_num_seqs=64)
+    out = run_engine(tmp, name, {"model": model, "engine": engine, "requests": _sampled_requests(prompt)})
+    ref, got = _tokens(reference), _tokens(out)
+    counters = out["counters"]
+    print(f"{drafter}: counters {counters}")
+    assert counters["num_accepted_tokens"] > 0, counters
+    assert counters["accepted_per_pos"][1] > 0, counters
+    samples = {"t2": lambda t: t[1], "t3": lambda t: t[2], "(t1,t2)": lambda t: (t[0], t[1])}
+    for label, key in samples.items():
+        stat, p, dof = chi_square_two_sample([key(t) for t in ref], [key(t) for t in got])
+        print(f"{drafter} {label}: chi2 {stat:.1f}, dof {dof}, p {p:.3g}")
+        assert p > P_MIN, (label, stat, dof, p)

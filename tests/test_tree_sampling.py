@@ -1,0 +1,163 @@
+"""Sampled tree verification ("sample, then match"): the walk rule, its exactness, and the per-row target
+distribution against vLLM's own Sampler (CPU, no engine)."""
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+
+from vllm_bole.spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, sample_tree_rows,
+                                                tree_row_probs, tree_rows_supported, walk_tree)
+
+VOCAB = 64
+
+
+def _metadata(temperature, top_k=None, top_p=None, min_p=None, generators=None) -> SamplingMetadata:
+    """A batch's sampling metadata as vLLM's input batch builds it (min-p through vLLM's processor)."""
+    n = len(temperature)
+    procs = []
+    if min_p is not None:
+        proc = MinPLogitsProcessor(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)),
+                                   torch.device("cpu"), False)
+        proc.update_state(BatchUpdate(batch_size=n, removed=[], moved=[],
+                                      added=[(i, SamplingParams(min_p=m), None, []) for i, m in enumerate(min_p)]))
+        procs.append(proc)
+    return SamplingMetadata(
+        temperature=torch.tensor(temperature, dtype=torch.float32), all_greedy=False, all_random=True,
+        top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
+        top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
+        generators=generators or {}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(n), presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(procs))
+
+
+def _vllm_probs(batch_logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The processed distribution vLLM's Sampler samples from, per batch row."""
+    _, logprobs = Sampler(logprobs_mode="processed_logprobs").sample(batch_logits.clone(), metadata)
+    return logprobs.exp()
+
+
+# ---- the walk rule --------------------------------------------------------------------------------------------
+def test_walk_follows_draws_and_stops_at_first_miss():
+    # root 0 -> 1 (tok 10), 2 (tok 11); 1 -> 3 (tok 20), 4 (tok 21); 4 -> 5 (tok 30)
+    parents = [-1, 0, 0, 1, 1, 4]
+    tokens = [-1, 10, 11, 20, 21, 30]
+    draws = [10, 21, 7, 7, 30, 8]  # draws[i]: the target's sample after node i
+    assert walk_tree(parents, tokens, draws) == [0, 1, 4, 5]     # bonus = draws[5] = 8 (node 5 is a leaf)
+    draws[4] = 22
+    assert walk_tree(parents, tokens, draws) == [0, 1, 4]        # bonus = draws[4] = 22
+    assert walk_tree(parents, tokens, [11, 0, 20, 0, 0, 0]) == [0, 2]  # node 2 has no children
+    assert walk_tree(parents, tokens, [12, 10, 0, 0, 0, 0]) == [0]     # first draw matches no child
+    # Draws at rows off the path never matter.
+    assert walk_tree(parents, tokens, [10, 20, 99, 99, 99, 99]) == [0, 1, 3]
+
+
+def test_sample_then_match_is_exact():
+    """Enumerating every draw on every row of a tree: the emitted tokens, continued autoregressively to a fixed
+    length, have exactly the autoregressive distribution."""
+    vocab, length = 3, 4
+
+    def p(prefix: tuple) -> list[float]:  # a made-up target, different after every prefix
+        w = [1.0 + ((7 * len(prefix) + sum(prefix) * 3 + t * (2 + len(prefix))) % 5) for t in range(vocab)]
+        return [x / sum(w) for x in w]
+
+    def continued(seq: tuple) -> dict[tuple, float]:  # autoregressive continuation of seq to `length` tokens
+        if len(seq) == length:
+            return {seq: 1.0}
+        return {s: p(seq)[x] * q for x in range(vocab) for s, q in continued(seq + (x,)).items()}
+
+    # root -> tok 0 (1), tok 1 (2); node 1 -> tok 2 (3), tok 0 (4); node 4 -> tok 1 (5)
+    parents = [-1, 0, 0, 1, 1, 4]
+    tokens = [-1, 0, 1, 2, 0, 1]
+    prefixes = [()]
+    for i in range(1, len(parents)):
+        prefixes.append(prefixes[parents[i]] + (tokens[i],))
+    got: dict[tuple, float] = {}
+    lengths = set()
+    for draws in itertools.product(range(vocab), repeat=len(parents)):
+        prob = 1.0
+        for row, x in enumerate(draws):
+            prob *= p(prefixes[row])[x]
+        path = walk_tree(parents, tokens, list(draws))
+        emitted = tuple(tokens[j] for j in path[1:]) + (draws[path[-1]],)
+        lengths.add(len(emitted))
+        for s, q in continued(emitted).items():
+            got[s] = got.get(s, 0.0) + prob * q
+    assert lengths == {1, 2, 3, 4}
+    want = continued(())
+    assert got.keys() == want.keys()
+    for s in want:
+        assert got[s] == pytest.approx(want[s], abs=1e-12), s
+
+
+# ---- the per-row target distribution ----------------------------------------------------------------------------
+CASES = {
+    "topk_topp_minp": dict(temperature=[0.7, 1.5, 3.0], top_k=[5, VOCAB, 12], top_p=[1.0, 0.8, 0.9],
+                           min_p=[0.0, 0.05, 0.2]),
+    "temperature_only": dict(temperature=[0.5, 2.0, 1.0]),
+    "topk_only": dict(temperature=[1.0, 4.0, 0.9], top_k=[3, 7, VOCAB]),
+    "minp_only": dict(temperature=[1.0, 4.0, 2.0], min_p=[0.1, 0.0, 0.3]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tree_row_probs_equal_vllm_sampler(case):
+    metadata = _metadata(**CASES[case])
+    gen = torch.Generator().manual_seed(0)
+    row_req = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0])
+    rows = torch.randn(len(row_req), VOCAB, generator=gen) * 3
+    before = rows.clone()
+    probs = tree_row_probs(rows, row_req, metadata)
+    assert torch.equal(rows, before), "raw logits must stay untouched"
+    for i, r in enumerate(row_req.tolist()):
+        batch = torch.randn(3, VOCAB, generator=gen) * 3
+        batch[r] = rows[i]
+        torch.testing.assert_close(probs[i], _vllm_probs(batch, metadata)[r], rtol=1e-5, atol=1e-6)
+    assert (probs > 0).sum(dim=1).min() >= 1
+
+
+def test_seeded_rows_use_the_request_generator():
+    metadata = _metadata([1.5, 1.5], top_k=[20, 20], generators={1: torch.Generator().manual_seed(5)})
+    rows = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
+    row_req = [0, 0, 1, 1, 1, 0]
+    first = sample_tree_rows(rows, row_req, metadata)
+    metadata.generators[1] = torch.Generator().manual_seed(5)
+    torch.manual_seed(123)  # the unseeded request's rows draw from the default generator
+    second = sample_tree_rows(rows, row_req, metadata)
+    assert [first[i] for i in (2, 3, 4)] == [second[i] for i in (2, 3, 4)]
+    # Every draw is in its row's support.
+    probs = tree_row_probs(rows, torch.tensor(row_req), metadata)
+    assert all(probs[i, t] > 0 for i, t in enumerate(second))
+
+
+def test_sample_tree_rows_matches_row_distribution():
+    """Many draws of one row: the empirical frequencies track the processed probabilities."""
+    metadata = _metadata([2.0], top_k=[6], top_p=[0.95], min_p=[0.02])
+    row = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    n = 20000
+    draws = sample_tree_rows(row.expand(n, VOCAB), [0] * n, metadata)
+    freq = torch.bincount(torch.tensor(draws), minlength=VOCAB).float() / n
+    probs = tree_row_probs(row, torch.tensor([0]), metadata)[0]
+    assert ((freq > 0) <= (probs > 0)).all()
+    torch.testing.assert_close(freq, probs, atol=0.02, rtol=0)
+
+
+def test_request_classes():
+    assert is_plain_greedy(SamplingParams(temperature=0.0))
+    assert not is_plain_random(SamplingParams(temperature=0.0))
+    assert is_plain_random(SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.1, seed=3))
+    for extra in (dict(presence_penalty=0.5), dict(repetition_penalty=1.1), dict(logit_bias={3: 1.0}),
+                  dict(min_tokens=2), dict(bad_words=["x"]), dict(allowed_token_ids=[1, 2]), dict(prompt_logprobs=1)):
+        assert not is_plain_random(SamplingParams(temperature=0.8, **extra)), extra
+    assert not is_plain_random(None) and not is_plain_greedy(None)
+    assert tree_rows_supported(_metadata([1.0], min_p=[0.1]))
+    custom = _metadata([1.0])
+    custom.logitsprocs.argmax_invariant.append(object())
+    assert not tree_rows_supported(custom)
