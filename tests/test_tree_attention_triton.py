@@ -1,0 +1,351 @@
+"""Triton tree attention over the paged KV cache and KV compaction, against their torch references.
+
+On a CUDA machine the kernels run compiled; without one they run under Triton's interpreter at small head
+counts and dims (the real Qwen3.5 shape is GPU-only). Caches use the FlashAttention logical layout
+``[num_blocks, kv_heads, block_size, 2 * head_size]`` with several physical layouts, shuffled block tables,
+and NaN in every cache entry no request owns, so a read outside a request's positions shows up as NaN.
+"""
+
+import contextlib
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+from sequential_gdn import build_forest, rel_err, seed_of
+from vllm_bole.kernels.forest import ancestor_mask, path_to_root
+from vllm_bole.kernels.tree_attention.reference import tree_attention
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+FP32_TOL = 1e-4
+BF16_TOL = 2e-2
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+needs_gpu = pytest.mark.skipif(not GPU, reason="real-shape heads are too slow in the Triton interpreter; "
+                                               "needs a CUDA device")
+
+
+@contextlib.contextmanager
+def _interpreter():
+    if GPU:
+        yield
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _import_kernels():
+    """Import the kernel module; on CPU make sure its kernels were built for the interpreter."""
+    with _interpreter():
+        from triton.runtime.interpreter import InterpretedFunction
+        mod = importlib.import_module("vllm_bole.kernels.tree_attention.triton_tree_attn")
+        if not GPU and not isinstance(mod._tree_attn_kernel, InterpretedFunction):
+            mod = importlib.reload(mod)
+    return mod
+
+
+ta = _import_kernels()
+
+
+@pytest.fixture(autouse=True)
+def _triton_mode(monkeypatch):
+    if not GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------------------------
+def _alloc_cache(nb, hkv, bs, d, layout, dtype, gen):
+    """A cache with the logical shape ``[nb, hkv, bs, 2d]`` in one of several physical layouts."""
+    if layout == "contiguous":
+        return torch.randn(nb, hkv, bs, 2 * d, generator=gen).to(dtype)
+    if layout == "heads_inner":  # physical [nb, bs, hkv, 2d], as FlashAttention's NHD cache is stored
+        return torch.randn(nb, bs, hkv, 2 * d, generator=gen).to(dtype).permute(0, 2, 1, 3)
+    if layout == "padded":       # every block row padded, so no stride is a product of the shape
+        buf = torch.randn(nb, hkv + 1, bs, 2 * d + 8, generator=gen).to(dtype)
+        return buf[:, 1:, :, 4:4 + 2 * d]
+    raise ValueError(layout)
+
+
+class Batch:
+    """Request b: tree ``spec[b]`` over a committed prefix of ``prefixes[b]`` tokens, K/V already in a paged
+    cache whose blocks are shuffled; query rows optionally separated by non-tree rows."""
+
+    def __init__(self, spec, prefixes, *, hq=4, hkv=2, d=16, bs=16, dtype=torch.float32, layout="contiguous",
+                 gap_rows=0, seed_params=()):
+        seed = seed_of("attn", spec, prefixes, hq, hkv, d, bs, str(dtype), layout, gap_rows, *seed_params)
+        rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        self.parent, self.cu = build_forest(spec, rng)
+        sizes = (self.cu[1:] - self.cu[:-1]).tolist()
+        self.seq_lens = [p + t for p, t in zip(prefixes, sizes)]
+        n_blocks = [-(-s // bs) for s in self.seq_lens]
+        nb = sum(n_blocks) + 2                     # two spare blocks nobody owns
+        perm = torch.randperm(nb, generator=gen).tolist()
+        width = max(n_blocks + [1]) + 2
+        self.block_table = torch.full((len(sizes), width), perm[-1], dtype=torch.int32)  # unused -> spare
+        self.kv = _alloc_cache(nb, hkv, bs, d, layout, dtype, gen)
+        owned = torch.zeros(nb, bs, dtype=torch.bool)
+        k = 0
+        for b, n in enumerate(n_blocks):
+            for j in range(n):
+                self.block_table[b, j] = perm[k]
+                owned[perm[k], :min(bs, self.seq_lens[b] - j * bs)] = True
+                k += 1
+        self.kv.masked_fill_(~owned[:, None, :, None], float("nan"))
+        qsl, rows = [], 0
+        for t in sizes:
+            rows += gap_rows
+            qsl.append(rows)
+            rows += t
+        self.query_start_loc = torch.tensor(qsl + [rows + gap_rows], dtype=torch.int32)
+        self.q = torch.randn(rows + gap_rows, hq, d, generator=gen).to(dtype)
+        self.scale = d ** -0.5
+        self.sizes = sizes
+
+    def args(self):
+        """CPU tensors in :func:`tree_attention_paged`'s argument order."""
+        return [self.q, self.kv, self.block_table, torch.tensor(self.seq_lens, dtype=torch.int32),
+                self.query_start_loc, self.parent, self.cu, self.scale]
+
+    def tree_rows(self):
+        return torch.cat([torch.arange(s, s + t) for s, t in zip(self.query_start_loc.tolist(), self.sizes)]
+                         + [torch.zeros(0, dtype=torch.long)])
+
+
+def _to_dev_view(t):
+    """Copy a (possibly non-contiguous) view to the device keeping its strides."""
+    if t.device.type == DEV:
+        return t
+    base = t.untyped_storage()
+    flat = torch.empty(0, dtype=t.dtype).set_(base).to(DEV)
+    return flat.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def check(batch: Batch, *, tol=None, config=None, max_nodes=None):
+    q, kv, bt, seq, qsl, parent, cu, scale = batch.args()
+    want = ta.tree_attention_paged_reference(q, kv, bt, seq, qsl, parent, cu, scale)
+    dq = _to_dev_view(q)
+    dkv = _to_dev_view(kv)
+    sentinel = torch.full_like(dq, 7.0)
+    got = ta.tree_attention_paged(dq, dkv, *(t.to(DEV) for t in (bt, seq, qsl, parent, cu)), scale,
+                                  out=sentinel, config=config, max_nodes=max_nodes)
+    assert got is sentinel and got.dtype == q.dtype
+    got = got.cpu()
+    rows = batch.tree_rows()
+    assert torch.isfinite(got[rows].float()).all(), "NaN/inf in tree rows"
+    other = torch.ones(q.shape[0], dtype=torch.bool)
+    other[rows] = False
+    assert (got[other] == 7.0).all(), "rows outside every tree must stay untouched"
+    tol = tol or (FP32_TOL if q.dtype == torch.float32 else BF16_TOL)
+    if rows.numel():
+        assert rel_err(got[rows], want[rows]) <= tol
+    return got
+
+
+# --------------------------------------------------------------------------------------------------------
+# The torch fallback itself, against a direct per-row softmax
+# --------------------------------------------------------------------------------------------------------
+def test_reference_matches_direct_softmax():
+    batch = Batch([("random", 7), ("chain", 3)], [5, 20], hq=4, hkv=2, d=8, bs=4, seed_params=("direct",))
+    q, kv, bt, seq, qsl, parent, cu, scale = batch.args()
+    got = ta.tree_attention_paged_reference(q, kv, bt, seq, qsl, parent, cu, scale)
+    d = q.shape[-1]
+    for b, t in enumerate(batch.sizes):
+        prefix = batch.seq_lens[b] - t
+        for i in range(t):
+            visible = list(range(prefix)) + [prefix + j for j in path_to_root(parent[cu[b]:cu[b + 1]], i)]
+            row = int(qsl[b]) + i
+            for h in range(q.shape[1]):
+                hk = h // (q.shape[1] // kv.shape[1])
+                keys = [kv[int(bt[b, p // 4]), hk, p % 4] for p in visible]
+                k = torch.stack([x[:d] for x in keys]).double()
+                v = torch.stack([x[d:] for x in keys]).double()
+                want = torch.softmax(k @ q[row, h].double() * scale, 0) @ v
+                assert torch.allclose(got[row, h].double(), want, atol=1e-5)
+
+
+def test_cpu_dispatch_runs_reference(monkeypatch):
+    if GPU:
+        pytest.skip("CPU dispatch only matters without a GPU")
+    monkeypatch.setattr(ta, "_interpreting", lambda: False)
+    args = Batch([("kary2", 6)], [9], seed_params=("dispatch",)).args()
+    assert torch.equal(ta.tree_attention_paged(*args), ta.tree_attention_paged_reference(*args))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Triton tree attention
+# --------------------------------------------------------------------------------------------------------
+SHAPES = ("chain", "star", "kary2", "kary3", "kary4", "random", "deep")
+TREE_CASES = ([("single", 1)] + [(s, t) for s in SHAPES for t in (5, 40)]
+              + [("chain", 64), ("random", 64), ("deep", 100), ("kary4", 90)])
+
+
+@pytest.mark.parametrize("shape,t", TREE_CASES)
+def test_tree_shapes(shape, t):
+    check(Batch([(shape, t)], [37], seed_params=(shape, t)))
+
+
+MULTI = [("single", 1), ("chain", 7), ("kary3", 13), ("random", 21), ("deep", 34), ("star", 5), ("kary2", 2),
+         ("random", 70)]
+PREFIXES = [0, 1, 15, 16, 33, 250, 300, 64]
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("layout", ["contiguous", "heads_inner", "padded"])
+def test_batch_of_requests_prefixes_and_layouts(bs, layout):
+    check(Batch(MULTI, PREFIXES, bs=bs, layout=layout, gap_rows=1))
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(2, 2, 16), (4, 1, 16), (6, 2, 16), (8, 2, 32), (4, 4, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_dims_dtypes(hq, hkv, d, dtype):
+    check(Batch([("random", 19), ("chain", 9), ("single", 1)], [40, 0, 130], hq=hq, hkv=hkv, d=d,
+                dtype=dtype))
+
+
+@pytest.mark.parametrize("block_m,block_n", [(8, 16), (16, 16), (8, 64), (32, 32)])
+def test_tile_sizes(block_m, block_n):
+    # BN below, equal to and above the block size; node tiles smaller than a tree.
+    cfg = {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 1}
+    check(Batch([("deep", 40), ("kary2", 17), ("star", 3)], [70, 31, 0], bs=32,
+                seed_params=(block_m, block_n)), config=cfg)
+
+
+def test_capacity_grid_and_empty_requests():
+    # Padded batch entries (T = 0) and a grid sized for capacity, not for the step's largest tree.
+    spec = [("random", 12), ("chain", 5)]
+    batch = Batch(spec, [20, 3], seed_params=("capacity",))
+    cu = batch.cu.tolist()
+    batch.cu = torch.tensor(cu[:1] + [cu[1], cu[1], cu[2], cu[2]], dtype=torch.int32)
+    batch.sizes = [12, 0, 5, 0]
+    qsl = batch.query_start_loc.tolist()
+    batch.query_start_loc = torch.tensor([qsl[0], qsl[1], qsl[1], qsl[2], qsl[2]], dtype=torch.int32)
+    batch.seq_lens = [batch.seq_lens[0], 0, batch.seq_lens[1], 0]
+    bt = batch.block_table
+    batch.block_table = torch.stack([bt[0], bt[0], bt[1], bt[1]])
+    check(batch, max_nodes=256)
+
+
+def test_scores_far_apart_stay_finite():
+    # Large logits: the online softmax must rescale, not overflow.
+    batch = Batch([("random", 30), ("chain", 4)], [100, 17], seed_params=("large",))
+    batch.q *= 40
+    check(batch)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bs", [16, 32])
+def test_real_shape_bf16(bs):
+    spec = [("kary4", 64), ("deep", 64), ("random", 48), ("single", 1), ("chain", 9), ("random", 128)]
+    check(Batch(spec, [4000, 1, 513, 2048, 0, 777], hq=16, hkv=4, d=256, bs=bs, dtype=torch.bfloat16,
+                layout="heads_inner"))
+
+
+@needs_gpu
+def test_real_shape_fp32_many_requests():
+    spec = [("random", 1 + (7 * i) % 64) for i in range(64)]
+    check(Batch(spec, [(37 * i) % 1500 for i in range(64)], hq=16, hkv=4, d=256, bs=16))
+
+
+# --------------------------------------------------------------------------------------------------------
+# KV compaction
+# --------------------------------------------------------------------------------------------------------
+def _accepted_moves(batch: Batch, rng: random.Random, bs: int):
+    """Slot moves of a random accepted path per request, in path order (as the runner lists them)."""
+    src, dst = [], []
+    cu = batch.cu.tolist()
+    for b, t in enumerate(batch.sizes):
+        if t == 0:
+            continue
+        prefix = batch.seq_lens[b] - t
+        path = path_to_root(batch.parent[cu[b]:cu[b + 1]], rng.randrange(t))
+
+        def slot(p):
+            return int(batch.block_table[b, p // bs]) * bs + p % bs
+
+        for j, node in enumerate(path):
+            if node != j:
+                src.append(slot(prefix + node))
+                dst.append(slot(prefix + j))
+    return src, dst
+
+
+def _layer_caches(n_layers, nb, hkv, bs, d, dtype, gen):
+    """Per-layer caches as strided views into one padded buffer (heads inner, like FlashAttention)."""
+    buf = torch.randn(nb, n_layers, bs, hkv, 2 * d + 4, generator=gen).to(dtype)
+    views = [buf[:, layer, :, :, 2:2 + 2 * d].permute(0, 2, 1, 3) for layer in range(n_layers)]
+    return buf, views
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_layer_slots", [False, True])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_compact_moves_exactly_accepted_slots(dtype, per_layer_slots, block_m):
+    bs, hkv, d, n_layers = 16, 2, 8, 3
+    spec = [("deep", 40), ("random", 25), ("single", 1), ("kary2", 30), ("chain", 20), ("star", 9)]
+    batch = Batch(spec, [17, 0, 5, 31, 60, 2], bs=bs, seed_params=("compact",))
+    rng = random.Random(seed_of("compact", str(dtype), per_layer_slots))
+    gen = torch.Generator().manual_seed(seed_of("compact-cache", str(dtype)))
+    nb = batch.kv.shape[0]
+    buf, caches = _layer_caches(n_layers, nb, hkv, bs, d, dtype, gen)
+    moves = [_accepted_moves(batch, rng, bs) for _ in range(n_layers if per_layer_slots else 1)]
+    m = max(len(s) for s, _ in moves) + 3                 # capacity-sized, padded with -1
+    pad = [(s + [-1] * (m - len(s)), t + [-1] * (m - len(t))) for s, t in moves]
+    src = torch.tensor([s for s, _ in pad], dtype=torch.int64)
+    dst = torch.tensor([t for _, t in pad], dtype=torch.int64)
+    if not per_layer_slots:
+        src, dst = src[0], dst[0]
+    assert sum(len(s) for s, _ in moves) > 0
+
+    want_buf = buf.clone()
+    want = [want_buf[:, layer, :, :, 2:2 + 2 * d].permute(0, 2, 1, 3) for layer in range(n_layers)]
+    ta.compact_kv_paged_reference(want, src, dst)
+    dbuf = buf.clone().to(DEV)
+    dcaches = [dbuf[:, layer, :, :, 2:2 + 2 * d].permute(0, 2, 1, 3) for layer in range(n_layers)]
+    ta.compact_kv_paged(dcaches, src.to(DEV), dst.to(DEV), block_m=block_m)
+    got = dbuf.cpu()
+    assert torch.equal(got, want_buf)
+    # Exactly the destination slots changed, each to its source's original K/V.
+    for layer in range(n_layers):
+        s_l, d_l = moves[layer if per_layer_slots else 0]
+        changed = torch.zeros(nb, bs, dtype=torch.bool)
+        for a, z in zip(s_l, d_l):
+            changed[z // bs, z % bs] = True
+            assert torch.equal(got[z // bs, layer, z % bs, :, 2:2 + 2 * d], buf[a // bs, layer, a % bs, :, 2:2 + 2 * d])
+        assert torch.equal(got[:, layer][~changed], buf[:, layer][~changed])
+    assert torch.equal(got[..., :2], buf[..., :2]) and torch.equal(got[..., -2:], buf[..., -2:])
+
+
+def test_compact_reads_every_source_before_writing():
+    # A cycle of moves inside one tile: every destination is also a source.
+    gen = torch.Generator().manual_seed(seed_of("cycle"))
+    buf, caches = _layer_caches(2, 4, 2, 16, 16, torch.float32, gen)
+    src = torch.tensor([3, 20, 40, 63])
+    dst = torch.tensor([20, 40, 63, 3])
+    want_buf = buf.clone()
+    ta.compact_kv_paged_reference([want_buf[:, i, :, :, 2:34].permute(0, 2, 1, 3) for i in range(2)], src, dst)
+    dbuf = buf.clone().to(DEV)
+    ta.compact_kv_paged([dbuf[:, i, :, :, 2:34].permute(0, 2, 1, 3) for i in range(2)], src.to(DEV), dst.to(DEV))
+    assert torch.equal(dbuf.cpu(), want_buf)
+    assert torch.equal(want_buf[1, :, 4, :, 2:34], buf[0, :, 3, :, 2:34])  # slot 3 -> 20
+
+
+def test_compact_nothing_to_move():
+    gen = torch.Generator().manual_seed(seed_of("empty"))
+    buf, caches = _layer_caches(2, 3, 2, 16, 8, torch.float32, gen)
+    dbuf = buf.clone().to(DEV)
+    views = [dbuf[:, i, :, :, 2:18].permute(0, 2, 1, 3) for i in range(2)]
+    ta.compact_kv_paged(views, torch.zeros(0, dtype=torch.int64, device=DEV),
+                        torch.zeros(0, dtype=torch.int64, device=DEV))
+    ta.compact_kv_paged(views, torch.full((5,), -1, device=DEV), torch.full((5,), -1, device=DEV))
+    assert torch.equal(dbuf.cpu(), buf)
