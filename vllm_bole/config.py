@@ -31,6 +31,8 @@ class BoleConfig:
     drafter: str = "mtp"
     # Free-form arguments handed to a custom drafter.
     drafter_args: dict[str, Any] = field(default_factory=dict)
+    # Benchmarks only: accept paths from given rates instead of the target (see spec_decode/synthetic.py).
+    synthetic_acceptance: bool | dict[str, Any] | None = None
 
     @property
     def max_nodes_per_request(self) -> int:
@@ -55,7 +57,8 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     """Split a ``{"method": "bole", ...}`` dict into (BoleConfig, remaining vLLM keys)."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
-    known = {"method", "num_speculative_tokens", "topk", "budget", "drafter", "drafter_args"} | _PASSTHROUGH_KEYS
+    known = {"method", "num_speculative_tokens", "topk", "budget", "drafter", "drafter_args",
+             "synthetic_acceptance"} | _PASSTHROUGH_KEYS
     unknown = sorted(set(spec) - known)
     if unknown:
         raise BoleConfigError(
@@ -72,7 +75,11 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     drafter_args = spec.get("drafter_args", {})
     if not isinstance(drafter_args, dict):
         raise BoleConfigError(f"speculative_config.drafter_args must be a dict, got {type(drafter_args).__name__}")
-    return BoleConfig(depth, topk, budget, drafter, drafter_args), rest
+    synthetic = spec.get("synthetic_acceptance")
+    from .spec_decode.synthetic import parse_synthetic
+
+    parse_synthetic(synthetic)  # validate here, where the user's config is read
+    return BoleConfig(depth, topk, budget, drafter, drafter_args, synthetic), rest
 
 
 def bole_config_from_vllm(vllm_config) -> BoleConfig | None:

@@ -15,6 +15,7 @@ from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..spec_decode.budget import node_budget
 from ..spec_decode.drafter import DraftStep, make_drafter
+from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_global
 from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
                                         tree_rows_supported, walk_tree)
@@ -31,6 +32,7 @@ class BoleModelRunnerMixin:
         self._bole_trees: dict[str, DraftTree] = {}
         self._bole_forest: StepForest | None = None
         self._bole_paths: list[list[int]] | None = None  # per batch request, this step's accepted nodes
+        self._bole_synthetic = parse_synthetic(self.bole_config.synthetic_acceptance)
         self.bole_drafter = None
 
     def load_model(self, *args, **kwargs):
@@ -124,8 +126,12 @@ class BoleModelRunnerMixin:
                                      self.sampler.use_fp64_gumbel)
             offsets = np.concatenate([[0], np.cumsum([num_rows[r] for r in drawn])]).tolist()
             targets |= {r: draws[offsets[k]:offsets[k + 1]] for k, r in enumerate(drawn)}
-        paths = [walk_tree(forest.parents_of(tree_of[r]), forest.tokens[tree_of[r]], targets[r])
-                 if r in targets else [0] for r in range(len(self.input_batch.req_ids))]
+        if self._bole_synthetic is not None:  # benchmarks: accepted paths from given rates, not the target
+            paths = [self._bole_synthetic.walk(forest.parents_of(tree_of[r])) if r in tree_of else [0]
+                     for r in range(len(self.input_batch.req_ids))]
+        else:
+            paths = [walk_tree(forest.parents_of(tree_of[r]), forest.tokens[tree_of[r]], targets[r])
+                     if r in targets else [0] for r in range(len(self.input_batch.req_ids))]
         final_rows = [row_start[r] + path[-1] for r, path in enumerate(paths)]
         final = self.sampler(logits=logits[torch.tensor(final_rows, device=logits.device)],
                              sampling_metadata=metadata)

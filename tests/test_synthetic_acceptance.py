@@ -1,0 +1,83 @@
+"""Synthetic acceptance (benchmarks at real shapes): rates, validation, and a run through vLLM."""
+
+import pytest
+
+from vllm_bole.config import BoleConfigError, parse_bole_config
+from vllm_bole.spec_decode.synthetic import SyntheticAcceptance, parse_synthetic
+
+
+def _full_tree(k: int, depth: int) -> list[int]:
+    parents = [-1]
+    level = [0]
+    for _ in range(depth):
+        nxt = []
+        for p in level:
+            for _ in range(k):
+                parents.append(p)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    return parents
+
+
+def test_rates_are_followed_per_depth_and_rank():
+    syn = SyntheticAcceptance(rates=(0.9, 0.5), sibling_rates=(0.4,), seed=1)
+    parents = _full_tree(2, 3)
+    n = 20000
+    depth_counts = [0, 0, 0, 0]
+    rank1_at_depth1 = 0
+    for _ in range(n):
+        path = syn.walk(parents)
+        depth_counts[len(path) - 1] += 1
+        if len(path) > 1 and path[1] == 2:  # the second child of the root
+            rank1_at_depth1 += 1
+    reach1 = 0.9 + 0.1 * 0.4
+    reach2 = reach1 * (0.5 + 0.5 * 0.4)
+    assert abs(sum(depth_counts[1:]) / n - reach1) < 0.01
+    assert abs(sum(depth_counts[2:]) / n - reach2) < 0.01
+    assert abs(rank1_at_depth1 / n - 0.1 * 0.4) < 0.006
+
+
+def test_missing_rank_stops_the_walk():
+    syn = SyntheticAcceptance(rates=(0.0,), sibling_rates=(1.0,), seed=0)
+    assert syn.walk([-1, 0]) == [0]           # rank 2 drawn, only one child
+    assert syn.walk([-1, 0, 0]) == [0, 2]
+
+
+@pytest.mark.parametrize("value", ["yes", {"rates": [1.5]}, {"rate": [0.5]}, {"rates": []}])
+def test_bad_values_name_the_field(value):
+    with pytest.raises(BoleConfigError, match="synthetic_acceptance"):
+        parse_bole_config({"method": "bole", "synthetic_acceptance": value})
+
+
+def test_defaults():
+    syn = parse_synthetic(True)
+    assert syn.rates[:3] == (0.917, 0.837, 0.648) and syn.sibling_rates == (0.35, 0.2, 0.1)
+    assert parse_synthetic(None) is None
+
+
+@pytest.mark.vllm
+def test_synthetic_run_through_vllm(tmp_path):
+    import json
+
+    from e2e_support import bole_engine, random_requests, run_engine
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    model = tiny_model_dir("qwen3_5")
+    vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
+    engine = bole_engine(tmp_path, "syn", 4, 2, 256, drafter="mtp", max_num_seqs=8)
+    engine["speculative_config"]["synthetic_acceptance"] = {"rates": [0.9, 0.8, 0.7, 0.6], "seed": 3}
+    out = run_engine(tmp_path, "syn", {"model": model, "engine": engine,
+                                       "requests": random_requests(vocab, [5, 9, 30, 12, 7, 3, 20, 16],
+                                                                   max_tokens=64)})
+    c = out["counters"]
+    per_pos = [a / c["num_drafts"] for a in c["accepted_per_pos"][:4]]
+    expected = [0.9 + 0.1 * 0.35]
+    for rate in (0.8, 0.7, 0.6):
+        expected.append(expected[-1] * (rate + (1 - rate) * 0.35))
+    print("synthetic per-depth acceptance", per_pos, "expected about", expected)
+    assert all(len(o["tokens"]) == 64 for o in out["outputs"])
+    # Both depth-1 children are always in the tree; deeper, a drawn rank may be missing (only the best nodes of
+    # a level are expanded and each request keeps 8 nodes), which can only lower acceptance.
+    assert abs(per_pos[0] - expected[0]) < 0.08, (per_pos, expected)
+    for got, want in zip(per_pos[1:], expected[1:]):
+        assert 0 < got < want + 0.08, (per_pos, expected)

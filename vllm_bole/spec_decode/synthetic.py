@@ -1,0 +1,71 @@
+"""Synthetic acceptance for benchmarking trees at real shapes with dummy weights.
+
+Like vLLM's ``rejection_sample_method: "synthetic"`` for chains, the accepted path is drawn from given rates
+instead of the target's tokens (the emitted tokens are then the drafts', so outputs are meaningless): at depth
+d the target's token is the node's rank-1 child with probability ``rates[d-1]`` (the last rate repeats), else
+rank 2 with probability ``sibling_rates[0]``, else rank 3 with ``sibling_rates[1]``, and so on; if that child
+is not in the tree (or no rank is drawn) the walk stops. A child's rank is its order among its siblings, which
+is the drafter's probability order.
+"""
+
+import random
+from dataclasses import dataclass, field
+
+# Per-position acceptance of a strong MTP chain (Qwen3.6-27B recipe), then 0.3.
+DEFAULT_RATES = (0.917, 0.837, 0.648, 0.538, 0.451, 0.348, 0.3)
+DEFAULT_SIBLING_RATES = (0.35, 0.2, 0.1)
+
+
+@dataclass(frozen=True)
+class SyntheticAcceptance:
+    rates: tuple[float, ...] = DEFAULT_RATES
+    sibling_rates: tuple[float, ...] = DEFAULT_SIBLING_RATES
+    seed: int = 0
+    _rng: random.Random = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_rng", random.Random(self.seed))
+
+    def draw_rank(self, depth: int) -> int | None:
+        """0-based sibling rank of the target's token at ``depth`` (1 = children of the root), or None."""
+        rng = self._rng
+        if rng.random() < self.rates[min(depth, len(self.rates)) - 1]:
+            return 0
+        for rank, rate in enumerate(self.sibling_rates, start=1):
+            if rng.random() < rate:
+                return rank
+        return None
+
+    def walk(self, parents: list[int]) -> list[int]:
+        """Accepted path (local indices, root 0 first) of a verification tree with ``parents[0] == -1``."""
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            if p >= 0:
+                children.setdefault(p, []).append(i)
+        path = [0]
+        while True:
+            rank = self.draw_rank(len(path))
+            kids = children.get(path[-1], [])
+            if rank is None or rank >= len(kids):
+                return path
+            path.append(kids[rank])
+
+
+def parse_synthetic(value) -> SyntheticAcceptance | None:
+    """From ``speculative_config["synthetic_acceptance"]``: false/None, true (defaults) or
+    ``{"rates": [...], "sibling_rates": [...], "seed": int}``."""
+    from ..config import BoleConfigError
+
+    if value in (None, False):
+        return None
+    if value is True:
+        return SyntheticAcceptance()
+    if not isinstance(value, dict) or set(value) - {"rates", "sibling_rates", "seed"}:
+        raise BoleConfigError("speculative_config.synthetic_acceptance must be true or a dict with keys "
+                              f"'rates', 'sibling_rates', 'seed'; got {value!r}")
+    rates = tuple(value.get("rates", DEFAULT_RATES))
+    siblings = tuple(value.get("sibling_rates", DEFAULT_SIBLING_RATES))
+    if not rates or not all(isinstance(r, (int, float)) and 0.0 <= r <= 1.0 for r in rates + siblings):
+        raise BoleConfigError("speculative_config.synthetic_acceptance rates must be numbers in [0, 1], "
+                              f"got rates={list(rates)} sibling_rates={list(siblings)}")
+    return SyntheticAcceptance(rates, siblings, int(value.get("seed", 0)))
