@@ -5,9 +5,6 @@ On a CUDA machine the kernels run compiled. Without one they run under Triton's 
 tests marked ``gpu`` need the real device.
 """
 
-import contextlib
-import importlib
-import os
 import random
 
 import pytest
@@ -15,12 +12,11 @@ import torch
 
 import vllm_bole.kernels as kernels
 from sequential_gdn import build_forest, max_depth, random_gdn_inputs, rel_err, seed_of
+from triton_modes import DEV, GPU, import_kernel_modules
 from vllm_bole.kernels.forest import ancestor_mask
 from vllm_bole.kernels.tree_conv1d import reference as conv_ref
 from vllm_bole.kernels.tree_gdn import reference as gdn_ref
 
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
 FP32_TOL = 1e-4
 BF16_TOL = 2e-2
 gpu = pytest.mark.gpu
@@ -29,36 +25,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 
 
-@contextlib.contextmanager
-def _interpreter():
-    if GPU:
-        yield
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-def _import_kernels():
-    """Import the kernel modules; on CPU make sure their kernels were built for the interpreter."""
-    names = ["vllm_bole.kernels.tree_gdn.triton_verify", "vllm_bole.kernels.tree_gdn.triton_commit",
-             "vllm_bole.kernels.tree_conv1d.triton_conv"]
-    with _interpreter():
-        from triton.runtime.interpreter import InterpretedFunction
-        mods = [importlib.import_module(n) for n in names]
-        if not GPU:
-            mods = [m if isinstance(m.__dict__[k], InterpretedFunction) else importlib.reload(m)
-                    for m in mods for k in [next(k for k in vars(m) if k.endswith("_kernel"))]]
-    return mods
-
-
-tv, tc, tconv = _import_kernels()
+tv, tc, tconv = import_kernel_modules("vllm_bole.kernels.tree_gdn.triton_verify",
+                                      "vllm_bole.kernels.tree_gdn.triton_commit",
+                                      "vllm_bole.kernels.tree_conv1d.triton_conv")
 
 
 @pytest.fixture(autouse=True)

@@ -6,20 +6,15 @@ counts and dims (the real Qwen3.5 shape is GPU-only). Caches use the FlashAttent
 and NaN in every cache entry no request owns, so a read outside a request's positions shows up as NaN.
 """
 
-import contextlib
-import importlib
-import os
 import random
 
 import pytest
 import torch
 
 from sequential_gdn import build_forest, rel_err, seed_of
-from vllm_bole.kernels.forest import ancestor_mask, path_to_root
-from vllm_bole.kernels.tree_attention.reference import tree_attention
+from triton_modes import DEV, GPU, import_kernel_modules
+from vllm_bole.kernels.forest import path_to_root
 
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
 FP32_TOL = 1e-4
 BF16_TOL = 2e-2
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -27,33 +22,7 @@ needs_gpu = pytest.mark.skipif(not GPU, reason="real-shape heads are too slow in
                                                "needs a CUDA device")
 
 
-@contextlib.contextmanager
-def _interpreter():
-    if GPU:
-        yield
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-def _import_kernels():
-    """Import the kernel module; on CPU make sure its kernels were built for the interpreter."""
-    with _interpreter():
-        from triton.runtime.interpreter import InterpretedFunction
-        mod = importlib.import_module("vllm_bole.kernels.tree_attention.triton_tree_attn")
-        if not GPU and not isinstance(mod._tree_attn_kernel, InterpretedFunction):
-            mod = importlib.reload(mod)
-    return mod
-
-
-ta = _import_kernels()
+(ta,) = import_kernel_modules("vllm_bole.kernels.tree_attention.triton_tree_attn")
 
 
 @pytest.fixture(autouse=True)

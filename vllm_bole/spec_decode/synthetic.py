@@ -11,6 +11,8 @@ is the drafter's probability order.
 import random
 from dataclasses import dataclass, field
 
+from .tree import children_of
+
 # Per-position acceptance of a strong MTP chain (Qwen3.6-27B recipe), then 0.3.
 DEFAULT_RATES = (0.917, 0.837, 0.648, 0.538, 0.451, 0.348, 0.3)
 DEFAULT_SIBLING_RATES = (0.35, 0.2, 0.1)
@@ -38,10 +40,7 @@ class SyntheticAcceptance:
 
     def walk(self, parents: list[int]) -> list[int]:
         """Accepted path (local indices, root 0 first) of a verification tree with ``parents[0] == -1``."""
-        children: dict[int, list[int]] = {}
-        for i, p in enumerate(parents):
-            if p >= 0:
-                children.setdefault(p, []).append(i)
+        children = children_of(parents)
         path = [0]
         while True:
             rank = self.draw_rank(len(path))

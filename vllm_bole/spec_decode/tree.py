@@ -32,6 +32,15 @@ class DraftTree:
         return [-1] + [p + 1 for p in self.parents]
 
 
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """Each node's children, in node order (for a drafter's tree: its probability order)."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(p, []).append(i)
+    return children
+
+
 def select_global(trees: list[DraftTree], budget: int) -> list[DraftTree]:
     """Keep the ``budget`` highest-scoring nodes over all requests.
 

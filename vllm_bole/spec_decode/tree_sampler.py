@@ -11,6 +11,8 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
 from vllm.v1.sample.sampler import _SAMPLING_EPS, Sampler
 
+from .tree import children_of
+
 
 def _no_logits_processors(params) -> bool:
     """True when nothing but temperature, top-k, top-p, min-p and the seed shapes the next-token distribution."""
@@ -97,10 +99,7 @@ def walk_tree(parents: list[int], tokens: list[int], targets: list[int]) -> list
     prefix is exactly the tokens emitted before it, so the emitted sequence has the distribution of plain
     autoregressive sampling, whatever the tree holds.
     """
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        if p >= 0:
-            children.setdefault(p, []).append(i)
+    children = children_of(parents)
     path = [0]
     while True:
         want = targets[path[-1]]
