@@ -14,6 +14,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from ..attention.tree_rows import request_slots
 from ..kernels.forest import ancestor_mask
 from ..worker.forest_context import StepForest, TreeRows, forest_scope
 from .drafter import DraftStep, TreeDrafter
@@ -22,7 +23,7 @@ from .tree import DraftTree
 
 @dataclass
 class _Growing:
-    """One request's tree while it grows; ``query`` holds the MTP query index of each expanded node."""
+    """One request's tree while it grows; ``query_of`` holds the MTP query index of each expanded node."""
 
     req_index: int
     next_pos: int                       # position of the root (the last sampled token)
@@ -74,7 +75,10 @@ class MTPTreeDrafter(TreeDrafter):
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
         cm, block_size = step.common_attn_metadata, self._block_size()
-        slot = lambda r, pos: int(cm.block_table_tensor[r, pos // block_size]) * block_size + pos % block_size
+
+        def slots(r, positions):
+            pos = torch.tensor(positions, device=cm.block_table_tensor.device)
+            return request_slots(cm.block_table_tensor[r], pos, block_size).tolist()
 
         # 1. Catch up on the committed tokens (every request that ran this step keeps its MTP KV in step).
         chunks, last_rows, growing = [], [], []
@@ -83,7 +87,7 @@ class MTPTreeDrafter(TreeDrafter):
                 continue
             rows, tokens, positions = fp
             chunks.append((r, tokens, step.hidden_states[torch.tensor(rows, device=step.hidden_states.device)],
-                           positions, positions[-1] + 1, [slot(r, p) for p in positions]))
+                           positions, positions[-1] + 1, slots(r, positions)))
             last_rows.append(sum(len(c[1]) for c in chunks) - 1)
             if step.contexts[r] is not None:
                 growing.append((r, len(chunks) - 1))
@@ -116,7 +120,7 @@ class MTPTreeDrafter(TreeDrafter):
                 depths = g.tree.depths()
                 hidden = torch.stack([g.hidden[g.tree.parents[n]] for n in best])
                 positions = [g.next_pos + depths[n] - 1 for n in best]
-                query_slots = [slot(g.req_index, g.next_pos + g.query_of[n]) for n in best]
+                query_slots = slots(g.req_index, [g.next_pos + g.query_of[n] for n in best])
                 n_queries = len(g.query_of)
                 chunks.append((g.req_index, [g.tree.tokens[n] for n in best], hidden, positions,
                                g.next_pos + n_queries, query_slots))

@@ -22,8 +22,8 @@ def paged_kv(kv_cache: torch.Tensor):
     return NHDPagedKV(kv_cache)
 
 
-def accepted_slot_moves(forest, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source slots, destination slots) of every accepted non-root node whose slot changes."""
+def accepted_row_moves(forest) -> tuple[list[int], list[int]]:
+    """(source rows, destination rows) in the step's flat token arrays of every accepted node that moves."""
     src, dst = [], []
     for i, path in enumerate(forest.accepted_paths):
         base = forest.query_starts[i]
@@ -31,19 +31,24 @@ def accepted_slot_moves(forest, slot_mapping: torch.Tensor) -> tuple[torch.Tenso
             if node != j:
                 src.append(base + node)
                 dst.append(base + j)
-    rows_src = torch.tensor(src, dtype=torch.long, device=slot_mapping.device)
-    rows_dst = torch.tensor(dst, dtype=torch.long, device=slot_mapping.device)
-    return slot_mapping[rows_src].long(), slot_mapping[rows_dst].long()
+    return src, dst
+
+
+def accepted_slot_moves(forest, slot_mapping: torch.Tensor, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source slots, destination slots) of those moves in one KV-cache group (``rows``: precomputed moves)."""
+    src, dst = rows if rows is not None else accepted_row_moves(forest)
+    idx = lambda r: torch.tensor(r, dtype=torch.long, device=slot_mapping.device)  # noqa: E731
+    return slot_mapping[idx(src)].long(), slot_mapping[idx(dst)].long()
 
 
 def compact_accepted_kv(runner, forest) -> None:
-    if not any(any(n != j for j, n in enumerate(p)) for p in forest.accepted_paths):
+    rows = accepted_row_moves(forest)
+    if not rows[0]:
         return
     layers = runner.compilation_config.static_forward_context
     for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         if not isinstance(group.kv_cache_spec, AttentionSpec):
             continue
-        total = forest.query_starts[-1] + len(forest.tokens[-1])
-        src, dst = accepted_slot_moves(forest, runner.input_batch.block_table[gid].slot_mapping.gpu[:total])
+        src, dst = accepted_slot_moves(forest, runner.input_batch.block_table[gid].slot_mapping.gpu, rows)
         for name in group.layer_names:
             compact_kv(paged_kv(layers[name].kv_cache), src, dst)
