@@ -127,6 +127,43 @@ def test_verify_launch_configs(config):
                  seed_params=("config",))
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_verify_reads_state_slots_in_place_and_fills_given_factor_buffers(state_dtype):
+    """As the GDN layer calls it: the whole strided state cache plus slot indices, per-forest hints
+    (max_seqlen, ancestor bits) and one layer's slice of a step-wide factor buffer."""
+    spec = [("random", 9), ("deep", 20), ("single", 1), ("kary2", 6)]
+    parent, cu = forest(spec, "slots")
+    hk, hv, dk, dv, num_slots = 1, 2, 16, 16, 7
+    q, k, v, g, beta, s0 = gdn_inputs(parent, cu, hk, hv, dk, dv, seed=seed_of("slots", str(state_dtype)))
+    slots = torch.tensor([5, 0, 3, 6], dtype=torch.int32, device=DEV)
+    gen = torch.Generator().manual_seed(seed_of("slots-cache"))
+    buf = torch.randn(num_slots, hv * dv * dk + 5, generator=gen).to(DEV)
+    cache = buf[:, 3:3 + hv * dv * dk].view(num_slots, hv, dv, dk)        # padded rows: a strided view
+    cache[slots.long()] = s0
+    cache = cache.to(state_dtype) if state_dtype != torch.float32 else cache
+    n = parent.numel()
+    stacked = gdn_ref.TreeFactors(k=torch.full((3, n, hk, dk), float("nan"), device=DEV),
+                                  u=torch.full((3, n, hv, dv), float("nan"), device=DEV),
+                                  g_cum=torch.full((3, n, hv), float("nan"), device=DEV))
+    layer = gdn_ref.TreeFactors(k=stacked.k[1], u=stacked.u[1], g_cum=stacked.g_cum[1])
+    max_t = max(t for _, t in spec)
+    o, f = tv.tree_gdn_verify(q, k, v, g, beta, cache, parent, cu, use_qk_l2norm_in_kernel=True,
+                              state_indices=slots, max_seqlen=max_t, bits=tv.ancestor_bits(parent, cu, max_t),
+                              out_factors=layer)
+    assert f is layer
+    o_ref, f_ref = gdn_ref.tree_gdn_verify(*[t.cpu() for t in (q, k, v, g, beta, cache.float(), parent, cu)],
+                                           use_qk_l2norm_in_kernel=True, state_indices=slots.cpu())
+    tol = FP32_TOL if state_dtype == torch.float32 else BF16_TOL
+    for got, want in ((o, o_ref), (stacked.u[1], f_ref.u), (stacked.k[1], f_ref.k), (stacked.g_cum[1], f_ref.g_cum)):
+        assert rel_err(got.cpu(), want) <= tol
+    assert torch.isnan(stacked.u[0]).all() and torch.isnan(stacked.u[2]).all()  # other layers untouched
+    # The dispatching entry point gives the same on any device, the reference path filling the buffers too.
+    again = gdn_ref.TreeFactors(*(torch.empty_like(t) for t in (layer.k, layer.u, layer.g_cum)))
+    o2, _ = kernels.tree_gdn_verify(q, k, v, g, beta, cache, parent, cu, use_qk_l2norm_in_kernel=True,
+                                    state_indices=slots, out_factors=again)
+    assert rel_err(o2.cpu(), o_ref) <= tol and rel_err(again.u.cpu(), f_ref.u) <= tol
+
+
 @pytest.mark.parametrize("t", [1, 31, 32, 33, 200, 300])
 def test_ancestor_bits_match_mask(t):
     spec = [("random", t), ("forest", max(1, t // 3)), ("deep", t)]

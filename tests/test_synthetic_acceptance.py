@@ -37,6 +37,25 @@ def test_rates_are_followed_per_depth_and_rank():
     assert abs(rank1_at_depth1 / n - 0.1 * 0.4) < 0.006
 
 
+def test_child_probability_is_the_walks_frequency():
+    syn = SyntheticAcceptance(rates=(0.8, 0.6), sibling_rates=(0.5, 0.25), seed=3)
+    parents = _full_tree(4, 2)          # root children 1..4, each with 4 children
+    n = 40000
+    first_rank, second_rank = [0] * 4, [0] * 4
+    for _ in range(n):
+        path = syn.walk(parents)
+        if len(path) > 1:
+            first_rank[path[1] - 1] += 1
+        if len(path) > 2 and path[1] == 1:
+            second_rank[(path[2] - 5) % 4] += 1
+    for rank in range(4):
+        assert abs(first_rank[rank] / n - syn.child_probability(1, rank)) < 0.01
+        assert abs(second_rank[rank] / n - syn.child_probability(1, 0) * syn.child_probability(2, rank)) < 0.01
+    assert syn.child_probability(1, 3) == 0.0                 # only two sibling rates
+    assert syn.child_probability(5, 0) == 0.6                 # the last rate repeats
+    assert abs(sum(syn.child_probability(2, r) for r in range(3)) - (0.6 + 0.4 * (0.5 + 0.5 * 0.25))) < 1e-12
+
+
 def test_missing_rank_stops_the_walk():
     syn = SyntheticAcceptance(rates=(0.0,), sibling_rates=(1.0,), seed=0)
     assert syn.walk([-1, 0]) == [0]           # rank 2 drawn, only one child

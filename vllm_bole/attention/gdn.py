@@ -61,8 +61,12 @@ def conv_weight_2d(layer) -> torch.Tensor:
 
 
 class BoleQwenGDN(QwenGatedDeltaNetAttention):
+    # GDN layers of the model being served (each worker process builds one model).
+    num_layers = 0
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        BoleQwenGDN.num_layers += 1
         # Every platform reaches ``_forward_core`` through vLLM's ``qwen_gdn_attention_core`` op; its input and
         # output projections are the same torch modules the CPU path uses.
         self._forward_method = self.forward_cuda
@@ -123,35 +127,82 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
             attn[self.prefix] = original
 
     def _verify_trees(self, x, b, a, state_slots, forest):
-        """Outputs of every tree node ``[N, HV, dv]``; stashes the factors for :func:`commit_step`."""
-        slots = state_slots.long()
-        conv_state = conv_state_view(self)[slots]
+        """Outputs of every tree node ``[N, HV, dv]``; keeps the factors for :func:`commit_step`."""
+        scratch = GDNStepScratch.of(forest, self, x)
+        layer = scratch.add_layer(self, state_slots)
+        conv_state = conv_state_view(self)[state_slots.long()]
         y = kernels.tree_causal_conv1d(x, conv_weight_2d(self), self.conv1d.bias, conv_state,
                                        forest.parent, forest.cu_seqlens, activation=self.activation)
+        scratch.conv_inputs[layer].copy_(x)
         q, k, v = self.rearrange_mixed_qkv(y)
         n = x.shape[0]
         q, k, v = (t.reshape(n, -1, t.shape[-1]) for t in (q, k, v))
         g, beta = gdn_gates(self, a, b)
-        o, factors = kernels.tree_gdn_verify(
-            q, k, v, g, beta, ssm_state_view(self)[slots].float(), forest.parent, forest.cu_seqlens,
-            use_qk_l2norm_in_kernel=True)
-        forest.gdn_scratch[self.prefix] = (self, factors, x, state_slots)
+        o, _ = kernels.tree_gdn_verify(
+            q, k, v, g, beta, ssm_state_view(self), forest.parent, forest.cu_seqlens,
+            use_qk_l2norm_in_kernel=True, state_indices=state_slots, out_factors=scratch.factors_of(layer),
+            max_seqlen=forest.max_nodes or None, bits=scratch.ancestor_bits(forest))
         return o.to(x.dtype)
+
+
+class GDNStepScratch:
+    """What a verification step's GDN layers leave for the commit, stacked over layers so that one call
+    commits them all without copying: factors ``[L, N, ...]``, conv inputs ``[L, N, conv_dim]`` and each
+    layer's state slots. Allocated by the step's first GDN layer (every Bole GDN layer of the model runs in
+    each step; L is their count)."""
+
+    def __init__(self, n_layers: int, layer, x: torch.Tensor):
+        n, dev = x.shape[0], x.device
+        hk, hv = layer.num_k_heads // layer.tp_size, layer.num_v_heads // layer.tp_size
+        self.layers: list = []
+        self.slots: list[torch.Tensor] = []
+        self.factors = TreeFactors(
+            k=torch.empty(n_layers, n, hk, layer.head_k_dim, dtype=torch.float32, device=dev),
+            u=torch.empty(n_layers, n, hv, layer.head_v_dim, dtype=torch.float32, device=dev),
+            g_cum=torch.empty(n_layers, n, hv, dtype=torch.float32, device=dev))
+        self.conv_inputs = torch.empty(n_layers, n, x.shape[1], dtype=x.dtype, device=dev)
+        self._bits = None
+
+    @classmethod
+    def of(cls, forest, layer, x: torch.Tensor) -> "GDNStepScratch":
+        if forest.gdn_scratch is None:
+            forest.gdn_scratch = cls(BoleQwenGDN.num_layers, layer, x)
+        return forest.gdn_scratch
+
+    def add_layer(self, layer, state_slots: torch.Tensor) -> int:
+        self.layers.append(layer)
+        self.slots.append(state_slots)
+        return len(self.layers) - 1
+
+    def factors_of(self, i: int) -> TreeFactors:
+        return TreeFactors(k=self.factors.k[i], u=self.factors.u[i], g_cum=self.factors.g_cum[i])
+
+    def ancestor_bits(self, forest):
+        """The forest's ancestor bitmask for the Triton verify, built once for all layers (None on CPU)."""
+        if self._bits is None and forest.parent.is_cuda and forest.max_nodes:
+            from ..kernels.tree_gdn.triton_verify import ancestor_bits
+
+            self._bits = ancestor_bits(forest.parent, forest.cu_seqlens, forest.max_nodes)
+        return self._bits
+
+    def used(self) -> tuple[TreeFactors, torch.Tensor]:
+        """Factors and conv inputs of the layers that ran (all of them in a full forward)."""
+        n = len(self.layers)
+        f = self.factors
+        return TreeFactors(k=f.k[:n], u=f.u[:n], g_cum=f.g_cum[:n]), self.conv_inputs[:n]
 
 
 def commit_step(forest) -> None:
     """Write the accepted path's GDN state and conv window into every GDN layer's single slot: one batched
     call each for all layers (layers of different KV-cache groups have their own slot per request)."""
-    if not forest.gdn_scratch:
+    scratch = forest.gdn_scratch
+    if scratch is None or not scratch.layers:
         return
-    entries = list(forest.gdn_scratch.values())
-    slots = torch.stack([e[3] for e in entries]).to(torch.int32).contiguous()       # [L, B]
-    accepted = torch.tensor(forest.accepted, dtype=torch.int32, device=slots.device)
-    factors = TreeFactors(k=torch.stack([e[1].k for e in entries]), u=torch.stack([e[1].u for e in entries]),
-                          g_cum=torch.stack([e[1].g_cum for e in entries]))
-    kernels.commit_accepted_inplace([ssm_state_view(e[0]) for e in entries], slots, factors, accepted,
+    slots = torch.stack(scratch.slots).to(torch.int32).contiguous()       # [L, B]
+    accepted = torch.tensor(forest.accepted, dtype=torch.int32).to(slots.device, non_blocking=True)
+    factors, conv_inputs = scratch.used()
+    kernels.commit_accepted_inplace([ssm_state_view(layer) for layer in scratch.layers], slots, factors, accepted,
                                     forest.parent, forest.cu_seqlens)
-    kernels.commit_conv_state_inplace([conv_state_view(e[0]) for e in entries], slots,
-                                      torch.stack([e[2] for e in entries]), forest.parent, forest.cu_seqlens,
-                                      accepted)
-    forest.gdn_scratch.clear()
+    kernels.commit_conv_state_inplace([conv_state_view(layer) for layer in scratch.layers], slots, conv_inputs,
+                                      forest.parent, forest.cu_seqlens, accepted)
+    forest.gdn_scratch = None

@@ -16,14 +16,28 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,
-                    use_qk_l2norm_in_kernel=False):
-    """Every node's GDN output from the committed state; see :func:`reference.tree_gdn_verify`."""
+                    use_qk_l2norm_in_kernel=False, state_indices=None, out_factors=None, max_seqlen=None,
+                    bits=None):
+    """Every node's GDN output from the committed state; see :func:`reference.tree_gdn_verify`.
+
+    out_factors: preallocated :class:`TreeFactors` that receive the factors. max_seqlen and bits (the
+    forest's ancestor bitmask, :func:`tree_gdn.triton_verify.ancestor_bits`) are per-forest hints that spare
+    the Triton path a host sync and a mask build per layer; the reference ignores them.
+    """
     if _use_triton(q):
         from .tree_gdn.triton_verify import tree_gdn_verify as impl
-    else:
-        impl = reference.tree_gdn_verify
-    return impl(q, k, v, g, beta, initial_state, parent, cu_seqlens, scale=scale,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+        return impl(q, k, v, g, beta, initial_state, parent, cu_seqlens, scale=scale,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_indices=state_indices,
+                    out_factors=out_factors, max_seqlen=max_seqlen, bits=bits)
+    o, factors = reference.tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, scale=scale,
+                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                           state_indices=state_indices)
+    if out_factors is None:
+        return o, factors
+    for dst, src in zip((out_factors.k, out_factors.u, out_factors.g_cum), (factors.k, factors.u, factors.g_cum)):
+        dst.copy_(src)
+    return o, out_factors
 
 
 def commit_accepted(initial_state, factors, accepted, parent, cu_seqlens):

@@ -10,14 +10,15 @@ best ones within the per-request and per-step budgets.
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from ..attention.tree_rows import request_slots
 from ..kernels.forest import ancestor_mask
 from ..worker.forest_context import StepForest, TreeRows, forest_scope
 from .drafter import DraftStep, TreeDrafter
+from .synthetic import parse_synthetic
 from .tree import DraftTree
 
 
@@ -37,6 +38,15 @@ class MTPTreeDrafter(TreeDrafter):
     def __init__(self, runner, bole_config):
         super().__init__(runner, bole_config)
         self.proposer = runner.drafter  # vLLM's MTP proposer: owns the loaded MTP model and its KV group
+        # Benchmarks with synthetic acceptance score children by the rates the walk accepts them with, as a
+        # calibrated drafter would (dummy weights give meaningless draft probabilities).
+        self.synthetic = parse_synthetic(bole_config.synthetic_acceptance)
+
+    def _child_scores(self, probs: list[float], depth: int) -> list[float]:
+        """Scores of a node's children (probability order) at ``depth``, relative to their parent."""
+        if self.synthetic is None:
+            return probs
+        return [self.synthetic.child_probability(depth, rank) for rank in range(len(probs))]
 
     # ---- one MTP forward over a packed batch of per-request query chunks ----
     def _forward(self, cm: CommonAttentionMetadata, chunks, tree_rows=None):
@@ -44,10 +54,14 @@ class MTPTreeDrafter(TreeDrafter):
 
         Returns the MTP hidden states of all rows, in chunk order."""
         device = cm.block_table_tensor.device
-        tokens = torch.tensor([t for c in chunks for t in c[1]], dtype=torch.long, device=device)
+
+        def to_device(values):  # non-blocking: the GPU queue keeps running while the host builds the step
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        tokens = to_device([t for c in chunks for t in c[1]])
         hidden = torch.cat([c[2] for c in chunks])
-        positions = torch.tensor([p for c in chunks for p in c[3]], dtype=torch.long, device=device)
-        slots = torch.tensor([s for c in chunks for s in c[5]], dtype=torch.long, device=device)
+        positions = to_device([p for c in chunks for p in c[3]])
+        slots = to_device([s for c in chunks for s in c[5]])
         lens = [len(c[1]) for c in chunks]
         qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
         seq_lens_cpu = torch.tensor([c[4] for c in chunks], dtype=torch.int32)
@@ -69,16 +83,19 @@ class MTPTreeDrafter(TreeDrafter):
 
     def _top_children(self, hidden_rows: torch.Tensor):
         logits = self.proposer.model.compute_logits(hidden_rows).float()
-        probs = torch.softmax(logits, dim=-1)
-        p, tok = probs.topk(self.bole_config.topk, dim=-1)
+        top, tok = logits.topk(self.bole_config.topk, dim=-1)
+        # Probabilities of the top tokens only: no full-vocabulary softmax is written.
+        p = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
         return p.tolist(), tok.tolist()
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
-        cm, block_size = step.common_attn_metadata, self._block_size()
+        cm = step.common_attn_metadata
+        table = self.runner.input_batch.block_table[self.proposer.kv_cache_gid]
+        block_table, block_size = table.block_table.np, table.block_size
 
-        def slots(r, positions):
-            pos = torch.tensor(positions, device=cm.block_table_tensor.device)
-            return request_slots(cm.block_table_tensor[r], pos, block_size).tolist()
+        def slots(r, positions):  # from the host copy of the block table: no device round trip
+            pos = np.asarray(positions, dtype=np.int64)
+            return (block_table[r, pos // block_size].astype(np.int64) * block_size + pos % block_size).tolist()
 
         # 1. Catch up on the committed tokens (every request that ran this step keeps its MTP KV in step).
         chunks, last_rows, growing = [], [], []
@@ -99,7 +116,7 @@ class MTPTreeDrafter(TreeDrafter):
         probs, toks = self._top_children(first_hidden)
         for (r, c), p_row, t_row, h in zip(growing, probs, toks, first_hidden):
             g = _Growing(req_index=r, next_pos=chunks[c][3][-1] + 1)
-            for p, t in zip(p_row, t_row):
+            for p, t in zip(self._child_scores(p_row, 1), t_row):
                 g.tree.tokens.append(t)
                 g.tree.parents.append(-1)
                 g.tree.scores.append(p)
@@ -126,7 +143,7 @@ class MTPTreeDrafter(TreeDrafter):
                                g.next_pos + n_queries, query_slots))
                 tree_rows.append(TreeRows(req_index=len(chunks) - 1, row_start=row,
                                           region_mask=self._query_mask(g, best, n_queries)))
-                expanded.append((g, best))
+                expanded.append((g, best, depths))
                 row += len(best)
                 g.frontier = []
             if not chunks:
@@ -134,10 +151,10 @@ class MTPTreeDrafter(TreeDrafter):
             out = self._forward(cm, chunks, tree_rows)
             probs, toks = self._top_children(out)
             i = 0
-            for g, best in expanded:
+            for g, best, depths in expanded:
                 for n in best:
                     g.hidden[n] = out[i]
-                    for p, t in zip(probs[i], toks[i]):
+                    for p, t in zip(self._child_scores(probs[i], depths[n] + 1), toks[i]):
                         g.tree.tokens.append(t)
                         g.tree.parents.append(n)
                         g.tree.scores.append(g.tree.scores[n] * p)
@@ -154,8 +171,3 @@ class MTPTreeDrafter(TreeDrafter):
             query_parent[q] = g.query_of[p] if p >= 0 else -1
         full = ancestor_mask(torch.tensor(query_parent, dtype=torch.int32))
         return full[[g.query_of[n] for n in best]]
-
-    def _block_size(self) -> int:
-        layers = self.runner.compilation_config.static_forward_context
-        name = next(iter(self.proposer.draft_attn_groups[0].layer_names))
-        return layers[name].kv_cache.shape[2]

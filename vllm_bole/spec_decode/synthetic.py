@@ -38,6 +38,19 @@ class SyntheticAcceptance:
                 return rank
         return None
 
+    def child_probability(self, depth: int, rank: int) -> float:
+        """Probability that :meth:`draw_rank` at ``depth`` returns ``rank``: what a calibrated drafter's
+        conditional probability of that child would be."""
+        first = self.rates[min(depth, len(self.rates)) - 1]
+        if rank == 0:
+            return first
+        if rank > len(self.sibling_rates):
+            return 0.0
+        p = 1.0 - first
+        for rate in self.sibling_rates[:rank - 1]:
+            p *= 1.0 - rate
+        return p * self.sibling_rates[rank - 1]
+
     def walk(self, parents: list[int]) -> list[int]:
         """Accepted path (local indices, root 0 first) of a verification tree with ``parents[0] == -1``."""
         children = children_of(parents)

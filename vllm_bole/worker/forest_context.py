@@ -39,9 +39,11 @@ class StepForest:
     parent: torch.Tensor                 # [N] int32 local parent (-1 for the root)
     cu_seqlens: torch.Tensor             # [B+1] int32
     tokens: list[list[int]]              # per request, node tokens (root first)
+    tree_parents: list[list[int]] = field(default_factory=list)  # per request, local parents (host copy)
+    max_nodes: int = 0                   # largest tree of the step (host int: kernels need no sync for it)
     attention_rows: list[TreeRows] = field(default_factory=list)
-    # layer prefix -> (factors, conv inputs [N, conv_dim], state slots [B]) written by the GDN layers
-    gdn_scratch: dict = field(default_factory=dict)
+    # The GDN layers' step-wide buffers (factors, conv inputs, slots; see attention/gdn.py) for the commit
+    gdn_scratch: object = None
     accepted_paths: list[list[int]] | None = None  # per tree request, accepted local nodes, root first
     # per tree request: row of its first node (the root) in the step's flat token arrays
     query_starts: list[int] = field(default_factory=list)
@@ -52,6 +54,8 @@ class StepForest:
         return None if self.accepted_paths is None else [p[-1] for p in self.accepted_paths]
 
     def parents_of(self, i: int) -> list[int]:
+        if self.tree_parents:
+            return self.tree_parents[i]
         s, e = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])
         return self.parent[s:e].tolist()
 

@@ -21,6 +21,7 @@ from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_ou
                                         tree_rows_supported, walk_tree)
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
+from .step_profile import StepProfiler, profiled
 
 
 class BoleModelRunnerMixin:
@@ -34,6 +35,7 @@ class BoleModelRunnerMixin:
         self._bole_paths: list[list[int]] | None = None  # per batch request, this step's accepted nodes
         self._bole_synthetic = parse_synthetic(self.bole_config.synthetic_acceptance)
         self.bole_drafter = None
+        self._bole_profiler = StepProfiler.from_env()
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -42,7 +44,8 @@ class BoleModelRunnerMixin:
     # ---- verification inputs ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         try:
-            return super().execute_model(scheduler_output, intermediate_tensors)
+            with profiled(self._bole_profiler, "forward"):
+                return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             set_current_forest(None)
 
@@ -57,8 +60,8 @@ class BoleModelRunnerMixin:
     def _build_forest(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> StepForest:
         req_ids = self.input_batch.req_ids
         starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
-        forest_req, parents, cu, tokens, q_starts = [], [], [0], [], []
-        depth_fix = []  # (flat row, linear offset - depth)
+        forest_req, tree_parents, tokens, q_starts = [], [], [], []
+        fix_rows, fix_shift = [], []  # flat rows whose position is prefix + depth, not prefix + index
         for r, req_id in enumerate(req_ids):
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts is None or num_scheduled_tokens[r] != len(drafts) + 1:
@@ -68,30 +71,39 @@ class BoleModelRunnerMixin:
                 # Drafts Bole did not propose (e.g. vLLM's placeholders): verify them as a chain.
                 tree = DraftTree(list(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
             tree = tree.truncated(len(drafts))
-            vpar = tree.verify_parents()
             depths = [0] + tree.depths()
             forest_req.append(r)
-            parents += vpar
-            cu.append(cu[-1] + len(vpar))
+            tree_parents.append(tree.verify_parents())
             tokens.append([-1] + tree.tokens)
             q_starts.append(int(starts[r]))
-            depth_fix += [(int(starts[r]) + j, j - d) for j, d in enumerate(depths) if j != d]
+            for j, d in enumerate(depths):
+                if j != d:
+                    fix_rows.append(int(starts[r]) + j)
+                    fix_shift.append(j - d)
+        sizes = [len(p) for p in tree_parents]
+        # One host-to-device copy for parents and offsets; non-blocking, so the GPU queue is not drained.
+        flat = torch.tensor([p for par in tree_parents for p in par] + np.cumsum([0] + sizes).tolist(),
+                            dtype=torch.int32).to(self.device, non_blocking=True)
+        n = sum(sizes)
         forest = StepForest(
             req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
-            parent=torch.tensor(parents, dtype=torch.int32, device=self.device),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            tokens=tokens, query_starts=q_starts)
-        if depth_fix:
-            rows = torch.tensor([f[0] for f in depth_fix], dtype=torch.long)
-            shift = torch.tensor([f[1] for f in depth_fix], dtype=torch.int64)
-            self.positions[rows.to(self.device)] -= shift.to(self.device)
+            parent=flat[:n], cu_seqlens=flat[n:], tokens=tokens, tree_parents=tree_parents,
+            max_nodes=max(sizes, default=0), query_starts=q_starts)
+        if fix_rows:
+            rows = torch.tensor(fix_rows, dtype=torch.long).to(self.device, non_blocking=True)
+            shift = torch.tensor(fix_shift, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.positions[rows] -= shift
             if self.uses_mrope:
-                self.mrope_positions.gpu[:, rows.to(self.device)] -= shift.to(self.device)
+                self.mrope_positions.gpu[:, rows] -= shift
         forest.build_attention_rows()
         return forest
 
     # ---- verification -------------------------------------------------------------------------------------
     def _sample(self, logits, spec_decode_metadata):
+        with profiled(self._bole_profiler, "walk"):
+            return self._walk_trees(logits, spec_decode_metadata)
+
+    def _walk_trees(self, logits, spec_decode_metadata):
         forest = self._bole_forest
         if spec_decode_metadata is None or forest is None:
             self._bole_paths = None
@@ -168,18 +180,22 @@ class BoleModelRunnerMixin:
         forest = self._bole_forest
         if forest is None or forest.accepted_paths is None:
             return
-        commit_step(forest)
-        compact_accepted_kv(self, forest)
+        with profiled(self._bole_profiler, "commit"):
+            commit_step(forest)
+            compact_accepted_kv(self, forest)
 
     # ---- drafting -----------------------------------------------------------------------------------------
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
-        step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
-        per_request = self.speculative_config.num_speculative_tokens
-        trees = [select_global([t], per_request)[0] for t in self.bole_drafter.propose(step)]
-        trees = select_global(trees, node_budget(self.bole_config, len(trees)))
+        with profiled(self._bole_profiler, "draft"):
+            step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
+            per_request = self.speculative_config.num_speculative_tokens
+            trees = [select_global([t], per_request)[0] for t in self.bole_drafter.propose(step)]
+            trees = select_global(trees, node_budget(self.bole_config, len(trees)))
         self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
+        if self._bole_profiler is not None:
+            self._bole_profiler.end_step(tree_step=self._bole_forest is not None)
         return [t.tokens for t in trees]
 
     def _draft_step(self, scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata) -> DraftStep:

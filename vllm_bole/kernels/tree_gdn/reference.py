@@ -40,14 +40,17 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,
-                    use_qk_l2norm_in_kernel=False):
+                    use_qk_l2norm_in_kernel=False, state_indices=None):
     """Outputs of every node of a packed forest from the committed state, plus the factors for the commit.
 
     q, k: ``[N, HK, dk]``; v: ``[N, HV, dv]`` (HV a multiple of HK; value head h uses key head h // (HV/HK));
     g: ``[N, HV]`` log decay; beta: ``[N, HV]``; initial_state: ``[B, HV, dv, dk]`` float32;
     parent: ``[N]`` int32 local parent index (-1 = root); cu_seqlens: ``[B+1]`` int32.
-    Returns o ``[N, HV, dv]`` (dtype of v) and a :class:`TreeFactors`.
+    state_indices: ``[B]``, when given initial_state is a state cache and request b starts from its row
+    ``state_indices[b]``. Returns o ``[N, HV, dv]`` (dtype of v) and a :class:`TreeFactors`.
     """
+    if state_indices is not None:
+        initial_state = initial_state[state_indices.long()]
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     group = hv // hk

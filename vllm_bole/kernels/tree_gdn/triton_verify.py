@@ -120,8 +120,8 @@ def _coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos, 
 
 @triton.jit
 def _tree_gdn_verify_kernel(
-    q, k, v, g, beta, h0, o, k_out, u_out, g_cum, bits, cu_seqlens, scale,
-    stride_q, stride_k, stride_v, stride_g, stride_beta,
+    q, k, v, g, beta, h0, state_idx, o, k_out, u_out, g_cum, bits, cu_seqlens, scale,
+    stride_q, stride_k, stride_v, stride_g, stride_beta, stride_h_slot, stride_h_head, stride_h_v,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, NVB: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr, W: tl.constexpr,
     L2NORM: tl.constexpr, PREC: tl.constexpr, BF16_DOTS: tl.constexpr,
@@ -135,6 +135,9 @@ def _tree_gdn_verify_kernel(
     o_k = tl.arange(0, BK)
     mk = o_k < DK
     writes_k = (split == 0) & (hv % (HV // HK) == 0)
+    # The committed state is read in place from the request's cache slot (no gathered copy).
+    slot = tl.load(state_idx + b).to(tl.int64)
+    h0_head = h0 + slot * stride_h_slot + hv * stride_h_head
 
     # log P_i = sum of g over the ancestors of i and i itself.
     for r in range(n_tiles):
@@ -179,8 +182,8 @@ def _tree_gdn_verify_kernel(
             o_v = (split * NVB + vb) * BV + tl.arange(0, BV)
             mv = o_v < DV
             # S^T block [BV, BK] of the committed state (vLLM's [dv, dk] layout).
-            s_t = tl.load(h0 + ((b * HV + hv) * DV + o_v)[:, None] * DK + o_k[None, :],
-                          mask=mv[:, None] & mk[None, :], other=0.0)
+            s_t = tl.load(h0_head + o_v[:, None] * stride_h_v + o_k[None, :],
+                          mask=mv[:, None] & mk[None, :], other=0.0).to(tl.float32)
             b_v = tl.load(v + (bos + rows)[:, None] * stride_v + hv * DV + o_v[None, :],
                           mask=mr[:, None] & mv[None, :], other=0.0).to(tl.float32)
             if BF16_DOTS:
@@ -247,17 +250,24 @@ def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.d
 
 
 def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,
-                    use_qk_l2norm_in_kernel=False, max_seqlen=None, bits=None, config=None):
+                    use_qk_l2norm_in_kernel=False, state_indices=None, max_seqlen=None, bits=None,
+                    out_factors=None, config=None):
     """Same contract as :func:`reference.tree_gdn_verify`.
 
-    max_seqlen (largest tree; read from cu_seqlens when None, which syncs) and bits (from
-    :func:`ancestor_bits`, shared by all layers of one forest) let a caller skip the host sync and the
-    per-layer mask build; config overrides :func:`launch_config`.
+    initial_state may be any float dtype with a contiguous last dim; with ``state_indices`` it is a whole
+    state cache read in place. max_seqlen (largest tree; read from cu_seqlens when None, which syncs) and
+    bits (from :func:`ancestor_bits`, shared by all layers of one forest) let a caller skip the host sync and
+    the per-layer mask build; out_factors (a :class:`TreeFactors` of preallocated tensors) receives the
+    factors, e.g. one layer's slice of a step-wide buffer; config overrides :func:`launch_config`.
     """
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     batch = cu_seqlens.numel() - 1
-    assert hv % hk == 0 and initial_state.shape == (batch, hv, dv, dk)
+    assert hv % hk == 0 and initial_state.shape[1:] == (hv, dv, dk)
+    if state_indices is None:
+        assert initial_state.shape[0] == batch
+        state_indices = torch.arange(batch, dtype=torch.int32, device=q.device)
+    assert state_indices.shape == (batch,)
     assert q.stride(-1) == 1 and q.stride(-2) == dk and k.stride() == q.stride()
     assert v.stride(-1) == 1 and v.stride(-2) == dv
     scale = dk ** -0.5 if scale is None else scale
@@ -265,16 +275,20 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if batch else 0
     if bits is None:
         bits = ancestor_bits(parent, cu_seqlens, max(max_seqlen, 1))
-    h0 = initial_state.float().contiguous()
+    h0 = initial_state if initial_state.stride(-1) == 1 else initial_state.contiguous()
     cfg = config or launch_config(batch, hv, dv, max_seqlen, q.device)
     # 64-row tiles would run on Hopper's asynchronous matmul path, which Triton 3.6 miscompiled under this
     # kernel's control flow (illegal addresses on H200); they also measured slower than two 32-row tiles.
     assert cfg["block_t"] in (16, 32), f"block_t must be 16 or 32, got {cfg['block_t']}"
 
     o = torch.empty(n, hv, dv, dtype=v.dtype, device=q.device)
-    k_out = torch.empty(n, hk, dk, dtype=torch.float32, device=q.device)
-    u = torch.empty(n, hv, dv, dtype=torch.float32, device=q.device)
-    g_cum = torch.empty(n, hv, dtype=torch.float32, device=q.device)
+    if out_factors is None:
+        out_factors = TreeFactors(k=torch.empty(n, hk, dk, dtype=torch.float32, device=q.device),
+                                  u=torch.empty(n, hv, dv, dtype=torch.float32, device=q.device),
+                                  g_cum=torch.empty(n, hv, dtype=torch.float32, device=q.device))
+    k_out, u, g_cum = out_factors.k, out_factors.u, out_factors.g_cum
+    assert k_out.shape == (n, hk, dk) and u.shape == (n, hv, dv) and g_cum.shape == (n, hv)
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in (k_out, u, g_cum))
     if n and batch:
         block_v, splits = cfg["block_v"], cfg["v_splits"]
         nvb = triton.cdiv(triton.cdiv(dv, block_v), splits)
@@ -282,12 +296,12 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
         # (inverse, C U) go through tf32, below the bf16 rounding of the output.
         prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
         _tree_gdn_verify_kernel[(batch, hv, splits)](
-            q, k, v, g, beta, h0, o, k_out, u, g_cum, bits, cu_seqlens, scale,
-            q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
+            q, k, v, g, beta, h0, state_indices, o, k_out, u, g_cum, bits, cu_seqlens, scale,
+            q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), *h0.stride()[:3],
             HK=hk, HV=hv, DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=block_v, NVB=nvb,
             BT=cfg["block_t"], LOG_BT=cfg["block_t"].bit_length() - 1, W=bits.shape[1],
             L2NORM=use_qk_l2norm_in_kernel, PREC=prec, BF16_DOTS=q.dtype == torch.bfloat16 and not _interpreting(),
             num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
-    return o, TreeFactors(k=k_out, u=u, g_cum=g_cum)
+    return o, out_factors
