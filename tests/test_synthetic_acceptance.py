@@ -20,7 +20,7 @@ def _full_tree(k: int, depth: int) -> list[int]:
 
 
 def test_rates_are_followed_per_depth_and_rank():
-    syn = SyntheticAcceptance(rates=(0.9, 0.5), sibling_rates=(0.4,), seed=1)
+    syn = SyntheticAcceptance(rates=(0.9, 0.5), sibling_rates=(0.4,), seed=1)   # conditional 0.9, then 5/9
     parents = _full_tree(2, 3)
     n = 20000
     depth_counts = [0, 0, 0, 0]
@@ -31,14 +31,14 @@ def test_rates_are_followed_per_depth_and_rank():
         if len(path) > 1 and path[1] == 2:  # the second child of the root
             rank1_at_depth1 += 1
     reach1 = 0.9 + 0.1 * 0.4
-    reach2 = reach1 * (0.5 + 0.5 * 0.4)
+    reach2 = reach1 * (5 / 9 + 4 / 9 * 0.4)
     assert abs(sum(depth_counts[1:]) / n - reach1) < 0.01
     assert abs(sum(depth_counts[2:]) / n - reach2) < 0.01
     assert abs(rank1_at_depth1 / n - 0.1 * 0.4) < 0.006
 
 
 def test_child_probability_is_the_walks_frequency():
-    syn = SyntheticAcceptance(rates=(0.8, 0.6), sibling_rates=(0.5, 0.25), seed=3)
+    syn = SyntheticAcceptance(rates=(0.8, 0.6), sibling_rates=(0.5, 0.25), seed=3)   # conditional 0.8, 0.75
     parents = _full_tree(4, 2)          # root children 1..4, each with 4 children
     n = 40000
     first_rank, second_rank = [0] * 4, [0] * 4
@@ -52,8 +52,19 @@ def test_child_probability_is_the_walks_frequency():
         assert abs(first_rank[rank] / n - syn.child_probability(1, rank)) < 0.01
         assert abs(second_rank[rank] / n - syn.child_probability(1, 0) * syn.child_probability(2, rank)) < 0.01
     assert syn.child_probability(1, 3) == 0.0                 # only two sibling rates
-    assert syn.child_probability(5, 0) == 0.6                 # the last rate repeats
-    assert abs(sum(syn.child_probability(2, r) for r in range(3)) - (0.6 + 0.4 * (0.5 + 0.5 * 0.25))) < 1e-12
+    assert syn.child_probability(5, 0) == syn.child_probability(2, 0) == pytest.approx(0.75)   # last repeats
+    assert abs(sum(syn.child_probability(2, r) for r in range(3)) - (0.75 + 0.25 * (0.5 + 0.5 * 0.25))) < 1e-12
+
+
+def test_a_chain_accepts_like_vllms_synthetic_chain():
+    """rates are vLLM's unconditional per-position rates: a one-wide tree reaches depth d with rates[d-1]."""
+    rates = (0.917, 0.837, 0.648, 0.538)
+    syn = SyntheticAcceptance(rates=rates, sibling_rates=(0.35,), seed=5)
+    chain = [-1, 0, 1, 2, 3]
+    n = 40000
+    depths = [len(syn.walk(chain)) - 1 for _ in range(n)]
+    for d, rate in enumerate(rates, start=1):
+        assert abs(sum(x >= d for x in depths) / n - rate) < 0.01
 
 
 def test_missing_rank_stops_the_walk():
@@ -62,7 +73,7 @@ def test_missing_rank_stops_the_walk():
     assert syn.walk([-1, 0, 0]) == [0, 2]
 
 
-@pytest.mark.parametrize("value", ["yes", {"rates": [1.5]}, {"rate": [0.5]}, {"rates": []}])
+@pytest.mark.parametrize("value", ["yes", {"rates": [1.5]}, {"rate": [0.5]}, {"rates": []}, {"rates": [0.5, 0.6]}])
 def test_bad_values_name_the_field(value):
     with pytest.raises(BoleConfigError, match="synthetic_acceptance"):
         parse_bole_config({"method": "bole", "synthetic_acceptance": value})
@@ -91,7 +102,7 @@ def test_synthetic_run_through_vllm(tmp_path):
     c = out["counters"]
     per_pos = [a / c["num_drafts"] for a in c["accepted_per_pos"][:4]]
     expected = [0.9 + 0.1 * 0.35]
-    for rate in (0.8, 0.7, 0.6):
+    for rate in (0.8 / 0.9, 0.7 / 0.8, 0.6 / 0.7):   # conditional rank-1 rates of the unconditional list
         expected.append(expected[-1] * (rate + (1 - rate) * 0.35))
     print("synthetic per-depth acceptance", per_pos, "expected about", expected)
     assert all(len(o["tokens"]) == 64 for o in out["outputs"])

@@ -1,11 +1,14 @@
 """Synthetic acceptance for benchmarking trees at real shapes with dummy weights.
 
 Like vLLM's ``rejection_sample_method: "synthetic"`` for chains, the accepted path is drawn from given rates
-instead of the target's tokens (the emitted tokens are then the drafts', so outputs are meaningless): at depth
-d the target's token is the node's rank-1 child with probability ``rates[d-1]`` (the last rate repeats), else
-rank 2 with probability ``sibling_rates[0]``, else rank 3 with ``sibling_rates[1]``, and so on; if that child
-is not in the tree (or no rank is drawn) the walk stops. A child's rank is its order among its siblings, which
-is the drafter's probability order.
+instead of the target's tokens (the emitted tokens are then the drafts', so outputs are meaningless).
+``rates`` follow vLLM's ``synthetic_acceptance_rates``: ``rates[d-1]`` is the *unconditional* probability that
+the rank-1 chain is accepted through depth d, so a one-wide tree accepts exactly like vLLM's synthetic chain
+with the same list. At depth d the target's token is the node's rank-1 child with the conditional probability
+``rates[d-1] / rates[d-2]`` (past the list the last conditional rate repeats), else rank 2 with probability
+``sibling_rates[0]``, else rank 3 with ``sibling_rates[1]``, and so on; if that child is not in the tree (or no
+rank is drawn) the walk stops. A child's rank is its order among its siblings, which is the drafter's
+probability order.
 """
 
 import random
@@ -24,14 +27,21 @@ class SyntheticAcceptance:
     sibling_rates: tuple[float, ...] = DEFAULT_SIBLING_RATES
     seed: int = 0
     _rng: random.Random = field(default=None, compare=False, repr=False)
+    _conditional: tuple[float, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_rng", random.Random(self.seed))
+        prev = (1.0,) + self.rates[:-1]
+        object.__setattr__(self, "_conditional", tuple(r / p if p > 0 else 0.0 for r, p in zip(self.rates, prev)))
+
+    def rank1_rate(self, depth: int) -> float:
+        """Probability that the rank-1 child at ``depth`` is accepted, given its parent was."""
+        return self._conditional[min(depth, len(self._conditional)) - 1]
 
     def draw_rank(self, depth: int) -> int | None:
         """0-based sibling rank of the target's token at ``depth`` (1 = children of the root), or None."""
         rng = self._rng
-        if rng.random() < self.rates[min(depth, len(self.rates)) - 1]:
+        if rng.random() < self.rank1_rate(depth):
             return 0
         for rank, rate in enumerate(self.sibling_rates, start=1):
             if rng.random() < rate:
@@ -41,7 +51,7 @@ class SyntheticAcceptance:
     def child_probability(self, depth: int, rank: int) -> float:
         """Probability that :meth:`draw_rank` at ``depth`` returns ``rank``: what a calibrated drafter's
         conditional probability of that child would be."""
-        first = self.rates[min(depth, len(self.rates)) - 1]
+        first = self.rank1_rate(depth)
         if rank == 0:
             return first
         if rank > len(self.sibling_rates):
@@ -80,4 +90,7 @@ def parse_synthetic(value) -> SyntheticAcceptance | None:
     if not rates or not all(isinstance(r, (int, float)) and 0.0 <= r <= 1.0 for r in rates + siblings):
         raise BoleConfigError("speculative_config.synthetic_acceptance rates must be numbers in [0, 1], "
                               f"got rates={list(rates)} sibling_rates={list(siblings)}")
+    if any(later > earlier for earlier, later in zip(rates, rates[1:])):
+        raise BoleConfigError("speculative_config.synthetic_acceptance.rates are unconditional per-depth rates "
+                              f"(as vLLM's synthetic_acceptance_rates) and must be non-increasing, got {list(rates)}")
     return SyntheticAcceptance(rates, siblings, int(value.get("seed", 0)))

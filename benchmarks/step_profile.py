@@ -1,0 +1,93 @@
+"""Where a Bole step's time goes at real shapes: one engine, several batch sizes, phase times per tree step.
+
+    python benchmarks/step_profile.py --model DIR [--batch 1 16] [--spec '{"method": "bole", ...}']
+
+Runs token-id prompts with dummy weights (``load_format="dummy"``) and synthetic acceptance in an in-process
+engine, per batch size once plainly (tokens/s, mean accepted tokens per step) and, for Bole, once more with the
+runner's step profiler on (see ``vllm_bole/worker/step_profile.py``), whose log lines give the mean time of
+each phase (inputs + target forward, tree walk, commit + KV compaction, drafting). Other specs (e.g.
+``'{"method": "mtp", ...}'`` or ``none``) get the plain pass only. Appends rows to
+``benchmarks/results/step_profile.json``.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "step_profile.json"
+DEFAULT_SPEC = {"method": "bole", "num_speculative_tokens": 8, "topk": 4, "synthetic_acceptance": True}
+
+
+def _generate(llm, batch: int, prompt_len: int, new_tokens: int, seed: int):
+    import random
+
+    from vllm import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [{"prompt_token_ids": [rng.randrange(1000, 200000) for _ in range(prompt_len)]}
+               for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="speculative_config JSON ('none': AR)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    args = parser.parse_args()
+    spec = None if args.spec == "none" else json.loads(args.spec)
+    bole = spec is not None and spec.get("method") == "bole"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner is reached in-process
+
+    from vllm import LLM
+
+    from vllm_bole.testing.greedy_check import spec_decode_counters
+    from vllm_bole.worker.step_profile import StepProfiler
+
+    max_batch = max(args.batch)
+    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              limit_mm_per_prompt={"image": 0, "video": 0}, additional_config={"gdn_prefill_backend": "triton"},
+              max_model_len=args.prompt_len + args.new_tokens + 64, max_num_seqs=max_batch,
+              gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=False,
+              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512}
+                                                                      | set(args.batch))},
+              speculative_config=spec)
+    _generate(llm, min(args.batch), args.prompt_len, 16, seed=0)  # warm-up
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    rows = []
+    for batch in args.batch:
+        if bole:
+            runner._bole_profiler = StepProfiler(args.profile_steps)
+            print(f"B={batch}: profiled pass", flush=True)
+            _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
+            runner._bole_profiler = None
+        before = spec_decode_counters(llm.get_metrics()) if spec else None
+        tokens, elapsed = _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
+        row = {"B": batch, "spec": spec, "tok_s": tokens / elapsed, "seconds": elapsed}
+        if spec:
+            after = spec_decode_counters(llm.get_metrics())
+            drafts = after["num_drafts"] - before["num_drafts"]
+            accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+            row["mean_accepted"] = 1 + accepted / max(drafts, 1)
+            row["draft_tokens_per_step"] = (after["num_draft_tokens"] - before["num_draft_tokens"]) / max(drafts, 1)
+        rows.append(row)
+        print(f"B={batch}: {row['tok_s']:.1f} tok/s" + (
+            f", mean accepted {row['mean_accepted']:.2f}, nodes/step {row['draft_tokens_per_step']:.1f}"
+            if spec else ""), flush=True)
+    RESULTS.parent.mkdir(exist_ok=True)
+    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
+    RESULTS.write_text(json.dumps(old + rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
