@@ -28,6 +28,8 @@ def test_values_and_dashes():
     ("budget", -1, "budget"),
     ("drafter", "eagle", "drafter"),
     ("drafter_args", [1], "drafter_args"),
+    ("budget_table", 3, "budget_table"),
+    ("budget_table", "", "budget_table"),
     ("tree", [[0]], "unknown key"),
 ])
 def test_bad_values_name_the_field(key, value, field):
@@ -36,8 +38,21 @@ def test_bad_values_name_the_field(key, value, field):
     assert "\n" not in str(e.value)
 
 
+def test_budget_table_path():
+    cfg, _ = parse_bole_config({"method": "bole", "budget-table": "/tmp/t.json"})
+    assert (cfg.budget, cfg.budget_table) == ("auto", "/tmp/t.json")
+    assert parse_bole_config({"method": "bole"})[0].budget_table is None
+
+
+def test_budget_table_needs_auto_budget():
+    with pytest.raises(BoleConfigError, match="budget_table applies only with budget 'auto'") as e:
+        parse_bole_config({"method": "bole", "budget": 64, "budget_table": "/tmp/t.json"})
+    assert "\n" not in str(e.value)
+
+
 def test_round_trip_through_additional_config():
-    cfg, _ = parse_bole_config({"method": "bole", "topk": 3, "drafter": "a.b:C", "drafter_args": {"x": 1}})
+    cfg, _ = parse_bole_config({"method": "bole", "topk": 3, "drafter": "a.b:C", "drafter_args": {"x": 1},
+                                "budget_table": "t.json"})
     assert BoleConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 

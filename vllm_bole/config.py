@@ -27,6 +27,8 @@ class BoleConfig:
     topk: int = 4
     # Tree nodes verified per engine step over the whole batch: an int, or "auto" (calibrated table).
     budget: int | str = "auto"
+    # Calibration table that "auto" reads (None: $VLLM_BOLE_BUDGET_TABLE, else ~/.cache/vllm-bole/budget_table.json).
+    budget_table: str | None = None
     # "mtp" (the model's own MTP head) or "module.path:ClassName" of a tree drafter.
     drafter: str = "mtp"
     # Free-form arguments handed to a custom drafter.
@@ -57,7 +59,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     """Split a ``{"method": "bole", ...}`` dict into (BoleConfig, remaining vLLM keys)."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
-    known = {"method", "num_speculative_tokens", "topk", "budget", "drafter", "drafter_args",
+    known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "drafter", "drafter_args",
              "synthetic_acceptance"} | _PASSTHROUGH_KEYS
     unknown = sorted(set(spec) - known)
     if unknown:
@@ -68,6 +70,14 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     budget = spec.get("budget", "auto")
     if budget != "auto":
         budget = _int_field("budget", budget, 1, 65536)
+    budget_table = spec.get("budget_table")
+    if budget_table is not None:
+        if not isinstance(budget_table, str) or not budget_table:
+            raise BoleConfigError(
+                f"speculative_config.budget_table must be a file path (string), got {budget_table!r}")
+        if budget != "auto":
+            raise BoleConfigError(
+                f"speculative_config.budget_table applies only with budget 'auto', got budget={budget!r}")
     drafter = spec.get("drafter", "mtp")
     if not isinstance(drafter, str) or (drafter != "mtp" and ":" not in drafter):
         raise BoleConfigError(
@@ -79,7 +89,8 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     from .spec_decode.synthetic import parse_synthetic
 
     parse_synthetic(synthetic)  # validate here, where the user's config is read
-    return BoleConfig(depth, topk, budget, drafter, drafter_args, synthetic), rest
+    return BoleConfig(max_depth=depth, topk=topk, budget=budget, budget_table=budget_table, drafter=drafter,
+                      drafter_args=drafter_args, synthetic_acceptance=synthetic), rest
 
 
 def bole_config_from_vllm(vllm_config) -> BoleConfig | None:

@@ -1,0 +1,187 @@
+"""Budget calibration: B_ver from a curve, the table file, per-step lookup, budget "auto", and a sweep through
+vLLM whose table an engine then serves with."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_bole.calibration.drafter import max_shape_nodes, shape_parents
+from vllm_bole.calibration.table import (ModelBudgets, budget_from_curve, device_name, make_entry,
+                                         model_fingerprint, read_table, select_model, write_table)
+from vllm_bole.config import parse_bole_config
+from vllm_bole.spec_decode import budget as budget_mod
+from vllm_bole.spec_decode.tree import DraftTree
+
+
+def _model(hidden=4096, layers=32):
+    return SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen3_5ForConditionalGeneration"]),
+                           hf_text_config=SimpleNamespace(hidden_size=hidden, num_hidden_layers=layers,
+                                                          vocab_size=248320), dtype=torch.bfloat16)
+
+
+def _entry(b, kv, curve, t_dec=10.0, eps=0.1, model=None, gpu=None):
+    return make_entry(fingerprint=model_fingerprint(model or _model()), model="m", gpu=gpu or device_name(),
+                      batch_size=b, kv_len=kv, epsilon=eps, t_dec_ms=t_dec,
+                      points=[{"nodes": n, "t_ver_ms": t, "samples": 5, "kv_len_mean": kv} for n, t in curve],
+                      tree={"shape": "beam", "topk": 4, "max_depth": 8}, device_timing="wall_clock")
+
+
+def test_b_ver_is_the_largest_n_within_epsilon():
+    points = [{"nodes": n, "t_ver_ms": t} for n, t in [(8, 10.2), (16, 10.9), (32, 11.2), (64, 10.95), (128, 14)]]
+    assert budget_from_curve(points, 10.0, 0.1) == (64, False)  # a noisy dip above a miss still counts
+    assert budget_from_curve(points, 10.0, 0.5) == (128, True)
+    assert budget_from_curve(points, 10.0, 0.01) == (0, False)
+
+
+def test_entry_ratios_and_sorted_points():
+    e = _entry(4, 256, [(32, 12.0), (8, 10.5)])
+    assert [p["nodes"] for p in e["points"]] == [8, 32]
+    assert [p["ratio"] for p in e["points"]] == [1.05, 1.2]
+    assert (e["b_ver"], e["limited_by_grid"]) == (8, False)
+
+
+def test_write_merges_by_key(tmp_path):
+    path = tmp_path / "t.json"
+    write_table(path, [_entry(1, 256, [(8, 10.0)]), _entry(4, 256, [(8, 10.0)])])
+    write_table(path, [_entry(4, 256, [(8, 10.0), (16, 10.5)]), _entry(4, 1024, [(8, 10.0)])])
+    rows = read_table(path)
+    assert [(e["batch_size"], e["kv_len"], e["b_ver"]) for e in rows] == [(1, 256, 8), (4, 256, 16), (4, 1024, 8)]
+    path.write_text(json.dumps({"entries": []}))
+    with pytest.raises(ValueError, match="not a vllm-bole-budget-table"):
+        read_table(path)
+
+
+def test_lookup_picks_the_next_larger_bucket():
+    b = ModelBudgets.from_entries([
+        {"fingerprint": "f", "gpu": "g", "batch_size": bs, "kv_len": kv, "b_ver": bv}
+        for bs, kv, bv in [(1, 256, 32), (1, 2048, 24), (8, 256, 192), (8, 2048, 128), (32, 256, 96)]])
+    assert b.lookup(1, 100) == 32 and b.lookup(1, 257) == 24 and b.lookup(1, 9999) == 24
+    assert b.lookup(2, 256) == 192 and b.lookup(8, 1000) == 128
+    assert b.lookup(64, 256) == 96 and b.lookup(64, 4096) == 96
+    assert b.lookup(8, None) == 128  # context unknown: the smallest budget of the batch bucket
+
+
+def test_select_model_by_gpu_and_fingerprint():
+    small, big = _model(hidden=256, layers=4), _model()
+    entries = [_entry(1, 256, [(8, 10.0)], model=small), _entry(1, 256, [(8, 10.0), (16, 10.0)], model=big),
+               _entry(1, 256, [(8, 10.0)], gpu="NVIDIA H200")]
+    chosen, _ = select_model(entries, device_name(), model_fingerprint(big))
+    assert chosen.lookup(1, 256) == 16
+    none, why = select_model(entries, device_name(), None)
+    assert none is None and "2 models" in why
+    none, why = select_model(entries, "NVIDIA A100", None)
+    assert none is None and "NVIDIA A100" in why
+
+
+@pytest.fixture
+def fresh_tables():
+    budget_mod.reload_budget_tables()
+    yield
+    budget_mod.reload_budget_tables()
+
+
+def test_auto_budget_reads_the_table(tmp_path, fresh_tables):
+    path = tmp_path / "t.json"
+    write_table(path, [_entry(1, 256, [(8, 10.0), (32, 10.5), (64, 13.0)]),
+                       _entry(16, 256, [(64, 10.0), (128, 10.8), (256, 12.0)])])
+    cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(path)})
+    assert budget_mod.node_budget(cfg, 1, 300, _model()) == 32
+    assert budget_mod.node_budget(cfg, 9, None) == 128  # the only model calibrated here
+    assert budget_mod.node_budget(cfg, 64, 10, _model()) == 128
+    fixed, _ = parse_bole_config({"method": "bole", "budget": 40})
+    assert budget_mod.node_budget(fixed, 1) == 40
+
+
+def test_missing_table_uses_the_default_with_one_warning(tmp_path, fresh_tables, caplog):
+    cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(tmp_path / "none.json")})
+    with caplog.at_level(logging.INFO, logger="vllm_bole.spec_decode.budget"):
+        assert [budget_mod.node_budget(cfg, b) for b in (1, 8, 8)] == [budget_mod.DEFAULT_AUTO_BUDGET] * 3
+    lines = [r for r in caplog.records if r.name == "vllm_bole.spec_decode.budget"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "none.json" in lines[0].getMessage() and "vllm-bole calibrate" in lines[0].getMessage()
+
+
+def test_table_for_another_model_uses_the_default(tmp_path, fresh_tables, caplog):
+    path = tmp_path / "t.json"
+    write_table(path, [_entry(1, 256, [(8, 10.0)], model=_model(hidden=256, layers=4))])
+    cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(path)})
+    with caplog.at_level(logging.WARNING, logger="vllm_bole.spec_decode.budget"):
+        assert budget_mod.node_budget(cfg, 1, 10, _model()) == budget_mod.DEFAULT_AUTO_BUDGET
+    assert "no entry for model" in caplog.text
+
+
+def test_env_names_the_default_table(tmp_path, monkeypatch):
+    from vllm_bole.calibration.table import default_table_path
+
+    monkeypatch.setenv("VLLM_BOLE_BUDGET_TABLE", str(tmp_path / "x.json"))
+    cfg, _ = parse_bole_config({"method": "bole"})
+    assert budget_mod.table_path(cfg) == tmp_path / "x.json" == default_table_path()
+
+
+@pytest.mark.parametrize("shape", ["beam", "kary", "chain"])
+def test_shapes_are_trees_within_depth(shape):
+    for n in (1, 5, 12, 40):
+        parents = shape_parents(shape, n, 3, 4)
+        tree = DraftTree([0] * len(parents), parents, [1.0] * len(parents))
+        assert len(parents) == min(n, max_shape_nodes(shape, 3, 4))
+        assert all(p < i for i, p in enumerate(parents)) and max(tree.depths()) <= 4
+    widths = {d: tree.depths().count(d) for d in set(tree.depths())}
+    assert widths == {"beam": {1: 3, 2: 3, 3: 3, 4: 3}, "kary": {1: 3, 2: 9, 3: 27, 4: 1},
+                      "chain": {1: 1, 2: 1, 3: 1, 4: 1}}[shape]
+
+
+def test_bad_shape_names_the_field():
+    with pytest.raises(ValueError, match="drafter_args.shape"):
+        shape_parents("star", 3, 2, 2)
+
+
+@pytest.mark.vllm
+def test_calibrate_then_serve_auto_budget(tmp_path):
+    """The CLI sweeps a tiny grid through vLLM and writes the table; an engine with budget "auto" then verifies
+    exactly B_ver nodes per step."""
+    from e2e_support import random_requests, run_engine
+    from vllm_bole.testing.tiny_models import engine_kwargs, tiny_model_dir
+
+    model = tiny_model_dir("qwen3_5")
+    table, depth, topk = tmp_path / "budget.json", 3, 2
+    spec = {"method": "bole", "num_speculative_tokens": depth, "topk": topk}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_bole.cli", "calibrate", "--model", model, "--speculative-config",
+         json.dumps(spec), "--engine-args", json.dumps(engine_kwargs("qwen3_5")), "--batch-sizes", "1,2",
+         "--kv-lens", "8,24", "--nodes", "2,3,5,8", "--warmup", "1", "--steps", "2", "--epsilon", "1000",
+         "--out", str(table), "--no-progress"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "| B | KV | T_dec ms | B_ver |" in proc.stdout
+
+    entries = read_table(table)
+    assert sorted((e["batch_size"], e["kv_len"]) for e in entries) == [(1, 8), (1, 24), (2, 8), (2, 24)]
+    for e in entries:
+        cap = e["batch_size"] * depth * topk  # nodes B requests can carry
+        assert [p["nodes"] for p in e["points"]] == [n for n in (2, 3, 5, 8) if n <= cap]
+        assert all(p["samples"] == 2 and p["t_ver_ms"] > 0 for p in e["points"])
+        assert all(p["kv_len_mean"] > e["kv_len"] for p in e["points"])  # the context grows during the sweep
+        assert all(abs(p["ratio"] - p["t_ver_ms"] / e["t_dec_ms"]) < 1e-3 for p in e["points"])
+        assert (e["b_ver"], e["limited_by_grid"]) == (e["points"][-1]["nodes"], True)  # epsilon 1000: all fit
+        assert e["gpu"] == device_name() and e["tree"] == {"shape": "beam", "topk": topk, "max_depth": depth}
+    assert len({e["fingerprint"] for e in entries}) == 1
+
+    # Serve with budget "auto": 2 requests drafting 6 nodes each are cut to the table's B_ver(2) = 8 per step.
+    b_ver = next(e["b_ver"] for e in entries if e["batch_size"] == 2 and e["kv_len"] == 24)
+    assert b_ver == 8
+    vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
+    engine = {"speculative_config": {**spec, "budget": "auto", "budget_table": str(table),
+                                     "drafter": "vllm_bole.calibration.drafter:FixedShapeDrafter",
+                                     "drafter_args": {"nodes": depth * topk},
+                                     "synthetic_acceptance": {"rates": [0.0], "sibling_rates": []}}}
+    out = run_engine(tmp_path, "auto", {"model": model, "engine": engine,
+                                        "requests": random_requests(vocab, [12, 20], max_tokens=12)})
+    c = out["counters"]
+    assert c["num_accepted_tokens"] == 0 and c["num_drafts"] > 0
+    assert c["num_draft_tokens"] == b_ver * c["num_drafts"] // 2

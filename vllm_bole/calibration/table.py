@@ -1,0 +1,165 @@
+"""The calibrated node-budget table: its JSON schema, how entries are computed, merged and looked up.
+
+File layout (``format`` ``"vllm-bole-budget-table"``, ``version`` 1)::
+
+    {"format": "vllm-bole-budget-table", "version": 1,
+     "entries": [
+       {"fingerprint": "Qwen3_5ForConditionalGeneration:h4096:l32:v248320:bfloat16",  # model key (shapes, dtype)
+        "model": "qwen3.5-9b-shape",       # for people: the checkpoint's name
+        "gpu": "NVIDIA H200",              # vllm.platforms.current_platform.get_device_name()
+        "batch_size": 8, "kv_len": 256,    # the bucket: requests per step, context tokens per request
+        "b_ver": 192,                      # max{N : T_ver(N) <= (1 + epsilon) T_dec}; 0 if no N qualifies
+        "limited_by_grid": false,          # true when the largest N measured qualified (b_ver may be higher)
+        "epsilon": 0.1,
+        "t_dec_ms": 5.12,                  # median target forward of the plain decode step (1 token per request)
+        "points": [{"nodes": 8,            # N: tree nodes verified in the step over the whole batch
+                    "t_ver_ms": 5.20,      # median target forward of that verification step
+                    "ratio": 1.016,        # t_ver_ms / t_dec_ms
+                    "samples": 10,         # timed steps (warm-up steps discarded)
+                    "kv_len_mean": 261.5}],  # mean context length over the timed steps
+        "tree": {"shape": "beam", "topk": 4, "max_depth": 8},
+        "device_timing": "cuda_events",    # or "wall_clock" (CPU, synchronous)
+        "vllm_version": "0.26.0", "created": "2026-11-20T10:00:00+00:00"}]}
+
+An entry is keyed by (fingerprint, gpu, batch_size, kv_len); writing a table replaces entries with the same key
+and keeps the rest. The fingerprint names what the timing depends on (architecture, hidden size, layers,
+vocabulary, dtype), so a table measured with dummy weights serves the real checkpoint of the same shape.
+
+Lookup (``budget "auto"``): the smallest calibrated batch size >= the step's (the largest one beyond), then the
+smallest calibrated KV length >= the context length (the largest beyond); without a context length, the smallest
+budget over that batch size's KV lengths.
+"""
+
+import bisect
+import datetime
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TABLE_FORMAT = "vllm-bole-budget-table"
+TABLE_VERSION = 1
+TABLE_ENV = "VLLM_BOLE_BUDGET_TABLE"
+_KEY = ("fingerprint", "gpu", "batch_size", "kv_len")
+
+
+def default_table_path() -> Path:
+    """``$VLLM_BOLE_BUDGET_TABLE``, else ``budget_table.json`` in ``$VLLM_BOLE_CACHE`` or ``~/.cache/vllm-bole``."""
+    if os.environ.get(TABLE_ENV):
+        return Path(os.environ[TABLE_ENV])
+    return Path(os.environ.get("VLLM_BOLE_CACHE") or Path.home() / ".cache" / "vllm-bole") / "budget_table.json"
+
+
+def model_fingerprint(model_config) -> str:
+    """What verification time depends on: architecture, hidden size, layers, vocabulary, dtype."""
+    text = model_config.hf_text_config
+    arch = (getattr(model_config.hf_config, "architectures", None) or ["unknown"])[0]
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    return f"{arch}:h{text.hidden_size}:l{text.num_hidden_layers}:v{text.vocab_size}:{dtype}"
+
+
+def device_name() -> str:
+    from vllm.platforms import current_platform
+
+    return current_platform.get_device_name()
+
+
+def budget_from_curve(points: list[dict], t_dec_ms: float, epsilon: float) -> tuple[int, bool]:
+    """(B_ver, limited_by_grid): the largest measured N with t_ver <= (1 + epsilon) t_dec (0 if none), and
+    whether that N is the largest one measured."""
+    limit = (1.0 + epsilon) * t_dec_ms
+    fitting = [p["nodes"] for p in points if p["t_ver_ms"] <= limit]
+    if not fitting:
+        return 0, False
+    best = max(fitting)
+    return best, best == max(p["nodes"] for p in points)
+
+
+def make_entry(*, fingerprint: str, model: str, gpu: str, batch_size: int, kv_len: int, epsilon: float,
+               t_dec_ms: float, points: list[dict], tree: dict, device_timing: str) -> dict:
+    points = sorted(points, key=lambda p: p["nodes"])
+    for p in points:
+        p["ratio"] = round(p["t_ver_ms"] / t_dec_ms, 4)
+    b_ver, limited = budget_from_curve(points, t_dec_ms, epsilon)
+    import vllm
+
+    return {"fingerprint": fingerprint, "model": model, "gpu": gpu, "batch_size": batch_size, "kv_len": kv_len,
+            "b_ver": b_ver, "limited_by_grid": limited, "epsilon": epsilon, "t_dec_ms": round(t_dec_ms, 4),
+            "points": points, "tree": tree, "device_timing": device_timing, "vllm_version": vllm.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def read_table(path: str | os.PathLike) -> list[dict]:
+    """The entries of a table file; raises ValueError naming the file for anything that is not one."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT or data.get("version") != TABLE_VERSION:
+        raise ValueError(f"{path}: not a {TABLE_FORMAT} version {TABLE_VERSION} file")
+    entries = data.get("entries")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and all(k in e for k in _KEY + ("b_ver",))
+                                                for e in entries):
+        raise ValueError(f"{path}: every entry needs {list(_KEY) + ['b_ver']}")
+    return entries
+
+
+def write_table(path: str | os.PathLike, entries: list[dict]) -> list[dict]:
+    """Merge ``entries`` into the table at ``path`` (same key: replaced) and write it atomically; returns all."""
+    path = Path(path)
+    merged = {tuple(e[k] for k in _KEY): e for e in (read_table(path) if path.exists() else [])}
+    merged |= {tuple(e[k] for k in _KEY): e for e in entries}
+    rows = sorted(merged.values(), key=lambda e: tuple(e[k] for k in _KEY))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"format": TABLE_FORMAT, "version": TABLE_VERSION, "entries": rows}, indent=1) + "\n")
+    tmp.replace(path)
+    return rows
+
+
+@dataclass
+class ModelBudgets:
+    """One (model, GPU) slice of a table, ready for per-step lookups."""
+
+    fingerprint: str
+    gpu: str
+    batch_sizes: list[int]
+    kv_lens: dict[int, list[int]]             # batch size -> sorted KV lengths
+    b_ver: dict[tuple[int, int], int]         # (batch size, kv length) -> budget
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_entries(cls, entries: list[dict]) -> "ModelBudgets":
+        b_ver = {(int(e["batch_size"]), int(e["kv_len"])): int(e["b_ver"]) for e in entries}
+        batch_sizes = sorted({b for b, _ in b_ver})
+        kv_lens = {b: sorted(kv for bb, kv in b_ver if bb == b) for b in batch_sizes}
+        return cls(entries[0]["fingerprint"], entries[0]["gpu"], batch_sizes, kv_lens, b_ver)
+
+    def lookup(self, batch_size: int, context_len: int | None = None) -> int:
+        key = (batch_size, context_len)
+        if key not in self._memo:
+            b = self.batch_sizes[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
+            kvs = self.kv_lens[b]
+            if context_len is None:
+                budget = min(self.b_ver[(b, kv)] for kv in kvs)
+            else:
+                budget = self.b_ver[(b, kvs[min(bisect.bisect_left(kvs, context_len), len(kvs) - 1)])]
+            if len(self._memo) > 65536:
+                self._memo.clear()
+            self._memo[key] = budget
+        return self._memo[key]
+
+
+def select_model(entries: list[dict], gpu: str, fingerprint: str | None) -> tuple[ModelBudgets | None, str]:
+    """The table's budgets for this GPU and model (fingerprint None: the only model calibrated on this GPU),
+    or None and why not."""
+    on_gpu = [e for e in entries if e["gpu"] == gpu]
+    if not on_gpu:
+        return None, f"no entry for GPU {gpu!r} (has {sorted({e['gpu'] for e in entries})})"
+    models = sorted({e["fingerprint"] for e in on_gpu})
+    if fingerprint is None:
+        if len(models) != 1:
+            return None, f"the model is unknown here and {len(models)} models are calibrated on {gpu!r}"
+        fingerprint = models[0]
+    mine = [e for e in on_gpu if e["fingerprint"] == fingerprint]
+    if not mine:
+        return None, f"no entry for model {fingerprint!r} on {gpu!r} (has {models})"
+    return ModelBudgets.from_entries(mine), ""
