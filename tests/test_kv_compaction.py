@@ -1,12 +1,23 @@
-"""Accepted-path KV compaction on vLLM's CPU cache layout: exactly the moved slots change."""
+"""Accepted-path KV compaction: exactly the moved slots change, on vLLM's CPU cache layout (torch) and on the
+FlashAttention layout for all attention layers of all KV-cache groups (Triton; interpreted without a GPU)."""
+
+import types
 
 import pytest
 import torch
 
-from vllm_bole.attention.tree_attn_cpu import CPUPagedKV
-from vllm_bole.kernels.tree_attention.reference import compact_kv, tree_attention
-from vllm_bole.worker.forest_context import StepForest
-from vllm_bole.worker.kv_compaction import accepted_slot_moves
+from triton_modes import DEV, GPU, import_kernel_modules
+
+# Before vLLM imports Triton: without a GPU, Triton's own library must be built for the interpreter too.
+(ta,) = import_kernel_modules("vllm_bole.kernels.tree_attention.triton_tree_attn")
+
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+from vllm_bole.attention.tree_attn_cpu import CPUPagedKV  # noqa: E402
+from vllm_bole.kernels.tree_attention.reference import FlashPagedKV, compact_kv, tree_attention  # noqa: E402
+from vllm_bole.worker import kv_compaction  # noqa: E402
+from vllm_bole.worker.forest_context import StepForest  # noqa: E402
+from vllm_bole.worker.kv_compaction import accepted_slot_moves  # noqa: E402
 
 
 def _cpu_cache(nb=6, h=2, bs=16, d=32, seed=0):
@@ -62,3 +73,53 @@ def test_tree_attention_reference_masks_non_ancestors():
     keep = torch.tensor([0, 1, 2, 3, 4, 6])
     ref = tree_attention(q[2:3], k[keep], v[keep], torch.ones(1, 2, dtype=torch.bool), 0.25)
     assert torch.allclose(out[2:3], ref, atol=1e-6)
+
+
+def _fake_runner(groups, caches):
+    """groups: (spec or None for a non-attention group, layer names, slot mapping); caches: name -> tensor."""
+    return types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(
+            static_forward_context={n: types.SimpleNamespace(kv_cache=c) for n, c in caches.items()}),
+        kv_cache_config=types.SimpleNamespace(kv_cache_groups=[
+            types.SimpleNamespace(kv_cache_spec=spec if spec is not None else object(), layer_names=names)
+            for spec, names, _ in groups]),
+        input_batch=types.SimpleNamespace(block_table=[
+            types.SimpleNamespace(slot_mapping=types.SimpleNamespace(gpu=slots.to(DEV))) for _, _, slots in groups]))
+
+
+def test_gpu_compaction_moves_every_attention_layer_in_one_launch_per_layout(monkeypatch):
+    if not GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kv_compaction.current_platform, "is_cpu", lambda: False)
+    launches = []
+    real = ta.compact_kv_paged
+    monkeypatch.setattr(ta, "compact_kv_paged", lambda caches, *a: launches.append(len(caches)) or real(caches, *a))
+    g = torch.Generator().manual_seed(1)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    # Target layers in two KV-cache groups (own block tables, one shared buffer layout), a GDN group, and the
+    # drafter's layer with a cache of another size (its own launch).
+    buf = torch.randn(6, 3, 16, 2, 16, generator=g).to(DEV)               # physical [blocks, layer, bs, h, 2d]
+    caches = {f"attn{i}": buf[:, i].permute(0, 2, 1, 3) for i in range(3)}
+    caches["mtp"] = torch.randn(4, 16, 2, 16, generator=g).to(DEV).permute(0, 2, 1, 3)
+    caches["gdn"] = torch.randn(6, 64, generator=g).to(DEV)
+    paths = [[0, 2, 5, 6], [0, 1, 3]]
+    forest = StepForest(req_ids=["a", "b"], tree_req_indices=[0, 1], parent=None, cu_seqlens=None,
+                        tokens=[[0] * 8, [0] * 5], query_starts=[0, 8])
+    forest.accepted_paths = paths
+    groups = [(spec, ["attn0", "attn2"], torch.tensor([5 + i for i in range(8)] + [40 + i for i in range(5)])),
+              (None, ["gdn"], torch.zeros(13, dtype=torch.long)),
+              (spec, ["attn1"], torch.tensor([70 + i for i in range(8)] + [17 + i for i in range(5)])),
+              (spec, ["mtp"], torch.tensor([3 + i for i in range(8)] + [50 + i for i in range(5)]))]
+    before = {n: c.clone() for n, c in caches.items()}
+    kv_compaction.compact_accepted_kv(_fake_runner(groups, caches), forest)
+    assert sorted(launches) == [1, 3]
+    assert torch.equal(caches["gdn"], before["gdn"])
+    for spec_, names, slots in groups:
+        if spec_ is None:
+            continue
+        src, dst = accepted_slot_moves(forest, slots)
+        for name in names:
+            want = before[name].clone()
+            compact_kv(FlashPagedKV(want), src.to(DEV), dst.to(DEV))
+            assert torch.equal(caches[name], want), name
+            assert not torch.equal(want, before[name])

@@ -4,6 +4,8 @@ On a CUDA machine the kernels run compiled; without one they run under Triton's 
 counts and dims (the real Qwen3.5 shape is GPU-only). Caches use the FlashAttention logical layout
 ``[num_blocks, kv_heads, block_size, 2 * head_size]`` with several physical layouts, shuffled block tables,
 and NaN in every cache entry no request owns, so a read outside a request's positions shows up as NaN.
+Every batch runs both ways the GPU backend runs the kernel: reading the prefix itself, and merging a
+FlashAttention-style prefix pass (its torch stand-in here, NaN on rows of an empty prefix) in place or not.
 """
 
 import random
@@ -13,7 +15,9 @@ import torch
 
 from sequential_gdn import build_forest, rel_err, seed_of
 from triton_modes import DEV, GPU, import_kernel_modules
-from vllm_bole.kernels.forest import path_to_root
+from vllm_bole.kernels.forest import ancestor_mask, path_to_root
+from vllm_bole.kernels.tree_attention.reference import FlashPagedKV, paged_prefix_attention
+from vllm_bole.worker.forest_context import DeviceTreeRows, TreeRows
 
 FP32_TOL = 1e-4
 BF16_TOL = 2e-2
@@ -47,15 +51,17 @@ def _alloc_cache(nb, hkv, bs, d, layout, dtype, gen):
 
 
 class Batch:
-    """Request b: tree ``spec[b]`` over a committed prefix of ``prefixes[b]`` tokens, K/V already in a paged
-    cache whose blocks are shuffled; query rows optionally separated by non-tree rows."""
+    """Request b: tree ``spec[b] = (shape, T[, n])`` over a committed prefix of ``prefixes[b]`` tokens, K/V
+    already in a paged cache whose blocks are shuffled. Its query rows are the tree's last n nodes (all T by
+    default; fewer as in the MTP drafter's levels), optionally separated by non-tree rows."""
 
     def __init__(self, spec, prefixes, *, hq=4, hkv=2, d=16, bs=16, dtype=torch.float32, layout="contiguous",
                  gap_rows=0, seed_params=()):
         seed = seed_of("attn", spec, prefixes, hq, hkv, d, bs, str(dtype), layout, gap_rows, *seed_params)
         rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-        self.parent, self.cu = build_forest(spec, rng)
+        self.parent, self.cu = build_forest([s[:2] for s in spec], rng)
         sizes = (self.cu[1:] - self.cu[:-1]).tolist()
+        rows_of = [s[2] if len(s) > 2 else t for s, t in zip(spec, sizes)]
         self.seq_lens = [p + t for p, t in zip(prefixes, sizes)]
         n_blocks = [-(-s // bs) for s in self.seq_lens]
         nb = sum(n_blocks) + 2                     # two spare blocks nobody owns
@@ -71,23 +77,33 @@ class Batch:
                 owned[perm[k], :min(bs, self.seq_lens[b] - j * bs)] = True
                 k += 1
         self.kv.masked_fill_(~owned[:, None, :, None], float("nan"))
-        qsl, rows = [], 0
-        for t in sizes:
+        qsl, rows, self.tree_rows = [], 0, []
+        cu = self.cu.tolist()
+        for b, (t, n) in enumerate(zip(sizes, rows_of)):
             rows += gap_rows
             qsl.append(rows)
-            rows += t
-        self.query_start_loc = torch.tensor(qsl + [rows + gap_rows], dtype=torch.int32)
+            if t:
+                mask = ancestor_mask(self.parent[cu[b]:cu[b + 1]])[t - n:]
+                self.tree_rows.append(TreeRows(req_index=b, row_start=rows, region_mask=mask))
+            rows += n
+        self.query_start_loc = qsl + [rows + gap_rows]
         self.q = torch.randn(rows + gap_rows, hq, d, generator=gen).to(dtype)
         self.scale = d ** -0.5
         self.sizes = sizes
+        self.rows_of = rows_of
 
-    def args(self):
-        """CPU tensors in :func:`tree_attention_paged`'s argument order."""
-        return [self.q, self.kv, self.block_table, torch.tensor(self.seq_lens, dtype=torch.int32),
-                self.query_start_loc, self.parent, self.cu, self.scale]
+    def reference(self):
+        return ta.tree_attention_paged_reference(self.q, self.kv, self.block_table, torch.tensor(self.seq_lens),
+                                                 self.tree_rows, self.scale)
 
-    def tree_rows(self):
-        return torch.cat([torch.arange(s, s + t) for s, t in zip(self.query_start_loc.tolist(), self.sizes)]
+    def prefix_pass(self):
+        """The stand-in for FlashAttention's non-causal pass over every request's prefix: (out, lse)."""
+        prefixes = [s - t for s, t in zip(self.seq_lens, self.sizes)]
+        return paged_prefix_attention(FlashPagedKV(self.kv), self.q, prefixes, self.block_table,
+                                      self.query_start_loc, self.scale)
+
+    def tree_row_index(self):
+        return torch.cat([torch.arange(r.row_start, r.row_start + r.region_mask.shape[0]) for r in self.tree_rows]
                          + [torch.zeros(0, dtype=torch.long)])
 
 
@@ -100,55 +116,90 @@ def _to_dev_view(t):
     return flat.as_strided(t.size(), t.stride(), t.storage_offset())
 
 
-def check(batch: Batch, *, tol=None, config=None, max_nodes=None):
-    q, kv, bt, seq, qsl, parent, cu, scale = batch.args()
-    want = ta.tree_attention_paged_reference(q, kv, bt, seq, qsl, parent, cu, scale)
-    dq = _to_dev_view(q)
-    dkv = _to_dev_view(kv)
-    sentinel = torch.full_like(dq, 7.0)
-    got = ta.tree_attention_paged(dq, dkv, *(t.to(DEV) for t in (bt, seq, qsl, parent, cu)), scale,
-                                  out=sentinel, config=config, max_nodes=max_nodes)
-    assert got is sentinel and got.dtype == q.dtype
-    got = got.cpu()
-    rows = batch.tree_rows()
-    assert torch.isfinite(got[rows].float()).all(), "NaN/inf in tree rows"
-    other = torch.ones(q.shape[0], dtype=torch.bool)
+MODES = ("inline", "merge", "merge_in_place")
+
+
+def run_kernel(batch: Batch, mode: str, *, config=None, max_rows=None):
+    """The kernel's output (on the host) with untouched rows set to 7."""
+    dq, dkv = _to_dev_view(batch.q), _to_dev_view(batch.kv)
+    rows = DeviceTreeRows.pack(batch.tree_rows, DEV)
+    out = torch.full_like(dq, 7.0)
+    kw = {}
+    if mode != "inline":
+        p_out, p_lse = (t.to(DEV) for t in batch.prefix_pass())
+        if mode == "merge_in_place":   # the backend's all-tree step: the prefix pass writes into the output
+            out[batch.tree_row_index().to(DEV)] = p_out[batch.tree_row_index().to(DEV)]
+            p_out = out
+        kw = dict(prefix_out=p_out, prefix_lse=p_lse)
+    got = ta.tree_attention_paged(dq, dkv, batch.block_table.to(DEV),
+                                  torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEV), rows.meta,
+                                  rows.bits, batch.scale, max_rows=max_rows or rows.max_rows, out=out,
+                                  config=config, **kw)
+    assert got is out and got.dtype == batch.q.dtype
+    return got.cpu()
+
+
+def check(batch: Batch, *, tol=None, config=None, max_rows=None, modes=MODES):
+    want = batch.reference()
+    rows = batch.tree_row_index()
+    other = torch.ones(batch.q.shape[0], dtype=torch.bool)
     other[rows] = False
-    assert (got[other] == 7.0).all(), "rows outside every tree must stay untouched"
-    tol = tol or (FP32_TOL if q.dtype == torch.float32 else BF16_TOL)
-    if rows.numel():
-        assert rel_err(got[rows], want[rows]) <= tol
-    return got
+    tol = tol or (FP32_TOL if batch.q.dtype == torch.float32 else BF16_TOL)
+    for mode in modes:
+        got = run_kernel(batch, mode, config=config, max_rows=max_rows)
+        assert torch.isfinite(got[rows].float()).all(), f"{mode}: NaN/inf in tree rows"
+        assert (got[other] == 7.0).all(), f"{mode}: rows outside every tree must stay untouched"
+        if rows.numel():
+            err = rel_err(got[rows], want[rows])
+            assert err <= tol, f"{mode}: rel err {err:.2e}"
 
 
 # --------------------------------------------------------------------------------------------------------
-# The torch fallback itself, against a direct per-row softmax
+# The torch references themselves, against a direct per-row softmax
 # --------------------------------------------------------------------------------------------------------
-def test_reference_matches_direct_softmax():
-    batch = Batch([("random", 7), ("chain", 3)], [5, 20], hq=4, hkv=2, d=8, bs=4, seed_params=("direct",))
-    q, kv, bt, seq, qsl, parent, cu, scale = batch.args()
-    got = ta.tree_attention_paged_reference(q, kv, bt, seq, qsl, parent, cu, scale)
+def _direct(batch, b, row, h, keys_at):
+    """Softmax attention of query row ``row``, head ``h`` over request b's positions ``keys_at``."""
+    q, kv, bt = batch.q, batch.kv, batch.block_table
     d = q.shape[-1]
-    for b, t in enumerate(batch.sizes):
+    bs = kv.shape[2]
+    hk = h // (q.shape[1] // kv.shape[1])
+    keys = [kv[int(bt[b, p // bs]), hk, p % bs] for p in keys_at]
+    k = torch.stack([x[:d] for x in keys]).double()
+    v = torch.stack([x[d:] for x in keys]).double()
+    s = k @ q[row, h].double() * batch.scale
+    return torch.softmax(s, 0) @ v, torch.logsumexp(s, 0)
+
+
+def test_references_match_direct_softmax():
+    batch = Batch([("random", 7), ("chain", 3), ("kary2", 9, 4)], [5, 20, 0], hq=4, hkv=2, d=8, bs=4,
+                  seed_params=("direct",))
+    got = batch.reference()
+    p_out, p_lse = batch.prefix_pass()
+    cu = batch.cu.tolist()
+    for rows in batch.tree_rows:
+        b = rows.req_index
+        t, n = batch.sizes[b], batch.rows_of[b]
         prefix = batch.seq_lens[b] - t
-        for i in range(t):
-            visible = list(range(prefix)) + [prefix + j for j in path_to_root(parent[cu[b]:cu[b + 1]], i)]
-            row = int(qsl[b]) + i
-            for h in range(q.shape[1]):
-                hk = h // (q.shape[1] // kv.shape[1])
-                keys = [kv[int(bt[b, p // 4]), hk, p % 4] for p in visible]
-                k = torch.stack([x[:d] for x in keys]).double()
-                v = torch.stack([x[d:] for x in keys]).double()
-                want = torch.softmax(k @ q[row, h].double() * scale, 0) @ v
+        for i in range(n):
+            visible = list(range(prefix)) + [prefix + j for j in path_to_root(batch.parent[cu[b]:cu[b + 1]],
+                                                                               t - n + i)]
+            row = rows.row_start + i
+            for h in range(batch.q.shape[1]):
+                want, _ = _direct(batch, b, row, h, visible)
                 assert torch.allclose(got[row, h].double(), want, atol=1e-5)
+                if prefix:
+                    want, lse = _direct(batch, b, row, h, range(prefix))
+                    assert torch.allclose(p_out[row, h].double(), want, atol=1e-5)
+                    assert abs(p_lse[h, row].item() - lse.item()) < 1e-4
 
 
-def test_cpu_dispatch_runs_reference(monkeypatch):
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
     if GPU:
         pytest.skip("CPU dispatch only matters without a GPU")
     monkeypatch.setattr(ta, "_interpreting", lambda: False)
-    args = Batch([("kary2", 6)], [9], seed_params=("dispatch",)).args()
-    assert torch.equal(ta.tree_attention_paged(*args), ta.tree_attention_paged_reference(*args))
+    batch = Batch([("kary2", 6)], [9], seed_params=("dispatch",))
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        run_kernel(batch, "inline")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -169,10 +220,16 @@ MULTI = [("single", 1), ("chain", 7), ("kary3", 13), ("random", 21), ("deep", 34
 PREFIXES = [0, 1, 15, 16, 33, 250, 300, 64]
 
 
-@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("bs", [16, 32, 64])
 @pytest.mark.parametrize("layout", ["contiguous", "heads_inner", "padded"])
 def test_batch_of_requests_prefixes_and_layouts(bs, layout):
     check(Batch(MULTI, PREFIXES, bs=bs, layout=layout, gap_rows=1))
+
+
+def test_drafter_levels_are_the_regions_last_rows():
+    # The MTP drafter's levels: a few new rows at the end of a longer region of earlier queries.
+    spec = [("kary4", 21, 4), ("random", 80, 16), ("chain", 9, 1), ("star", 40, 39), ("single", 1, 1)]
+    check(Batch(spec, [12, 0, 100, 33, 5], gap_rows=2, seed_params=("drafter",)))
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(2, 2, 16), (4, 1, 16), (6, 2, 16), (8, 2, 32), (4, 4, 8)])
@@ -184,39 +241,32 @@ def test_gqa_dims_dtypes(hq, hkv, d, dtype):
 
 @pytest.mark.parametrize("block_m,block_n", [(8, 16), (16, 16), (8, 64), (32, 32)])
 def test_tile_sizes(block_m, block_n):
-    # BN below, equal to and above the block size; node tiles smaller than a tree.
+    # BN below, equal to and above the block size and a bitmask word; row tiles smaller than a tree.
     cfg = {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 1}
-    check(Batch([("deep", 40), ("kary2", 17), ("star", 3)], [70, 31, 0], bs=32,
+    check(Batch([("deep", 40), ("kary2", 17), ("star", 3), ("random", 50, 7)], [70, 31, 0, 9], bs=32,
                 seed_params=(block_m, block_n)), config=cfg)
 
 
-def test_capacity_grid_and_empty_requests():
-    # Padded batch entries (T = 0) and a grid sized for capacity, not for the step's largest tree.
-    spec = [("random", 12), ("chain", 5)]
-    batch = Batch(spec, [20, 3], seed_params=("capacity",))
-    cu = batch.cu.tolist()
-    batch.cu = torch.tensor(cu[:1] + [cu[1], cu[1], cu[2], cu[2]], dtype=torch.int32)
-    batch.sizes = [12, 0, 5, 0]
-    qsl = batch.query_start_loc.tolist()
-    batch.query_start_loc = torch.tensor([qsl[0], qsl[1], qsl[1], qsl[2], qsl[2]], dtype=torch.int32)
-    batch.seq_lens = [batch.seq_lens[0], 0, batch.seq_lens[1], 0]
-    bt = batch.block_table
-    batch.block_table = torch.stack([bt[0], bt[0], bt[1], bt[1]])
-    check(batch, max_nodes=256)
+def test_capacity_grid_and_requests_without_trees():
+    # Batch requests without a tree (no TreeRows) and a grid sized for capacity, not for the step's rows.
+    batch = Batch([("random", 12), ("chain", 5), ("kary2", 6)], [20, 3, 8], gap_rows=1, seed_params=("capacity",))
+    batch.tree_rows = [batch.tree_rows[0], batch.tree_rows[2]]
+    check(batch, max_rows=256)
 
 
 def test_scores_far_apart_stay_finite():
-    # Large logits: the online softmax must rescale, not overflow.
+    # Large logits: the online softmax and the merge must rescale, not overflow.
     batch = Batch([("random", 30), ("chain", 4)], [100, 17], seed_params=("large",))
     batch.q *= 40
     check(batch)
 
 
 @needs_gpu
-@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("bs", [16, 32, 64])
 def test_real_shape_bf16(bs):
-    spec = [("kary4", 64), ("deep", 64), ("random", 48), ("single", 1), ("chain", 9), ("random", 128)]
-    check(Batch(spec, [4000, 1, 513, 2048, 0, 777], hq=16, hkv=4, d=256, bs=bs, dtype=torch.bfloat16,
+    spec = [("kary4", 64), ("deep", 64), ("random", 48), ("single", 1), ("chain", 9), ("random", 128),
+            ("kary4", 200, 16)]
+    check(Batch(spec, [4000, 1, 513, 2048, 0, 777, 64], hq=16, hkv=4, d=256, bs=bs, dtype=torch.bfloat16,
                 layout="heads_inner"))
 
 

@@ -1,40 +1,92 @@
-"""GPU attention backend that runs tree nodes with an ancestor mask (vLLM's FlashAttention underneath).
+"""GPU attention backend that runs tree rows with their ancestor mask (vLLM's FlashAttention underneath).
 
-FlashAttention computes every row causally and writes the step's K/V; tree rows are then recomputed with the
-torch reference over the request's prefix plus the node's ancestors. Correct, not fast: the fast prefix pass
-+ tree block kernel replaces this recomputation.
+Tree rows (``StepForest.attention_rows``, from the verifier or the MTP drafter) see their request's committed
+prefix plus their visible region keys. vLLM 0.26 writes the step's K/V before ``forward``
+(``forward_includes_kv_cache_update = False``), so the tree kernel reads every key from the paged cache:
+- long prefixes: FlashAttention's non-causal pass over the prefixes (``seqused_k`` = prefix length, with its
+  LSE; it splits long prefixes over the GPU), then the Triton tree kernel over each row's region keys, which
+  merges the two in its epilogue;
+- short prefixes (``max_seq_len <= INLINE_PREFIX_MAX_SEQ``): the tree kernel alone reads prefix and region.
+When every row of the batch is a tree row, vLLM's causal pass is skipped; otherwise (prefills in the same
+step) it runs first, and the tree kernel overwrites the tree rows.
 """
 
 import torch
+from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends import fa_utils
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
-from .tree_rows import redo_tree_rows
+from ..kernels.tree_attention import triton_tree_attn
+from ..worker.forest_context import current_forest
+
+# Up to this many keys per request, one tree-kernel launch beats FlashAttention's prefix pass plus the tree
+# kernel (benchmarks/tree_attention.py: "single_us" vs "split_us").
+INLINE_PREFIX_MAX_SEQ = 512
 
 
-class NHDPagedKV:
-    """Slot-indexed view of a FlashAttention cache, logical ``[num_blocks, kv_heads, block_size, 2 * head]``."""
+def reads_prefix_itself(attn_metadata) -> bool:
+    """Whether the tree kernel alone serves this forward (short prefixes), without FlashAttention's pass."""
+    return attn_metadata.max_seq_len <= INLINE_PREFIX_MAX_SEQ
 
-    def __init__(self, kv_cache: torch.Tensor):
-        d = kv_cache.shape[-1] // 2
-        self.k, self.v = kv_cache[..., :d], kv_cache[..., d:]
-        self.block_size = kv_cache.shape[2]
 
-    def get(self, slots: torch.Tensor):
-        b, o = slots // self.block_size, slots % self.block_size
-        return self.k[b, :, o], self.v[b, :, o]
+def unsupported_reason(impl: FlashAttentionImpl) -> str | None:
+    """Why tree rows cannot run on this layer, or None."""
+    if impl.attn_type != AttentionType.DECODER:
+        return f"attention type {impl.attn_type}"
+    if impl.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+        return f"kv_cache_dtype {impl.kv_cache_dtype!r}"
+    if impl.sliding_window != (-1, -1):
+        return "sliding-window attention"
+    if impl.alibi_slopes is not None or impl.sinks is not None or impl.logits_soft_cap:
+        return "ALiBi, attention sinks or logits soft-capping"
+    if impl.dcp_world_size > 1 or impl.pcp_world_size > 1:
+        return "context parallelism"
+    return None
 
-    def set(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        b, o = slots // self.block_size, slots % self.block_size
-        self.k[b, :, o] = k
-        self.v[b, :, o] = v
+
+def prefix_pass(impl: FlashAttentionImpl, query, kv_cache, attn_metadata, prefix_lens, out) -> torch.Tensor:
+    """FlashAttention over every request's first ``prefix_lens[b]`` keys for all its query rows, non-causal,
+    into ``out``; returns the LSE ``[Hq, num_tokens]``. Requests with ``prefix_lens`` 0 attend to nothing."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    _, lse = fa_utils.flash_attn_varlen_func(
+        q=query, k=canonicalize_singleton_dim_strides(key_cache), v=canonicalize_singleton_dim_strides(value_cache),
+        out=out, cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+        seqused_k=prefix_lens, max_seqlen_k=attn_metadata.max_seq_len, softmax_scale=impl.scale, causal=False,
+        block_table=attn_metadata.block_table, return_softmax_lse=True, fa_version=impl.vllm_flash_attn_version,
+        num_splits=attn_metadata.max_num_splits)
+    return lse
 
 
 class BoleFlashAttentionImpl(FlashAttentionImpl):
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        redo_tree_rows(NHDPagedKV, kv_cache, query, output, attn_metadata, self.num_heads, self.head_size,
-                       self.scale)
-        return out
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tree_unsupported = unsupported_reason(self)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        forest = current_forest()
+        if attn_metadata is None or forest is None or not forest.attention_rows:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if self.tree_unsupported or output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"Bole tree attention does not support "
+                                      f"{self.tree_unsupported or 'fused output quantization'}")
+        rows = forest.device_rows(query.device)
+        n = attn_metadata.num_actual_tokens
+        only_trees = rows.num_rows == n
+        if not only_trees:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        prefix_out = prefix_lse = None
+        if not reads_prefix_itself(attn_metadata):
+            # With only tree rows the prefix pass writes straight into the output, merged there in place.
+            prefix_out = output[:n] if only_trees else torch.empty_like(output[:n])
+            prefix_lse = prefix_pass(self, query[:n], kv_cache, attn_metadata,
+                                     rows.prefix_lens(attn_metadata.seq_lens), prefix_out)
+        triton_tree_attn.tree_attention_paged(
+            query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, rows.meta, rows.bits,
+            self.scale, max_rows=rows.max_rows, out=output[:n], prefix_out=prefix_out, prefix_lse=prefix_lse)
+        return output
 
 
 class BoleFlashAttentionBackend(FlashAttentionBackend):

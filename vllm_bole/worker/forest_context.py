@@ -7,15 +7,15 @@ factors a step produces live here, set by the runner around each forward and rea
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-
-from ..kernels.forest import ancestor_mask
 
 
 @dataclass
 class TreeRows:
     """One request's tree rows in a forward: the query rows ``[row_start, row_start + n_rows)`` see the whole
-    committed prefix plus the last ``region_mask.shape[1]`` key positions that their mask row marks."""
+    committed prefix plus the last ``region_mask.shape[1]`` key positions that their mask row marks. The rows
+    are the region's last ``n_rows`` positions (a verified tree: all of it; the MTP drafter: the new level)."""
 
     req_index: int
     row_start: int
@@ -27,6 +27,48 @@ class TreeRows:
         n, t = self.region_mask.shape
         causal = torch.ones(n, t, dtype=torch.bool).tril(diagonal=t - n)
         return (self.region_mask.bool() != causal).any(dim=1)
+
+
+@dataclass
+class DeviceTreeRows:
+    """The tree rows of one forward on the device, built once and shared by every attention layer (layout in
+    ``kernels/tree_attention/triton_tree_attn.py``)."""
+
+    meta: torch.Tensor   # [R, 5] int32 per tree request: batch index, first query row, rows, region length,
+    #                      first row of bits
+    bits: torch.Tensor   # [rows of all tree requests, words] int32: bit j of a row = it sees region key j
+    num_rows: int
+    max_rows: int
+    _prefix: tuple = field(default=(None, None), repr=False)
+
+    @classmethod
+    def pack(cls, tree_rows: list["TreeRows"], device) -> "DeviceTreeRows":
+        """One host-to-device copy for all requests' rows."""
+        shapes = [tuple(rows.region_mask.shape) for rows in tree_rows]
+        total = sum(n for n, _ in shapes)
+        words = max([-(-t // 32) for _, t in shapes] + [1])
+        visible = np.zeros((total, 32 * words), dtype=bool)
+        meta = np.zeros((len(tree_rows), 5), dtype=np.int32)
+        first = 0
+        for i, (rows, (n, t)) in enumerate(zip(tree_rows, shapes)):
+            visible[first:first + n, :t] = rows.region_mask.cpu().numpy()
+            meta[i] = (rows.req_index, rows.row_start, n, t, first)
+            first += n
+        bits = np.packbits(visible, axis=1, bitorder="little").view("<i4")       # bit j -> word j // 32
+        flat = torch.from_numpy(np.concatenate([meta.ravel(), bits.ravel()]).astype(np.int32))
+        flat = flat.to(device, non_blocking=True)
+        return cls(meta=flat[:meta.size].view(-1, 5), bits=flat[meta.size:].view(total, words), num_rows=total,
+                   max_rows=max([n for n, _ in shapes] + [0]))
+
+    def prefix_lens(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """``[B]`` committed prefix length of every batch request (0 without a tree, so FlashAttention's prefix
+        pass skips it); computed once per ``seq_lens`` tensor (the layers of a KV-cache group share it)."""
+        if self._prefix[0] is not seq_lens:
+            req = self.meta[:, 0].long()
+            prefix = torch.zeros_like(seq_lens)
+            prefix[req] = seq_lens[req] - self.meta[:, 3]
+            self._prefix = (seq_lens, prefix)
+        return self._prefix[1]
 
 
 @dataclass
@@ -48,6 +90,14 @@ class StepForest:
     # per tree request: row of its first node (the root) in the step's flat token arrays
     query_starts: list[int] = field(default_factory=list)
 
+    _device_rows: DeviceTreeRows | None = field(default=None, init=False, repr=False)
+
+    def device_rows(self, device) -> DeviceTreeRows:
+        """``attention_rows`` on ``device``, built on first use and shared by every attention layer."""
+        if self._device_rows is None:
+            self._device_rows = DeviceTreeRows.pack(self.attention_rows, device)
+        return self._device_rows
+
     @property
     def accepted(self) -> list[int] | None:
         """Per tree request, local index of its deepest accepted node."""
@@ -60,11 +110,29 @@ class StepForest:
         return self.parent[s:e].tolist()
 
     def build_attention_rows(self) -> None:
-        self.attention_rows = [
-            TreeRows(req_index=r, row_start=self.query_starts[i],
-                     region_mask=ancestor_mask(torch.tensor(self.parents_of(i), dtype=torch.int32)))
-            for i, r in enumerate(self.tree_req_indices)
-        ]
+        masks = ancestor_masks([self.parents_of(i) for i in range(len(self.tree_req_indices))])
+        self.attention_rows = [TreeRows(req_index=r, row_start=self.query_starts[i], region_mask=m)
+                               for i, (r, m) in enumerate(zip(self.tree_req_indices, masks))]
+
+
+def ancestor_masks(tree_parents: list[list[int]]) -> list[torch.Tensor]:
+    """Every tree's ``[T, T]`` ``kernels.forest.ancestor_mask``, for all trees at once: pointer jumping over the whole
+    forest (log2 T array steps instead of a step per node)."""
+    sizes = [len(p) for p in tree_parents]
+    if not sizes:
+        return []
+    n, t_max = sum(sizes), max(sizes)
+    starts = np.cumsum([0] + sizes[:-1])
+    par = np.concatenate([np.asarray(p, dtype=np.int64) for p in tree_parents])
+    jump = np.where(par >= 0, par + np.repeat(starts, sizes), -1)     # forest index of the parent
+    seen = np.zeros((n, t_max), dtype=bool)
+    seen[np.arange(n), np.concatenate([np.arange(t) for t in sizes])] = True
+    # After step s, seen[i] holds i's ancestors closer than 2^s and jump[i] is its 2^s-th one.
+    for _ in range(t_max.bit_length()):
+        has = jump >= 0
+        seen[has] |= seen[jump[has]]
+        jump = np.where(has, jump[np.maximum(jump, 0)], -1)
+    return [torch.from_numpy(seen[s:s + t, :t]) for s, t in zip(starts.tolist(), sizes)]
 
 
 _current: StepForest | None = None

@@ -1,7 +1,10 @@
 """After acceptance, move each request's accepted path K/V from its tree nodes' slots to contiguous slots.
 
 Tree node j of a request was written to the slot of position prefix + j; the accepted path
-``[0, a1, ..., aL]`` must end up at positions prefix .. prefix + L, i.e. the slots of nodes 0..L.
+``[0, a1, ..., aL]`` must end up at positions prefix .. prefix + L, i.e. the slots of nodes 0..L. Every
+attention layer of every attention KV-cache group moves (the target's and the MTP drafter's): on a GPU in one
+Triton launch for all layers whose caches share shape, dtype and strides; on CPU per layer with the torch
+reference on vLLM's CPU cache layout.
 """
 
 import torch
@@ -9,17 +12,7 @@ from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..kernels.tree_attention.reference import compact_kv
-
-
-def paged_kv(kv_cache: torch.Tensor):
-    """Slot accessors (``get``/``set``) for one attention layer's cache on this platform."""
-    if current_platform.is_cpu():
-        from ..attention.tree_attn_cpu import CPUPagedKV
-
-        return CPUPagedKV(kv_cache)
-    from ..attention.tree_attn_gpu import NHDPagedKV
-
-    return NHDPagedKV(kv_cache)
+from ..kernels.tree_attention import triton_tree_attn
 
 
 def accepted_row_moves(forest) -> tuple[list[int], list[int]]:
@@ -37,8 +30,23 @@ def accepted_row_moves(forest) -> tuple[list[int], list[int]]:
 def accepted_slot_moves(forest, slot_mapping: torch.Tensor, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(source slots, destination slots) of those moves in one KV-cache group (``rows``: precomputed moves)."""
     src, dst = rows if rows is not None else accepted_row_moves(forest)
-    idx = lambda r: torch.tensor(r, dtype=torch.long, device=slot_mapping.device)  # noqa: E731
-    return slot_mapping[idx(src)].long(), slot_mapping[idx(dst)].long()
+    idx = torch.tensor(src + dst, dtype=torch.long).to(slot_mapping.device, non_blocking=True)
+    slots = slot_mapping[idx].long()
+    return slots[:len(src)], slots[len(src):]
+
+
+def compact_layers(kv_caches, src_slots, dst_slots) -> None:
+    """GPU: move ``src_slots[i] -> dst_slots[i]`` in each layer's FlashAttention cache, one launch per cache
+    layout; layers that share one slot tensor (one KV-cache group) share it in the launch too."""
+    by_layout = {}
+    for entry in zip(kv_caches, src_slots, dst_slots):
+        by_layout.setdefault((tuple(entry[0].shape), entry[0].stride(), entry[0].dtype), []).append(entry)
+    for entries in by_layout.values():
+        caches, src, dst = zip(*entries)
+        if all(s is src[0] for s in src):
+            triton_tree_attn.compact_kv_paged(caches, src[0], dst[0])
+        else:
+            triton_tree_attn.compact_kv_paged(caches, torch.stack(src), torch.stack(dst))
 
 
 def compact_accepted_kv(runner, forest) -> None:
@@ -46,9 +54,19 @@ def compact_accepted_kv(runner, forest) -> None:
     if not rows[0]:
         return
     layers = runner.compilation_config.static_forward_context
+    caches, src, dst = [], [], []
     for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         if not isinstance(group.kv_cache_spec, AttentionSpec):
             continue
-        src, dst = accepted_slot_moves(forest, runner.input_batch.block_table[gid].slot_mapping.gpu, rows)
+        s, d = accepted_slot_moves(forest, runner.input_batch.block_table[gid].slot_mapping.gpu, rows)
         for name in group.layer_names:
-            compact_kv(paged_kv(layers[name].kv_cache), src, dst)
+            caches.append(layers[name].kv_cache)
+            src.append(s)
+            dst.append(d)
+    if current_platform.is_cpu():
+        from ..attention.tree_attn_cpu import CPUPagedKV
+
+        for cache, s, d in zip(caches, src, dst):
+            compact_kv(CPUPagedKV(cache), s, d)
+        return
+    compact_layers(caches, src, dst)

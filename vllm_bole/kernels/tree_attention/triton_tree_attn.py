@@ -6,15 +6,18 @@ Cache layout: vLLM 0.26's FlashAttention cache, logically ``[num_blocks, num_kv_
 (any permutation or padding); the kernels take them as arguments. A slot is ``block * block_size + offset``
 (vLLM's ``slot_mapping``); block tables map a request's position ``p`` to block ``table[p // block_size]``.
 
-:func:`tree_attention_paged`: one program per (request, KV head, tile of ``BM`` nodes), every query head of
-that KV head's GQA group in the same tile (``BM * group`` query rows). Online softmax (fp32) first over the
-committed prefix ``[0, prefix_len)`` read through the block table, then over the request's tree region (its
-last T positions) with the ancestor mask. Column tiles of the tree region are visited deepest first while
-each row walks up its parent chain, so the whole ancestor relation costs one walk of every row's depth per
-program: a column tile ``[j0, j0 + BN)`` records the nodes a row passes before all rows are above ``j0``
-(parents precede children, so no ancestor of a later tile is missed). Exact for any tree size; row tiles
-beyond ``BM`` nodes are further programs. No host sync when ``max_nodes`` is given, no allocation but the
-output (pass ``out``), so it can be captured in a CUDA graph.
+Tree rows (built once per forward by ``worker.forest_context.DeviceTreeRows``): tree request i has
+``meta[i] = (batch index b, first query row, rows n, region length T, first row of bits)``. Its positions
+``seq_lens[b] - T .. seq_lens[b] - 1`` are its region (K/V already in the cache), the positions before them
+its committed prefix, and its n query rows are the region's last n positions. Query row r sees region key j
+iff bit ``j % 32`` of ``bits[first + r, j // 32]`` is set (its ancestors and itself).
+
+:func:`tree_attention_paged`: one program per (tree request, KV head, tile of ``BM`` rows), every query head of
+that KV head's GQA group in the same tile (``BM * group`` query rows), online softmax in fp32 over the region
+keys its rows see. The committed prefix either comes from FlashAttention's non-causal pass over it
+(``prefix_out`` / ``prefix_lse``, merged in the epilogue; FlashAttention splits long prefixes over the whole
+GPU) or is read by the same programs first (one launch, for short prefixes). No host sync and no allocation,
+so it can run between CUDA-graph pieces or inside a graph.
 
 :func:`compact_kv_paged`: moves K/V from source slots to destination slots for every layer in one launch,
 layers reached through a table of cache base addresses (like the GDN commit).
@@ -26,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..forest import ancestor_mask
 from ..tree_gdn.triton_commit import device_table
-from .reference import tree_attention
+from .reference import FlashPagedKV, paged_tree_attention
+
+META_FIELDS = 5  # batch index, first query row, rows, region length, first row of bits
 
 
 def _interpreting() -> bool:
@@ -65,28 +69,32 @@ def _attend(Q, m_i, l_i, acc, kv_head, bt_row, pos, pos_ok, visible, scale_log2,
 
 @triton.jit
 def _tree_attn_kernel(
-    q, kv, out, block_table, seq_lens, query_start_loc, parent, tree_cu, scale_log2,
-    q_s0, q_s1, o_s0, o_s1, kv_s0, kv_s1, kv_s2, kv_s3, bt_s0,
+    q, kv, out, prefix_out, prefix_lse, block_table, seq_lens, meta, bits, words, scale_log2, meta_s0,
+    q_s0, q_s1, o_s0, o_s1, p_s0, p_s1, lse_s0, lse_s1, kv_s0, kv_s1, kv_s2, kv_s3, bt_s0,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, MERGE: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
-    b, hkv, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(tree_cu + b)
-    t = tl.load(tree_cu + b + 1) - bos
+    i, hkv, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    fields = meta + i * meta_s0
+    b = tl.load(fields)
+    row0 = tl.load(fields + 1)
+    n = tl.load(fields + 2)
+    t = tl.load(fields + 3)
+    bit0 = tl.load(fields + 4)
     m0 = tile * BM
-    if m0 >= t:
+    if m0 >= n:
         return
-    qs = tl.load(query_start_loc + b)
     prefix = tl.load(seq_lens + b) - t
     R: tl.constexpr = BM * GP
     r = tl.arange(0, R)
-    node = m0 + r // GP                      # local node of each query row
+    node = m0 + r // GP                      # query row of the request
     g = r % GP
-    row_ok = (node < t) & (g < G)
+    row_ok = (node < n) & (g < G)
     head = hkv * G + g
+    row = (row0 + node).to(tl.int64)
     d = tl.arange(0, DP)
     md = row_ok[:, None] & (d < D)[None, :]
-    Q = tl.load(q + ((qs + node).to(tl.int64) * q_s0 + head * q_s1)[:, None] + d[None, :], mask=md, other=0.0)
+    Q = tl.load(q + (row * q_s0 + head * q_s1)[:, None] + d[None, :], mask=md, other=0.0)
     if DOT_F32:
         Q = Q.to(tl.float32)
     m_i = tl.full([R], -1e30, tl.float32)
@@ -96,120 +104,108 @@ def _tree_attn_kernel(
     kv_head = kv + hkv.to(tl.int64) * kv_s1
     cols = tl.arange(0, BN)
 
-    # Committed prefix: every key visible; the loop ends at the prefix, so later blocks are never read.
-    for start in range(0, prefix, BN):
-        pos = start + cols
-        ok = pos < prefix
-        m_i, l_i, acc = _attend(Q, m_i, l_i, acc, kv_head, bt_row, pos, ok, ok[None, :], scale_log2,
+    if not MERGE:
+        # Committed prefix: every key visible; the loop ends at the prefix, so later blocks are never read.
+        for start in range(0, prefix, BN):
+            pos = start + cols
+            ok = pos < prefix
+            m_i, l_i, acc = _attend(Q, m_i, l_i, acc, kv_head, bt_row, pos, ok, ok[None, :], scale_log2,
+                                    kv_s0, kv_s2, kv_s3, D, DP, BS, DOT_F32, PREC)
+
+    # Region: a row sees no key after its own (region position t - n + node), so later tiles are skipped.
+    hi = tl.minimum(t, t - n + m0 + BM)
+    bit_row = (bit0 + node).to(tl.int64) * words
+    for j0 in range(0, hi, BN):
+        j = j0 + cols
+        ok = j < hi
+        word = tl.load(bits + bit_row[:, None] + (j // 32)[None, :], mask=row_ok[:, None] & ok[None, :], other=0)
+        vis = ((word >> (j % 32)[None, :]) & 1) != 0
+        m_i, l_i, acc = _attend(Q, m_i, l_i, acc, kv_head, bt_row, prefix + j, ok, vis, scale_log2,
                                 kv_s0, kv_s2, kv_s3, D, DP, BS, DOT_F32, PREC)
 
-    # Tree region: nodes m0 + BM - 1 and below hold every ancestor of this tile's rows.
-    hi = tl.minimum(t, m0 + BM)
-    n_ct = tl.cdiv(hi, BN)
-    cur = tl.where(row_ok, node, -1)
-    for jt in range(0, n_ct):
-        j0 = (n_ct - 1 - jt) * BN
-        j = j0 + cols
-        vis = tl.zeros([R, BN], dtype=tl.int1)
-        while tl.max(cur, 0) >= j0:
-            vis = vis | (cur[:, None] == j[None, :])
-            # Only rows still inside this tile or deeper step up; the others wait for a lower tile.
-            up = cur >= j0
-            cur = tl.where(up, tl.load(parent + bos + cur, mask=up, other=-1), cur)
-        ok = j < hi
-        m_i, l_i, acc = _attend(Q, m_i, l_i, acc, kv_head, bt_row, prefix + j, ok, vis & ok[None, :],
-                                scale_log2, kv_s0, kv_s2, kv_s3, D, DP, BS, DOT_F32, PREC)
-
-    l_i = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_i[:, None]
-    tl.store(out + ((qs + node).to(tl.int64) * o_s0 + head * o_s1)[:, None] + d[None, :],
-             o.to(out.dtype.element_ty), mask=md)
+    if MERGE:
+        # FlashAttention's prefix partial: normalised output and natural-log LSE. An empty prefix is never
+        # read (its rows may hold anything), so the LSE sentinels of FA2 (+inf) and FA3 (-inf) never matter.
+        has = row_ok & (prefix > 0)
+        lse_p = tl.load(prefix_lse + head * lse_s0 + row * lse_s1, mask=has, other=float("-inf"))
+        lse_p = lse_p * 1.4426950408889634
+        o_p = tl.load(prefix_out + (row * p_s0 + head * p_s1)[:, None] + d[None, :], mask=has[:, None] & md,
+                      other=0.0).to(tl.float32)
+        m_all = tl.maximum(m_i, lse_p)
+        w_tree = tl.exp2(m_i - m_all)
+        w_prefix = tl.exp2(lse_p - m_all)
+        den = l_i * w_tree + w_prefix
+        den = tl.where(den > 0, den, 1.0)
+        o = (acc * w_tree[:, None] + o_p * w_prefix[:, None]) / den[:, None]
+    else:
+        l_i = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_i[:, None]
+    tl.store(out + (row * o_s0 + head * o_s1)[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=md)
 
 
-def launch_config(group: int, head_size: int, max_nodes: int, device: torch.device) -> dict:
+def launch_config(group: int, head_size: int, max_rows: int, device: torch.device) -> dict:
     """Tile sizes: ``BM * next_pow2(group)`` query rows (at least 16 for tl.dot), ``BN`` keys per step."""
     gp = triton.next_power_of_2(group)
     rows = 64 if device.type == "cuda" else 16
-    bm = min(max(1, rows // gp), triton.next_power_of_2(max(max_nodes, 1)))
+    bm = min(max(1, rows // gp), triton.next_power_of_2(max(max_rows, 1)))
     bm = max(bm, triton.cdiv(16, gp))
     bn = 32 if head_size >= 256 or device.type != "cuda" else 64
     return {"block_m": bm, "block_n": bn, "num_warps": 8 if head_size >= 256 else 4, "num_stages": 1}
 
 
-def _check_cache(q, kv_cache):
-    n_tok, hq, d = q.shape
-    nb, hkv, bs, two_d = kv_cache.shape
-    assert two_d == 2 * d, f"kv_cache last dim {two_d} must be 2 * head_size {d}"
-    assert hq % hkv == 0, (hq, hkv)
-    return hq, hkv, d, bs
+def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, *, max_rows, out=None,
+                         prefix_out=None, prefix_lse=None, config=None):
+    """Ancestor-masked attention of every tree row over its request's paged KV (see the module docstring).
 
-
-def tree_attention_paged(q, kv_cache, block_table, seq_lens, query_start_loc, tree_parent, tree_cu, scale, *,
-                         out=None, max_nodes=None, config=None):
-    """Ancestor-masked attention of every tree node over its request's paged KV.
-
-    q: ``[num_tokens, Hq, d]``; kv_cache: ``[num_blocks, Hkv, block_size, 2d]`` (any strides);
-    block_table: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` (prefix + tree, the tree's K/V already
-    written at positions ``prefix .. seq_len - 1``); query_start_loc: ``[B+1]``, request b's rows start at
-    ``query_start_loc[b]`` and are its T nodes in order; tree_parent: ``[N]`` int32 local parents (-1 root,
-    parents first); tree_cu: ``[B+1]`` int32 node offsets (T = 0 skips a request). Rows outside every tree
-    are left as they are in ``out`` (zeros when out is None). ``max_nodes`` (largest T, or its capacity)
-    avoids a host sync. CPU tensors run :func:`tree_attention_paged_reference` unless Triton interprets.
+    q: ``[num_tokens, Hq, d]``; kv_cache: ``[num_blocks, Hkv, block_size, 2d]`` (any strides); block_table:
+    ``[B, max_blocks]`` int32; seq_lens: ``[B]``; meta: ``[R, 5]`` int32; bits: ``[rows, words]`` int32;
+    max_rows: the largest request's rows (or a capacity: it sizes the grid). prefix_out ``[num_tokens, Hq, d]``
+    and prefix_lse ``[Hq, num_tokens]``: FlashAttention's non-causal pass over every tree request's prefix
+    (may be ``out`` itself); without them the kernel reads the prefix too. Rows outside every tree are left as
+    they are in ``out`` (zeros when out is None).
     """
-    hq, hkv, d, bs = _check_cache(q, kv_cache)
+    nb, hkv, bs, two_d = kv_cache.shape
+    n_tok, hq, d = q.shape
+    if two_d != 2 * d or hq % hkv:
+        raise ValueError(f"tree attention: kv_cache {tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError("tree_attention_paged needs CUDA tensors (or TRITON_INTERPRET=1); on CPU use "
+                         "reference.paged_tree_attention")
     if out is None:
         out = torch.zeros_like(q)
-    if q.device.type != "cuda" and not _interpreting():
-        return tree_attention_paged_reference(q, kv_cache, block_table, seq_lens, query_start_loc, tree_parent,
-                                              tree_cu, scale, out=out)
-    batch = tree_cu.numel() - 1
-    if max_nodes is None:
-        max_nodes = int((tree_cu[1:] - tree_cu[:-1]).max()) if batch else 0
-    if batch == 0 or max_nodes == 0:
+    if meta.shape[0] == 0 or max_rows == 0:
         return out
+    merge = prefix_out is not None
+    if merge:
+        assert prefix_lse is not None and prefix_out.shape == q.shape and prefix_out.stride(-1) == 1
+    else:
+        prefix_out, prefix_lse = out, q.new_empty(1, 1, dtype=torch.float32)
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
+    assert meta.shape[1] == META_FIELDS and meta.stride(1) == 1 and bits.is_contiguous()
     group = hq // hkv
-    cfg = config or launch_config(group, d, max_nodes, q.device)
+    cfg = config or launch_config(group, d, max_rows, q.device)
     bm, bn = cfg["block_m"], cfg["block_n"]
     assert bm * triton.next_power_of_2(group) >= 16 and bn >= 16
     dot_f32 = q.dtype == torch.float32 or _interpreting()
-    grid = (batch, hkv, triton.cdiv(max_nodes, bm))
+    grid = (meta.shape[0], hkv, triton.cdiv(max_rows, bm))
     _tree_attn_kernel[grid](
-        q, kv_cache, out, block_table, seq_lens, query_start_loc, tree_parent, tree_cu, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_cache.stride(), block_table.stride(0),
+        q, kv_cache, out, prefix_out, prefix_lse, block_table, seq_lens, meta, bits, bits.shape[1],
+        scale * math.log2(math.e), meta.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), prefix_out.stride(0), prefix_out.stride(1),
+        prefix_lse.stride(0), prefix_lse.stride(1), *kv_cache.stride(), block_table.stride(0),
         G=group, GP=triton.next_power_of_2(group), D=d, DP=max(16, triton.next_power_of_2(d)), BS=bs,
-        BM=bm, BN=bn, DOT_F32=dot_f32, PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
+        BM=bm, BN=bn, MERGE=merge, DOT_F32=dot_f32, PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
-def gather_request_kv(kv_cache, block_table_row, seq_len: int):
-    """K and V ``[seq_len, Hkv, d]`` of one request's positions ``0 .. seq_len - 1``."""
-    d = kv_cache.shape[-1] // 2
-    bs = kv_cache.shape[2]
-    pos = torch.arange(seq_len, device=kv_cache.device)
-    blk = block_table_row[pos // bs].long()
-    rows = kv_cache[blk, :, pos % bs]                     # [seq_len, Hkv, 2d]
-    return rows[..., :d], rows[..., d:]
-
-
-def tree_attention_paged_reference(q, kv_cache, block_table, seq_lens, query_start_loc, tree_parent, tree_cu,
-                                   scale, *, out=None, max_nodes=None, config=None):
-    """Torch version of :func:`tree_attention_paged`: gathers each request's K/V and calls
-    :func:`reference.tree_attention` (syncs; for CPU and tests)."""
-    _check_cache(q, kv_cache)
+def tree_attention_paged_reference(q, kv_cache, block_table, seq_lens, tree_rows, scale, *, out=None):
+    """Torch version of :func:`tree_attention_paged` from the host-side rows (``TreeRows``: request index,
+    first row, dense region mask); syncs, for tests and benchmarks."""
     if out is None:
         out = torch.zeros_like(q)
-    cu, qsl, lens = tree_cu.tolist(), query_start_loc.tolist(), seq_lens.tolist()
-    for b in range(len(cu) - 1):
-        t = cu[b + 1] - cu[b]
-        if t == 0:
-            continue
-        k, v = gather_request_kv(kv_cache, block_table[b], lens[b])
-        mask = ancestor_mask(tree_parent[cu[b]:cu[b + 1]].cpu()).to(q.device)
-        rows = slice(qsl[b], qsl[b] + t)
-        out[rows] = tree_attention(q[rows], k, v, mask, scale).to(out.dtype)
+    paged_tree_attention(FlashPagedKV(kv_cache), q, out, seq_lens.tolist(), block_table, tree_rows, scale)
     return out
 
 

@@ -1,0 +1,55 @@
+"""The tree rows' descriptions: the host masks of a verification step and their packed device form."""
+
+import random
+
+import torch
+
+from forest_shapes import SHAPES, make_tree
+from sequential_gdn import seed_of
+from vllm_bole.kernels.forest import ancestor_mask
+from vllm_bole.worker.forest_context import DeviceTreeRows, StepForest, TreeRows, ancestor_masks
+
+
+def test_forest_masks_match_per_tree_masks():
+    rng = random.Random(seed_of("masks"))
+    trees = [make_tree(s, t, rng) for s in SHAPES for t in (1, 2, 7, 33, 64, 100)]
+    for tree, mask in zip(trees, ancestor_masks(trees)):
+        assert torch.equal(mask, ancestor_mask(torch.tensor(tree, dtype=torch.int32)))
+    assert ancestor_masks([]) == []
+
+
+def test_step_rows_start_at_each_requests_first_row():
+    forest = StepForest(req_ids=["a", "b"], tree_req_indices=[0, 2], parent=None, cu_seqlens=None, tokens=[],
+                        tree_parents=[[-1, 0, 0], [-1]], query_starts=[0, 9])
+    forest.build_attention_rows()
+    assert [(r.req_index, r.row_start, tuple(r.region_mask.shape)) for r in forest.attention_rows] == [
+        (0, 0, (3, 3)), (2, 9, (1, 1))]
+    assert forest.device_rows("cpu") is forest.device_rows("cpu")
+
+
+def test_pack_keeps_every_mask_bit():
+    rng = random.Random(seed_of("pack"))
+    shapes = [(40, 40), (3, 3), (70, 13), (1, 1), (96, 96)]            # (region T, rows n): n < T as the drafter
+    rows, first = [], 0
+    for b, (t, n) in enumerate(shapes):
+        mask = ancestor_mask(torch.tensor(make_tree("random", t, rng), dtype=torch.int32))[t - n:]
+        rows.append(TreeRows(req_index=b, row_start=first, region_mask=mask))
+        first += n + 2
+    packed = DeviceTreeRows.pack(rows, "cpu")
+    assert packed.num_rows == sum(n for _, n in shapes) and packed.max_rows == 96 and packed.bits.shape[1] == 3
+    bits = packed.bits.long() & 0xFFFFFFFF
+    j = torch.arange(32 * bits.shape[1])
+    for i, tr in enumerate(rows):
+        b, row0, n, t, first = packed.meta[i].tolist()
+        assert (b, row0, (n, t)) == (tr.req_index, tr.row_start, tuple(tr.region_mask.shape))
+        unpacked = ((bits[first:first + n, j // 32] >> (j % 32)) & 1).bool()
+        assert torch.equal(unpacked[:, :t], tr.region_mask) and not unpacked[:, t:].any()
+
+
+def test_prefix_lens_per_batch_request():
+    rows = [TreeRows(req_index=b, row_start=0, region_mask=torch.ones(1, t, dtype=torch.bool))
+            for b, t in zip([0, 1, 3], [40, 3, 70])]
+    packed = DeviceTreeRows.pack(rows, "cpu")
+    seq_lens = torch.tensor([50, 7, 100, 80, 33], dtype=torch.int32)   # requests 2 and 4 have no tree
+    assert packed.prefix_lens(seq_lens).tolist() == [10, 4, 0, 10, 0]
+    assert packed.prefix_lens(seq_lens) is packed.prefix_lens(seq_lens)
