@@ -164,8 +164,8 @@ def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, 
     (may be ``out`` itself); without them the kernel reads the prefix too. Rows outside every tree are left as
     they are in ``out`` (zeros when out is None).
     """
-    nb, hkv, bs, two_d = kv_cache.shape
-    n_tok, hq, d = q.shape
+    _, hkv, bs, two_d = kv_cache.shape
+    _, hq, d = q.shape
     if two_d != 2 * d or hq % hkv:
         raise ValueError(f"tree attention: kv_cache {tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}")
     if q.device.type != "cuda" and not _interpreting():
@@ -179,7 +179,7 @@ def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, 
     if merge:
         assert prefix_lse is not None and prefix_out.shape == q.shape and prefix_out.stride(-1) == 1
     else:
-        prefix_out, prefix_lse = out, q.new_empty(1, 1, dtype=torch.float32)
+        prefix_out = prefix_lse = out        # never read (MERGE is off): any pointer will do
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
     assert meta.shape[1] == META_FIELDS and meta.stride(1) == 1 and bits.is_contiguous()
     group = hq // hkv
