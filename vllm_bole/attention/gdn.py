@@ -90,12 +90,15 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
             return self._vllm_core(mixed_qkv, b, a, core_attn_out, meta)
 
         tree_idx = meta.spec_token_indx
-        if tree_idx is None:  # every token belongs to a tree
-            tree_idx = torch.arange(meta.num_spec_decode_tokens, device=mixed_qkv.device)
-        tree_idx = tree_idx.long()
-        core_attn_out.index_copy_(0, tree_idx, self._verify_trees(
-            mixed_qkv.index_select(0, tree_idx), b.index_select(0, tree_idx), a.index_select(0, tree_idx),
-            meta.spec_state_indices_tensor[:, 0], forest))
+        slots = meta.spec_state_indices_tensor[:, 0]
+        if tree_idx is None:  # every token belongs to a tree: no gather or scatter
+            n = meta.num_spec_decode_tokens
+            core_attn_out[:n] = self._verify_trees(mixed_qkv[:n], b[:n], a[:n], slots, forest)
+        else:
+            tree_idx = tree_idx.long()
+            core_attn_out.index_copy_(0, tree_idx, self._verify_trees(
+                mixed_qkv.index_select(0, tree_idx), b.index_select(0, tree_idx), a.index_select(0, tree_idx),
+                slots, forest))
 
         if meta.num_prefills > 0:
             # The other requests are prefills (vLLM files plain decodes beside spec decodes as prefills).

@@ -169,5 +169,5 @@ class MTPTreeDrafter(TreeDrafter):
         for n, q in g.query_of.items():
             p = g.tree.parents[n]
             query_parent[q] = g.query_of[p] if p >= 0 else -1
-        full = ancestor_mask(torch.tensor(query_parent, dtype=torch.int32))
+        full = ancestor_mask(query_parent)
         return full[[g.query_of[n] for n in best]]
