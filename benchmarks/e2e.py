@@ -1,0 +1,386 @@
+"""End-to-end decoding throughput at Qwen3.5-9B shapes: stock vLLM AR, stock vLLM MTP chains, Bole (budget "auto").
+
+    python3 benchmarks/e2e.py --configs ar,mtp1,mtp2 --kv-cache-gib 18            # three engines, one command
+    python3 benchmarks/e2e.py --configs mtp3,mtp4,bole --calibrate --kv-cache-gib 18
+    python3 benchmarks/e2e.py --smoke                                              # CPU, the tiny bundled model
+
+Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain of k drafts with
+``rejection_sample_method: "synthetic"``), ``bole`` (tree speculation with ``synthetic_acceptance`` and
+``budget: "auto"``; ``--calibrate`` first runs the budget calibration in the same engine and merges it into
+``--budget-table``). Each configuration runs in its own process that starts its engine once and then runs every
+batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
+``--kv-cache-gib``, so concurrent start-ups cannot skew each other's memory profile); the timed phases then run
+strictly one engine at a time (the others sit idle, waiting for their turn). Results are merged by configuration
+into ``--out``, so several invocations fill one table.
+
+Per batch size B: B token-id prompts of ``--prompt-len`` tokens, a warm-up ``generate`` of ``--warmup-tokens``
+tokens (default: as long as the timed one, so every step shape has run once), then a timed ``generate`` of
+``--new-tokens`` tokens (ignore_eos): tok/s = generated tokens / wall time; mean accepted tokens per step =
+1 + accepted / drafts from vLLM's spec-decode counters over the timed run (tokens per request per verification
+step, bonus token included). Concurrency: vLLM's "maximum concurrency for
+max_model_len tokens per request" of the engine's KV cache config (``get_kv_cache_capacity``, with
+``--max-model-len``, default 2048), at the KV cache size recorded in the JSON.
+
+Acceptance source, the same for both methods: ``--rates`` are per-position *unconditional* acceptance rates of
+the rank-1 chain, the convention of vLLM's ``synthetic_acceptance_rates`` and of Bole's ``synthetic_acceptance``
+(so a one-wide Bole tree accepts exactly like the MTP chain): MTP k gets the first k, Bole all of them (past the
+list its last conditional rate repeats) plus ``--sibling-rates`` for rank-2.. children.
+
+Output rows (``rows`` in the JSON, one per B): B, ar_tok_s, mtp_best_k, mtp_best_tok_s, bole_tok_s,
+bole_mean_accepted, speedup_vs_mtp, speedup_vs_ar, concurrency_ar, concurrency_mtp (of the best k),
+concurrency_bole, gpu, plus per-k MTP numbers; ``configs`` holds each configuration's raw results and settings,
+``calibration`` the T_ver(N)/T_dec curves. A markdown table is printed at the end.
+"""
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
+
+CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole")
+MODEL_CANDIDATES = (ROOT / "shared/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
+POLL_S = 0.5
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return sorted({int(v) for v in text.split(",") if v.strip()})
+
+
+def _configs(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--configs: unknown {bad}; allowed: {','.join(CONFIGS)}")
+    return sorted(set(names), key=CONFIGS.index)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", type=_configs, default=list(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--model", default=None, help="default: shared/models/qwen3.5-9b-shape (dummy weights)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 8, 16, 32, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--warmup-tokens", type=int, default=None, help="warm-up generate length (default: --new-tokens)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="also the request length of the concurrency")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=float, default=18.0, help="fixed KV cache per engine")
+    p.add_argument("--gpu-share", type=float, default=0.28, help="gpu_memory_utilization per engine")
+    p.add_argument("--rates", type=_floats, default=list(DEFAULT_RATES), help="unconditional, per position")
+    p.add_argument("--sibling-rates", type=_floats, default=list(DEFAULT_SIBLING_RATES))
+    p.add_argument("--depth", type=int, default=8, help="Bole num_speculative_tokens (deepest level)")
+    p.add_argument("--topk", type=int, default=4, help="Bole topk")
+    p.add_argument("--budget-table", default=str(ROOT / "benchmarks/results/budget_table.json"))
+    p.add_argument("--calibrate", action="store_true", help="calibrate the budget in the Bole engine first")
+    p.add_argument("--calib-kv-lens", type=_ints, default=[256])
+    p.add_argument("--calib-nodes", type=_ints, default=[8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024])
+    p.add_argument("--calib-epsilon", type=float, default=0.1)
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/e2e.json)")
+    p.add_argument("--log-dir", default=None, help="engine logs (default $OUT/e2e-logs or /tmp/bole-e2e)")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny bundled model, tiny grid")
+    p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    return p
+
+
+def apply_smoke(args) -> None:
+    """The tiny bundled model on CPU with a grid small enough to run end to end in a few minutes (MTP there
+    verifies against the target: vLLM's CPU sampler has no synthetic mode)."""
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    args.model = args.model or tiny_model_dir("qwen3_5")
+    args.batch_sizes, args.prompt_len, args.new_tokens = [1, 2], 16, 16
+    args.max_model_len, args.max_num_batched_tokens, args.kv_cache_gib = 256, 256, 0.25
+    args.depth, args.topk = 3, 2
+    # CPU forward times are too noisy for a 10% slack: let every measured N qualify.
+    args.calib_kv_lens, args.calib_nodes, args.calib_epsilon = [16], [2, 4, 6], 1000.0
+    smoke_dir = Path(os.environ.get("OUT") or "/tmp/bole-e2e-smoke")
+    args.out = args.out or str(smoke_dir / "e2e-smoke.json")
+    args.budget_table = str(smoke_dir / "budget_table-smoke.json")
+
+
+# ---- one configuration's engine ------------------------------------------------------------------------------
+def engine_kwargs(args, name: str) -> dict:
+    import torch
+
+    max_b = max(args.batch_sizes)
+    kw = {"dtype": "bfloat16", "max_model_len": args.max_model_len, "max_num_seqs": max_b,
+          "max_num_batched_tokens": args.max_num_batched_tokens, "enable_prefix_caching": False,
+          "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30), "disable_log_stats": False,
+          "skip_tokenizer_init": True, "seed": 0}
+    if args.smoke:
+        from vllm_bole.testing.tiny_models import engine_kwargs as tiny_kwargs
+
+        kw |= tiny_kwargs("qwen3_5") | {"max_model_len": args.max_model_len, "max_num_seqs": max_b}
+    else:
+        kw |= {"load_format": "dummy", "gpu_memory_utilization": args.gpu_share,
+               "limit_mm_per_prompt": {"image": 0, "video": 0}}
+        if torch.cuda.is_available():
+            kw["additional_config"] = {"gdn_prefill_backend": "triton"}
+    if name.startswith("mtp"):
+        k = int(name[3:])
+        if len(args.rates) < k:
+            raise SystemExit(f"--rates: {name} needs {k} rates, got {len(args.rates)}")
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+        if not args.smoke:  # vLLM's CPU sampler has no synthetic mode: the smoke run verifies against the target
+            kw["speculative_config"] |= {"rejection_sample_method": "synthetic",
+                                         "synthetic_acceptance_rates": args.rates[:k]}
+        sizes = {b * (k + 1) for b in args.batch_sizes} | set(args.batch_sizes)
+    elif name == "bole":
+        kw["speculative_config"] = {
+            "method": "bole", "num_speculative_tokens": args.depth, "topk": args.topk, "budget": "auto",
+            "budget_table": args.budget_table,
+            "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}
+        # Tree steps carry B + (up to the budget) tokens: capture sizes over that whole range.
+        sizes = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 32)}
+    else:
+        sizes = set(args.batch_sizes)
+    if not kw.get("enforce_eager"):
+        kw["compilation_config"] = {"cudagraph_capture_sizes": sorted(s for s in sizes
+                                                                      if s <= args.max_num_batched_tokens)}
+    return kw
+
+
+def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
+    start = time.monotonic()
+    while not path.exists():
+        if os.getppid() == 1 or time.monotonic() - start > timeout_s:
+            raise SystemExit(f"gave up waiting for {path}")
+        time.sleep(POLL_S)
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def run_worker(args) -> None:
+    """Start the engine, report ready, wait for the turn, run the timed phase, write the results."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner is read in this process
+    name, run_dir = args.worker, Path(args.run_dir)
+    from vllm import LLM, SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    from vllm_bole.calibration.table import device_name
+    from vllm_bole.testing.greedy_check import spec_decode_counters
+
+    kwargs = engine_kwargs(args, name)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, **kwargs)
+    startup_s = time.perf_counter() - t0
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    _, concurrency = get_kv_cache_capacity(runner.vllm_config, runner.kv_cache_config)
+    result = {"config": name, "gpu": device_name(), "startup_s": round(startup_s, 1),
+              "concurrency": round(concurrency, 2), "concurrency_tokens_per_request": args.max_model_len,
+              "kv_cache_gib": args.kv_cache_gib, "gpu_memory_utilization": kwargs.get("gpu_memory_utilization"),
+              "kv_cache_blocks": runner.kv_cache_config.num_blocks,
+              "speculative_config": kwargs.get("speculative_config"),
+              "settings": {k: getattr(args, k) for k in ("prompt_len", "new_tokens", "warmup_tokens", "rates",
+                                                        "sibling_rates", "model")}}
+    _write_json(run_dir / f"{name}.ready", {"startup_s": result["startup_s"]})
+    _wait_for(run_dir / f"{name}.go")
+
+    if name == "bole" and args.calibrate:
+        from vllm_bole.calibration.sweep import SweepPlan, calibrate, plot, save, summary
+
+        plan = SweepPlan(batch_sizes=args.batch_sizes, kv_lens=args.calib_kv_lens, nodes=args.calib_nodes,
+                         epsilon=args.calib_epsilon, warmup=2 if args.smoke else 3, steps=3 if args.smoke else 10)
+        t = time.perf_counter()
+        entries = calibrate(llm, plan, progress=False)
+        save(entries, args.budget_table)
+        print(summary(entries), flush=True)
+        plot(entries, run_dir / "calibration.png")
+        result["calibration"] = entries
+        result["calibration_s"] = round(time.perf_counter() - t, 1)
+
+    rng = random.Random(0)
+    vocab = runner.model_config.get_vocab_size()
+    per_batch = {}
+    for b in args.batch_sizes:
+        prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(args.prompt_len)]}
+                   for _ in range(b)]
+        warm = SamplingParams(max_tokens=args.warmup_tokens or args.new_tokens, ignore_eos=True, temperature=0.0,
+                              detokenize=False)
+        llm.generate(prompts, warm, use_tqdm=False)
+        params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+        before = spec_decode_counters(llm.get_metrics())
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        after = spec_decode_counters(llm.get_metrics())
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        drafts = after["num_drafts"] - before["num_drafts"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        row = {"tok_s": round(tokens / wall, 1), "wall_s": round(wall, 3), "tokens": tokens,
+               "mean_accepted": round(1 + accepted / drafts, 3) if drafts else None,
+               "draft_tokens_per_step": round((after["num_draft_tokens"] - before["num_draft_tokens"]) / drafts, 2)
+               if drafts else None}
+        if name == "bole":
+            from vllm_bole.spec_decode.budget import node_budget
+
+            row["budget"] = node_budget(runner.bole_config, b, None, runner.model_config)
+        per_batch[str(b)] = row
+        print(f"[{name}] B={b}: {row}", flush=True)
+    result["batches"] = per_batch
+    _write_json(run_dir / f"{name}.json", result)
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
+    """Start one worker per configuration at once, then give each its timed turn, merging each result into
+    ``out`` as soon as it is in; returns results by name."""
+    run_dir = Path(args.log_dir or (Path(os.environ["OUT"]) / "e2e-logs" if os.environ.get("OUT")
+                                    else Path("/tmp/bole-e2e")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for f in run_dir.glob("*"):
+        if f.suffix in (".ready", ".go", ".json") and f.stem in CONFIGS:
+            f.unlink()
+    procs = {}
+    for name in args.configs:
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
+                   VLLM_CACHE_ROOT=str(Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache/vllm"))
+                                       / f"e2e-{name}"))
+        log = open(run_dir / f"{name}.log", "w")
+        procs[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--worker", name,
+                                        "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    t0 = time.monotonic()
+    waiting = set(procs)
+    while waiting:
+        for name in sorted(waiting):
+            if (run_dir / f"{name}.ready").exists() or procs[name].poll() is not None:
+                waiting.discard(name)
+                state = "ready" if procs[name].poll() is None else f"exited rc={procs[name].returncode}"
+                print(f"{name}: {state} after {time.monotonic() - t0:.0f} s", flush=True)
+        time.sleep(POLL_S)
+    results = {}
+    for name in args.configs:  # timed phases one engine at a time
+        proc = procs[name]
+        if proc.poll() is not None:
+            print(f"{name}: failed during start-up; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
+            continue
+        t = time.monotonic()
+        (run_dir / f"{name}.go").touch()
+        proc.wait()
+        result = run_dir / f"{name}.json"
+        if proc.returncode == 0 and result.exists():
+            results[name] = json.loads(result.read_text())
+            merge_and_write(out, {name: results[name]}, args)
+            print(f"{name}: timed phase {time.monotonic() - t:.0f} s", flush=True)
+        else:
+            print(f"{name}: failed rc={proc.returncode}; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
+    return results
+
+
+def build_rows(configs: dict[str, dict]) -> list[dict]:
+    batch_sizes = sorted({int(b) for c in configs.values() for b in c["batches"]})
+
+    def tok_s(name, b):
+        return configs.get(name, {}).get("batches", {}).get(str(b), {}).get("tok_s")
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    rows = []
+    for b in batch_sizes:
+        mtp = {int(n[3:]): tok_s(n, b) for n in configs if n.startswith("mtp") and tok_s(n, b)}
+        best_k = max(mtp, key=mtp.get) if mtp else None
+        bole = configs.get("bole", {}).get("batches", {}).get(str(b), {})
+        gpu = next((c["gpu"] for c in configs.values()), None)
+        rows.append({
+            "B": b, "ar_tok_s": tok_s("ar", b), "mtp_best_k": best_k, "mtp_best_tok_s": mtp.get(best_k),
+            "bole_tok_s": bole.get("tok_s"), "bole_mean_accepted": bole.get("mean_accepted"),
+            "speedup_vs_mtp": ratio(bole.get("tok_s"), mtp.get(best_k)),
+            "speedup_vs_ar": ratio(bole.get("tok_s"), tok_s("ar", b)),
+            "concurrency_ar": configs.get("ar", {}).get("concurrency"),
+            "concurrency_mtp": configs[f"mtp{best_k}"]["concurrency"] if best_k else None,
+            "concurrency_bole": configs.get("bole", {}).get("concurrency"), "gpu": gpu,
+            "mtp_tok_s_by_k": {str(k): v for k, v in sorted(mtp.items())},
+            "mtp_mean_accepted_by_k": {n[3:]: c["batches"].get(str(b), {}).get("mean_accepted")
+                                       for n, c in sorted(configs.items()) if n.startswith("mtp")},
+            "bole_budget": bole.get("budget"),
+            "bole_draft_tokens_per_step": bole.get("draft_tokens_per_step")})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    def f(v, spec=".0f"):
+        return "–" if v is None else format(v, spec)
+
+    lines = ["| B | AR tok/s | best MTP (k) tok/s | Bole tok/s | Bole tokens/step | budget | vs MTP | vs AR |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {f(r['ar_tok_s'])} | {f(r['mtp_best_tok_s'])} (k={r['mtp_best_k'] or '–'}) | "
+                     f"{f(r['bole_tok_s'])} | {f(r['bole_mean_accepted'], '.2f')} | {r['bole_budget'] or '–'} | "
+                     f"{f(r['speedup_vs_mtp'], '.2f')}× | {f(r['speedup_vs_ar'], '.2f')}× |")
+    if rows:
+        r = rows[0]
+        lines.append(f"Max concurrency (requests of the concurrency length): AR {r['concurrency_ar']}, "
+                     f"MTP {r['concurrency_mtp']}, Bole {r['concurrency_bole']}")
+    return "\n".join(lines)
+
+
+def merge_and_write(out: Path, results: dict[str, dict], args) -> dict:
+    data = json.loads(out.read_text()) if out.exists() else {}
+    configs = {**data.get("configs", {}), **results}
+    calibration = configs.get("bole", {}).get("calibration")
+    data = {
+        "benchmark": "e2e decode throughput (benchmarks/e2e.py)",
+        "acceptance": {"unconditional_rates": args.rates, "bole_sibling_rates": args.sibling_rates},
+        "concurrency_note": ("vLLM's maximum concurrency for concurrency_tokens_per_request tokens per request, "
+                             "per configuration at its fixed KV cache (configs.*.kv_cache_gib)"),
+        "rows": build_rows(configs),
+        "configs": configs,
+        "calibration": [{k: e[k] for k in ("batch_size", "kv_len", "t_dec_ms", "b_ver", "epsilon", "points")}
+                        for e in calibration] if calibration else None,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_json(out, data)
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        apply_smoke(args)
+    if args.model is None:
+        found = [p for p in MODEL_CANDIDATES if (p / "config.json").exists()]
+        if not found:
+            raise SystemExit(f"--model: none of {[str(p) for p in MODEL_CANDIDATES]} exists; pass --model")
+        args.model = str(found[0])
+    if args.worker:
+        run_worker(args)
+        return 0
+    forwarded = [a for a in argv if a != "--smoke"] + (["--smoke"] if args.smoke else [])
+    forwarded += ["--model", args.model, "--budget-table", args.budget_table]
+    out = Path(args.out or ROOT / "benchmarks/results/e2e.json")
+    results = run_configs(args, forwarded, out)
+    data = merge_and_write(out, {}, args)
+    print(markdown(data["rows"]))
+    print(f"wrote {out} ({', '.join(sorted(data['configs']))})")
+    return 0 if len(results) == len(args.configs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
