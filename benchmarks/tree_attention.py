@@ -16,7 +16,9 @@ Timing: each variant is captured in one CUDA graph over R rotated input sets (so
 and the median replay time over the reps is reported (benchmarks/kernels.py's Timer). The tree rows' device
 description is built once per step for all layers; its host time is reported apart (rows_host_us).
 
-Usage: python benchmarks/tree_attention.py [--quick] [--block-size N] [--reps N] [--sets N]
+Usage: python benchmarks/tree_attention.py [--quick] [--batch ..] [--prefix ..] [--nodes ..] [--append]
+       [--block-size N] [--reps N] [--sets N]    (--append merges the rows into an existing --out file, so a
+       sweep can run in parts)
 Needs a CUDA build of vLLM 0.26 (FlashAttention 3 on Hopper).
 """
 
@@ -223,6 +225,9 @@ def bench_point(batch, prefix, nodes, args, timer, impl, flex):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} shapes: {QUICK}")
+    for key, values in SWEEP.items():
+        ap.add_argument(f"--{key}", type=int, nargs="+", default=list(values))
+    ap.add_argument("--append", action="store_true", help="keep the other shapes' rows already in --out")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--sets", type=int, default=4, help="rotated input sets per timing")
     ap.add_argument("--reps", type=int, default=30)
@@ -235,24 +240,26 @@ def main():
     print(f"device: {gpu}; FlashAttention {impl.vllm_flash_attn_version}; block size {args.block_size}", flush=True)
     self_check(impl, flex, sorted({16, 272, 528, args.block_size}))
     timer = Timer(DEV, args.reps)
-    points = QUICK if args.quick else [(b, p, t) for t in SWEEP["nodes"] for p in SWEEP["prefix"]
-                                       for b in SWEEP["batch"]]
-    rows = []
+    points = QUICK if args.quick else [(b, p, t) for t in args.nodes for p in args.prefix for b in args.batch]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    kept = json.loads(out.read_text()) if args.append and out.exists() else []
+    kept = [r for r in kept if (r["B"], r["prefix"], r["nodes"]) not in set(points)]
+    rows = []
     for batch, prefix, nodes in points:
         row = bench_point(batch, prefix, nodes, args, timer, impl, flex)
         row["gpu"] = gpu
         rows.append(row)
         print(json.dumps(row), flush=True)
-        out.write_text(json.dumps(rows, indent=1) + "\n")     # after every point: a cut-short run keeps its rows
+        all_rows = sorted(kept + rows, key=lambda r: (r["nodes"], r["prefix"], r["B"]))
+        out.write_text(json.dumps(all_rows, indent=1) + "\n")     # after every point: a cut-short run keeps its rows
 
     def us(x):
         return f"{x:.1f}" if x is not None else "-"
 
     print("| B | prefix | nodes | tree µs | FA3 chain µs | Flex µs | tree / FA3 | split µs | single µs |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in all_rows:
         print(f"| {r['B']} | {r['prefix']} | {r['nodes']} | {us(r['tree_us'])} | {us(r['fa3_us'])} | "
               f"{us(r['flex_us'])} | {r['ratio_vs_fa3']:.2f}× | {us(r['split_us'])} | {us(r['single_us'])} |")
 
