@@ -52,34 +52,41 @@ class MTPTreeDrafter(TreeDrafter):
     def _forward(self, cm: CommonAttentionMetadata, chunks, tree_rows=None):
         """chunks: per request (req_index, tokens, hidden [n, H], positions [n], seq_len, slots [n]).
 
-        Returns the MTP hidden states of all rows, in chunk order."""
+        Returns the MTP hidden states of all rows, in chunk order. The inputs go through the proposer's
+        persistent buffers, padded to a captured size, so the MTP layer replays vLLM's piecewise CUDA graphs
+        (the attention between the pieces runs eagerly with the tree mask)."""
         device = cm.block_table_tensor.device
+        proposer = self.proposer
 
-        def to_device(values):  # non-blocking: the GPU queue keeps running while the host builds the step
-            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+        def to_device(values, dtype=torch.long):  # non-blocking: the GPU queue keeps running meanwhile
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        tokens = to_device([t for c in chunks for t in c[1]])
-        hidden = torch.cat([c[2] for c in chunks])
-        positions = to_device([p for c in chunks for p in c[3]])
-        slots = to_device([s for c in chunks for s in c[5]])
         lens = [len(c[1]) for c in chunks]
+        n = sum(lens)
+        mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
+        proposer.input_ids[:n].copy_(to_device([t for c in chunks for t in c[1]]), non_blocking=True)
+        positions = to_device([p for c in chunks for p in c[3]])
+        proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if self.runner.uses_mrope else positions)
+        torch.cat([c[2] for c in chunks], out=proposer.hidden_states[:n])
+        slots = to_device([s for c in chunks for s in c[5]])
         qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
         seq_lens_cpu = torch.tensor([c[4] for c in chunks], dtype=torch.int32)
-        req_rows = torch.tensor([c[0] for c in chunks], dtype=torch.long, device=device)
         meta = CommonAttentionMetadata(
-            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_lens_cpu.to(device),
-            num_reqs=len(chunks), num_actual_tokens=int(qsl[-1]), max_query_len=max(lens),
-            max_seq_len=int(seq_lens_cpu.max()), block_table_tensor=cm.block_table_tensor[req_rows],
+            query_start_loc=qsl.to(device, non_blocking=True), query_start_loc_cpu=qsl,
+            seq_lens=seq_lens_cpu.to(device, non_blocking=True), num_reqs=len(chunks), num_actual_tokens=n,
+            max_query_len=max(lens), max_seq_len=int(seq_lens_cpu.max()),
+            block_table_tensor=cm.block_table_tensor[to_device([c[0] for c in chunks])],
             slot_mapping=slots, _seq_lens_cpu=seq_lens_cpu)
-        _, per_layer = self.proposer.build_per_group_and_layer_attn_metadata(meta)
-        if self.runner.uses_mrope:
-            positions = positions.unsqueeze(0).expand(3, -1).contiguous()
+        _, per_layer = proposer.build_per_group_and_layer_attn_metadata(meta)
         forest = StepForest(req_ids=[], tree_req_indices=[], parent=None, cu_seqlens=None, tokens=[],
                             attention_rows=tree_rows or [])
         with forest_scope(forest), set_forward_context(
-                per_layer, self.runner.vllm_config, num_tokens=len(tokens),
-                slot_mapping={name: slots for name in per_layer}):
-            return self.proposer.model(input_ids=tokens, positions=positions, hidden_states=hidden)
+                per_layer, self.runner.vllm_config, num_tokens=padded, cudagraph_runtime_mode=mode,
+                slot_mapping=proposer._get_slot_mapping(padded, slots)):
+            out = proposer.model(input_ids=proposer.input_ids[:padded], positions=proposer._get_positions(padded),
+                                 hidden_states=proposer.hidden_states[:padded])
+        # A replayed graph writes its output buffer again on the next forward.
+        return out[:n].clone()
 
     def _top_children(self, hidden_rows: torch.Tensor):
         logits = self.proposer.model.compute_logits(hidden_rows).float()
