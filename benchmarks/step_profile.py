@@ -35,6 +35,21 @@ def _generate(llm, batch: int, prompt_len: int, new_tokens: int, seed: int):
     return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
 
 
+def _torch_profile(llm, batch: int, args, out_dir: Path) -> None:
+    """Op tables (device time and host time) of one generate call under torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _generate(llm, batch, args.prompt_len, 32, seed=batch + 1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages()
+    text = (table.table(sort_by="self_cuda_time_total", row_limit=40) + "\n\n"
+            + table.table(sort_by="self_cpu_time_total", row_limit=40))
+    (out_dir / f"ops_B{batch}.txt").write_text(text)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -44,6 +59,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--torch-profile", metavar="DIR",
+                        help="also run each batch under torch.profiler and write op tables to DIR")
     args = parser.parse_args()
     spec = None if args.spec == "none" else json.loads(args.spec)
     bole = spec is not None and spec.get("method") == "bole"
@@ -62,7 +79,8 @@ def main() -> None:
               compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512}
                                                                       | set(args.batch))},
               speculative_config=spec)
-    _generate(llm, min(args.batch), args.prompt_len, 16, seed=0)  # warm-up
+    for batch in args.batch:  # warm-up: every batch size once, so Triton's compilations stay out of the numbers
+        _generate(llm, batch, args.prompt_len, 32, seed=0)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     rows = []
     for batch in args.batch:
@@ -81,6 +99,8 @@ def main() -> None:
             row["mean_accepted"] = 1 + accepted / max(drafts, 1)
             row["draft_tokens_per_step"] = (after["num_draft_tokens"] - before["num_draft_tokens"]) / max(drafts, 1)
         rows.append(row)
+        if args.torch_profile:
+            _torch_profile(llm, batch, args, Path(args.torch_profile))
         print(f"B={batch}: {row['tok_s']:.1f} tok/s" + (
             f", mean accepted {row['mean_accepted']:.2f}, nodes/step {row['draft_tokens_per_step']:.1f}"
             if spec else ""), flush=True)

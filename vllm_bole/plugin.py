@@ -4,11 +4,10 @@ Loaded by vLLM in every process (``vllm.general_plugins`` entry point ``bole``);
 changes nothing unless a Bole config is present.
 """
 
-import logging
-
 from .config import ADDITIONAL_CONFIG_KEY, BOLE_METHOD, BoleConfigError, parse_bole_config
+from .logger import init_logger
 
-logger = logging.getLogger("vllm_bole")
+logger = init_logger(__name__)
 _REGISTERED = False
 
 # Hybrid architectures whose GDN layers, attention layers and MTP head Bole knows.

@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 
 import torch
-from vllm.logger import init_logger
+from ..logger import init_logger
 
 from ..spec_decode.budget import reload_budget_tables
 from ..spec_decode.synthetic import SyntheticAcceptance

@@ -10,7 +10,7 @@ logs one warning saying why and uses :data:`DEFAULT_AUTO_BUDGET`.
 import functools
 from pathlib import Path
 
-from vllm.logger import init_logger
+from ..logger import init_logger
 
 from ..calibration.table import default_table_path, device_name, model_fingerprint, read_table, select_model
 

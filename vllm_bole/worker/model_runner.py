@@ -192,7 +192,10 @@ class BoleModelRunnerMixin:
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             per_request = self.speculative_config.num_speculative_tokens
             trees = [select_global([t], per_request)[0] for t in self.bole_drafter.propose(step)]
-            trees = select_global(trees, node_budget(self.bole_config, len(trees)))
+            context = self.input_batch.num_computed_tokens_cpu[:len(trees)]
+            budget = node_budget(self.bole_config, len(trees), context_len=int(context.mean()) if len(trees) else None,
+                                 model_config=self.model_config)
+            trees = select_global(trees, budget)
         self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
         if self._bole_profiler is not None:
             self._bole_profiler.end_step(tree_step=self._bole_forest is not None)

@@ -11,7 +11,7 @@ import time
 from collections import defaultdict
 
 import torch
-from vllm.logger import init_logger
+from ..logger import init_logger
 
 logger = init_logger(__name__)
 
