@@ -2,6 +2,21 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton creates its language helpers (tl.cdiv, ...) for the interpreter only when TRITON_INTERPRET is set
+    # at its first import; the kernel tests interpret, and vLLM (imported by other test modules, possibly
+    # first) imports Triton too. Import it here for the interpreter, without leaving the variable set for
+    # vLLM or the engines that tests start.
+    _old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language  # noqa: F401
+
+    if _old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _old
 
 
 @pytest.fixture(scope="session")
