@@ -40,6 +40,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAtten
 
 from forest_shapes import make_tree  # noqa: E402
 from kernels import Timer  # noqa: E402
+from paged_cache import shuffled_block_table  # noqa: E402
 from vllm_bole.attention import tree_attn_gpu  # noqa: E402
 from vllm_bole.kernels.forest import ancestor_mask  # noqa: E402
 from vllm_bole.kernels.tree_attention.triton_tree_attn import tree_attention_paged_reference  # noqa: E402
@@ -70,15 +71,8 @@ class Step:
         torch.manual_seed(seed)
         sizes = [len(p) for p in trees]
         seq_lens = [p + t for p, t in zip(prefixes, sizes)]
-        blocks = [-(-s // block_size) for s in seq_lens]
-        perm = torch.randperm(sum(blocks) + 1, generator=gen)
-        table = torch.zeros(len(trees), max(blocks), dtype=torch.int32)
-        first = 0
-        for b, nb in enumerate(blocks):
-            table[b, :nb] = perm[first:first + nb]
-            first += nb
-        self.kv_cache = torch.randn(sum(blocks) + 1, block_size, HKV, 2 * D, device=DEV,
-                                    dtype=DTYPE).permute(0, 2, 1, 3)
+        table, pool = shuffled_block_table(seq_lens, block_size, gen)
+        self.kv_cache = torch.randn(pool, block_size, HKV, 2 * D, device=DEV, dtype=DTYPE).permute(0, 2, 1, 3)
         n = sum(sizes)
         self.query = torch.randn(n, HQ, D, device=DEV, dtype=DTYPE)
         self.output = torch.empty_like(self.query)

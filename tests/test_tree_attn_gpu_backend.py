@@ -22,6 +22,7 @@ from vllm.v1.attention.backends import fa_utils  # noqa: E402
 from vllm.v1.attention.backends import flash_attn as vllm_flash_attn  # noqa: E402
 from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata  # noqa: E402
 
+from paged_cache import shuffled_block_table  # noqa: E402
 from sequential_gdn import rel_err, seed_of  # noqa: E402
 from vllm_bole.attention import tree_attn_gpu  # noqa: E402
 from vllm_bole.kernels.forest import ancestor_mask  # noqa: E402
@@ -94,14 +95,8 @@ class Step:
             q_lens.append(n)
             seq_lens.append(prefix + t)
             row += n
-        blocks = [-(-s // block_size) for s in seq_lens]
-        perm = torch.randperm(sum(blocks) + 1, generator=gen)
-        table = torch.zeros(len(requests), max(blocks), dtype=torch.int32)
-        first = 0
-        for b, nb in enumerate(blocks):
-            table[b, :nb] = perm[first:first + nb]
-            first += nb
-        kv = torch.randn(sum(blocks) + 1, block_size, HKV, 2 * D, generator=gen).to(DTYPE)
+        table, pool = shuffled_block_table(seq_lens, block_size, gen)
+        kv = torch.randn(pool, block_size, HKV, 2 * D, generator=gen).to(DTYPE)
         self.kv_cache = kv.to(DEV).permute(0, 2, 1, 3)            # logical [blocks, Hkv, block_size, 2d]
         self.query = torch.randn(row + 3, HQ, D, generator=gen).to(DTYPE).to(DEV)   # 3 padding rows
         qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)

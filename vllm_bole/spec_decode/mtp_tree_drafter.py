@@ -15,8 +15,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from ..kernels.forest import ancestor_mask
-from ..worker.forest_context import StepForest, TreeRows, forest_scope
+from ..worker.forest_context import StepForest, TreeRows, ancestor_masks, forest_scope
 from .drafter import DraftStep, TreeDrafter
 from .synthetic import parse_synthetic
 from .tree import DraftTree
@@ -133,7 +132,7 @@ class MTPTreeDrafter(TreeDrafter):
 
         # 2. Grow one level per MTP forward.
         for _ in range(self.bole_config.max_depth - 1):
-            chunks, tree_rows, expanded = [], [], []
+            chunks, query_parents, row_starts, expanded = [], [], [], []
             row = 0
             for g in trees.values():
                 best = sorted(g.frontier, key=lambda n: -g.tree.scores[n])[: self.bole_config.topk]
@@ -148,13 +147,17 @@ class MTPTreeDrafter(TreeDrafter):
                 n_queries = len(g.query_of)
                 chunks.append((g.req_index, [g.tree.tokens[n] for n in best], hidden, positions,
                                g.next_pos + n_queries, query_slots))
-                tree_rows.append(TreeRows(req_index=len(chunks) - 1, row_start=row,
-                                          region_mask=self._query_mask(g, best, n_queries)))
+                query_parents.append(self._query_parents(g, n_queries))
+                row_starts.append(row)
                 expanded.append((g, best, depths))
                 row += len(best)
                 g.frontier = []
             if not chunks:
                 break
+            # Each new query sees the queries of its expanded ancestors and itself; one mask build per level.
+            tree_rows = [TreeRows(req_index=c, row_start=start, region_mask=mask[[g.query_of[n] for n in best]])
+                         for c, (start, mask, (g, best, _)) in enumerate(
+                             zip(row_starts, ancestor_masks(query_parents), expanded))]
             out = self._forward(cm, chunks, tree_rows)
             probs, toks = self._top_children(out)
             i = 0
@@ -170,11 +173,10 @@ class MTPTreeDrafter(TreeDrafter):
         return [trees[r].tree if r in trees else DraftTree() for r in range(len(step.req_ids))]
 
     @staticmethod
-    def _query_mask(g: _Growing, best, n_queries) -> torch.Tensor:
-        """[len(best), n_queries]: each new query sees the queries of its expanded ancestors and itself."""
+    def _query_parents(g: _Growing, n_queries: int) -> list[int]:
+        """Parent of each of a request's MTP queries among its queries (-1: a child of the root)."""
         query_parent = [-1] * n_queries
         for n, q in g.query_of.items():
             p = g.tree.parents[n]
             query_parent[q] = g.query_of[p] if p >= 0 else -1
-        full = ancestor_mask(query_parent)
-        return full[[g.query_of[n] for n in best]]
+        return query_parent
