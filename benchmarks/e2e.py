@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole")
-MODEL_CANDIDATES = (ROOT / "shared/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
+# The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
+MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
 POLL_S = 0.5
 
 
@@ -70,7 +71,7 @@ def _configs(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", type=_configs, default=list(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
-    p.add_argument("--model", default=None, help="default: shared/models/qwen3.5-9b-shape (dummy weights)")
+    p.add_argument("--model", default=None, help="default: benchmarks/models/qwen3.5-9b-shape (dummy weights)")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 8, 16, 32, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)

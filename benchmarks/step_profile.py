@@ -1,6 +1,6 @@
 """Where a Bole step's time goes at real shapes: one engine, several batch sizes, phase times per tree step.
 
-    python benchmarks/step_profile.py --model DIR [--batch 1 16] [--spec '{"method": "bole", ...}']
+    python benchmarks/step_profile.py [--model DIR] [--batch 1 16] [--spec '{"method": "bole", ...}']
 
 Runs token-id prompts with dummy weights (``load_format="dummy"``) and synthetic acceptance in an in-process
 engine, per batch size once plainly (tokens/s, mean accepted tokens per step) and, for Bole, once more with the
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_profile.json"
+MODEL = Path(__file__).resolve().parent / "models" / "qwen3.5-9b-shape"   # config only: dummy weights
 DEFAULT_SPEC = {"method": "bole", "num_speculative_tokens": 8, "topk": 4, "synthetic_acceptance": True}
 
 
@@ -52,7 +53,7 @@ def _torch_profile(llm, batch: int, args, out_dir: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", default=str(MODEL))
     parser.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="speculative_config JSON ('none': AR)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=128)
