@@ -28,9 +28,22 @@ class _Growing:
     req_index: int
     next_pos: int                       # position of the root (the last sampled token)
     tree: DraftTree = field(default_factory=DraftTree)
-    hidden: dict = field(default_factory=dict)    # node -> MTP hidden of the query that predicted its children
+    depth: list = field(default_factory=list)     # depth of every node (1 = child of the root)
+    # node -> row, in the last MTP forward's output, of the hidden that predicted the node's children
+    hidden_row: dict = field(default_factory=dict)
     query_of: dict = field(default_factory=dict)  # expanded node -> its index among this request's queries
     frontier: list = field(default_factory=list)  # nodes created in the last level
+
+    def add_children(self, parent: int, scores: list[float], tokens: list[int]) -> None:
+        """Children of ``parent`` (-1: the root) in probability order, ``scores`` relative to the parent."""
+        base = 1.0 if parent < 0 else self.tree.scores[parent]
+        depth = 1 if parent < 0 else self.depth[parent] + 1
+        for p, t in zip(scores, tokens):
+            self.tree.tokens.append(t)
+            self.tree.parents.append(parent)
+            self.tree.scores.append(base * p)
+            self.depth.append(depth)
+            self.frontier.append(len(self.tree) - 1)
 
 
 class MTPTreeDrafter(TreeDrafter):
@@ -40,16 +53,21 @@ class MTPTreeDrafter(TreeDrafter):
         # Benchmarks with synthetic acceptance score children by the rates the walk accepts them with, as a
         # calibrated drafter would (dummy weights give meaningless draft probabilities).
         self.synthetic = parse_synthetic(bole_config.synthetic_acceptance)
+        self._synthetic_scores: dict[int, list[float]] = {}
 
     def _child_scores(self, probs: list[float], depth: int) -> list[float]:
         """Scores of a node's children (probability order) at ``depth``, relative to their parent."""
         if self.synthetic is None:
             return probs
-        return [self.synthetic.child_probability(depth, rank) for rank in range(len(probs))]
+        if depth not in self._synthetic_scores:
+            self._synthetic_scores[depth] = [self.synthetic.child_probability(depth, rank)
+                                             for rank in range(self.bole_config.topk)]
+        return self._synthetic_scores[depth][:len(probs)]
 
     # ---- one MTP forward over a packed batch of per-request query chunks ----
-    def _forward(self, cm: CommonAttentionMetadata, chunks, tree_rows=None):
-        """chunks: per request (req_index, tokens, hidden [n, H], positions [n], seq_len, slots [n]).
+    def _forward(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows=None):
+        """chunks: per request (req_index, tokens, positions [n], seq_len, slots [n]); hidden: the target or
+        MTP hidden state each row's token follows, ``[rows, H]`` in chunk order.
 
         Returns the MTP hidden states of all rows, in chunk order. The inputs go through the proposer's
         persistent buffers, padded to a captured size, so the MTP layer replays vLLM's piecewise CUDA graphs
@@ -64,12 +82,12 @@ class MTPTreeDrafter(TreeDrafter):
         n = sum(lens)
         mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
         proposer.input_ids[:n].copy_(to_device([t for c in chunks for t in c[1]]), non_blocking=True)
-        positions = to_device([p for c in chunks for p in c[3]])
+        positions = to_device([p for c in chunks for p in c[2]])
         proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if self.runner.uses_mrope else positions)
-        torch.cat([c[2] for c in chunks], out=proposer.hidden_states[:n])
-        slots = to_device([s for c in chunks for s in c[5]])
+        proposer.hidden_states[:n].copy_(hidden)
+        slots = to_device([s for c in chunks for s in c[4]])
         qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-        seq_lens_cpu = torch.tensor([c[4] for c in chunks], dtype=torch.int32)
+        seq_lens_cpu = torch.tensor([c[3] for c in chunks], dtype=torch.int32)
         meta = CommonAttentionMetadata(
             query_start_loc=qsl.to(device, non_blocking=True), query_start_loc_cpu=qsl,
             seq_lens=seq_lens_cpu.to(device, non_blocking=True), num_reqs=len(chunks), num_actual_tokens=n,
@@ -90,9 +108,12 @@ class MTPTreeDrafter(TreeDrafter):
     def _top_children(self, hidden_rows: torch.Tensor):
         logits = self.proposer.model.compute_logits(hidden_rows).float()
         top, tok = logits.topk(self.bole_config.topk, dim=-1)
-        # Probabilities of the top tokens only: no full-vocabulary softmax is written.
+        # Probabilities of the top tokens only: no full-vocabulary softmax is written. Token ids are exact in
+        # float32 (vocabularies < 2^24), so one copy to the host carries both.
         p = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
-        return p.tolist(), tok.tolist()
+        k = tok.shape[1]
+        rows = torch.cat([p, tok.float()], dim=1).tolist()
+        return [r[:k] for r in rows], [[int(t) for t in r[k:]] for r in rows]
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
         cm = step.common_attn_metadata
@@ -103,72 +124,63 @@ class MTPTreeDrafter(TreeDrafter):
             pos = np.asarray(positions, dtype=np.int64)
             return (block_table[r, pos // block_size].astype(np.int64) * block_size + pos % block_size).tolist()
 
+        def rows_of(values, hidden):  # rows of a hidden-state tensor, in one gather
+            return hidden[torch.tensor(values, dtype=torch.long).to(hidden.device, non_blocking=True)]
+
         # 1. Catch up on the committed tokens (every request that ran this step keeps its MTP KV in step).
-        chunks, last_rows, growing = [], [], []
+        chunks, hidden_rows, last_rows, growing = [], [], [], []
         for r, fp in enumerate(step.first_pass):
             if fp is None:
                 continue
             rows, tokens, positions = fp
-            chunks.append((r, tokens, step.hidden_states[torch.tensor(rows, device=step.hidden_states.device)],
-                           positions, positions[-1] + 1, slots(r, positions)))
-            last_rows.append(sum(len(c[1]) for c in chunks) - 1)
+            chunks.append((r, tokens, positions, positions[-1] + 1, slots(r, positions)))
+            hidden_rows += rows
+            last_rows.append(len(hidden_rows) - 1)
             if step.contexts[r] is not None:
                 growing.append((r, len(chunks) - 1))
         if not chunks:
             return [DraftTree() for _ in step.req_ids]
-        mtp_hidden = self._forward(cm, chunks)
+        mtp_hidden = self._forward(cm, chunks, rows_of(hidden_rows, step.hidden_states))
         trees = {}
-        first_hidden = mtp_hidden[torch.tensor([last_rows[c] for _, c in growing], device=mtp_hidden.device)]
-        probs, toks = self._top_children(first_hidden)
-        for (r, c), p_row, t_row, h in zip(growing, probs, toks, first_hidden):
-            g = _Growing(req_index=r, next_pos=chunks[c][3][-1] + 1)
-            for p, t in zip(self._child_scores(p_row, 1), t_row):
-                g.tree.tokens.append(t)
-                g.tree.parents.append(-1)
-                g.tree.scores.append(p)
-                g.frontier.append(len(g.tree) - 1)
-            g.hidden[-1] = h
+        prev = rows_of([last_rows[c] for _, c in growing], mtp_hidden)  # hidden that predicts the next level
+        probs, toks = self._top_children(prev)
+        for k, ((r, c), p_row, t_row) in enumerate(zip(growing, probs, toks)):
+            g = _Growing(req_index=r, next_pos=chunks[c][2][-1] + 1)
+            g.add_children(-1, self._child_scores(p_row, 1), t_row)
+            g.hidden_row[-1] = k
             trees[r] = g
 
         # 2. Grow one level per MTP forward.
         for _ in range(self.bole_config.max_depth - 1):
-            chunks, query_parents, row_starts, expanded = [], [], [], []
-            row = 0
+            chunks, hidden_rows, query_parents, row_starts, expanded = [], [], [], [], []
             for g in trees.values():
                 best = sorted(g.frontier, key=lambda n: -g.tree.scores[n])[: self.bole_config.topk]
+                g.frontier = []
                 if not best:
                     continue
                 for n in best:
                     g.query_of[n] = len(g.query_of)
-                depths = g.tree.depths()
-                hidden = torch.stack([g.hidden[g.tree.parents[n]] for n in best])
-                positions = [g.next_pos + depths[n] - 1 for n in best]
-                query_slots = slots(g.req_index, [g.next_pos + g.query_of[n] for n in best])
                 n_queries = len(g.query_of)
-                chunks.append((g.req_index, [g.tree.tokens[n] for n in best], hidden, positions,
-                               g.next_pos + n_queries, query_slots))
+                row_starts.append(len(hidden_rows))
+                hidden_rows += [g.hidden_row[g.tree.parents[n]] for n in best]
+                chunks.append((g.req_index, [g.tree.tokens[n] for n in best],
+                               [g.next_pos + g.depth[n] - 1 for n in best], g.next_pos + n_queries,
+                               slots(g.req_index, [g.next_pos + g.query_of[n] for n in best])))
                 query_parents.append(self._query_parents(g, n_queries))
-                row_starts.append(row)
-                expanded.append((g, best, depths))
-                row += len(best)
-                g.frontier = []
+                expanded.append((g, best))
             if not chunks:
                 break
             # Each new query sees the queries of its expanded ancestors and itself; one mask build per level.
             tree_rows = [TreeRows(req_index=c, row_start=start, region_mask=mask[[g.query_of[n] for n in best]])
-                         for c, (start, mask, (g, best, _)) in enumerate(
+                         for c, (start, mask, (g, best)) in enumerate(
                              zip(row_starts, ancestor_masks(query_parents), expanded))]
-            out = self._forward(cm, chunks, tree_rows)
-            probs, toks = self._top_children(out)
+            prev = self._forward(cm, chunks, rows_of(hidden_rows, prev), tree_rows)
+            probs, toks = self._top_children(prev)
             i = 0
-            for g, best, depths in expanded:
+            for g, best in expanded:
                 for n in best:
-                    g.hidden[n] = out[i]
-                    for p, t in zip(self._child_scores(probs[i], depths[n] + 1), toks[i]):
-                        g.tree.tokens.append(t)
-                        g.tree.parents.append(n)
-                        g.tree.scores.append(g.tree.scores[n] * p)
-                        g.frontier.append(len(g.tree) - 1)
+                    g.hidden_row[n] = i
+                    g.add_children(n, self._child_scores(probs[i], g.depth[n] + 1), toks[i])
                     i += 1
         return [trees[r].tree if r in trees else DraftTree() for r in range(len(step.req_ids))]
 
