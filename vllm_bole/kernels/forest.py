@@ -5,22 +5,18 @@ A forest packs B requests' trees into N nodes. ``cu_seqlens[b]:cu_seqlens[b+1]``
 committed prefix). Parents come before children, so every ancestor has a smaller index than its descendants.
 """
 
-import numpy as np
 import torch
 
 
-def ancestor_mask(parent) -> torch.Tensor:
-    """``[T, T]`` bool, ``mask[i, j]`` true iff j is i or one of i's ancestors (one tree segment).
-
-    parent: a tensor (the mask lands on its device) or a host list. Built with numpy rows: the engine calls it
-    per request and step on the host, where a per-row torch op would cost more than the whole numpy build."""
-    par = parent.tolist() if isinstance(parent, torch.Tensor) else list(parent)
-    mask = np.eye(len(par), dtype=bool)
-    for i, p in enumerate(par):
-        if p >= 0:
-            mask[i] |= mask[p]
-    out = torch.from_numpy(mask)
-    return out.to(parent.device) if isinstance(parent, torch.Tensor) and parent.device.type != "cpu" else out
+def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
+    """``[T, T]`` bool, ``mask[i, j]`` true iff j is i or one of i's ancestors (one tree segment)."""
+    t = parent.numel()
+    mask = torch.eye(t, dtype=torch.bool, device=parent.device)
+    par = parent.tolist()
+    for i in range(t):
+        if par[i] >= 0:
+            mask[i] |= mask[par[i]]
+    return mask
 
 
 def path_to_root(parent: torch.Tensor, node: int) -> list[int]:
