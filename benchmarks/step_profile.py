@@ -51,6 +51,25 @@ def _torch_profile(llm, batch: int, args, out_dir: Path) -> None:
     torch.cuda.synchronize()
 
 
+def _host_profile(llm, batch: int, args, out_dir: Path) -> None:
+    """Python host time of one generate call under cProfile (the engine runs in this process): which calls
+    keep the GPU waiting when the step is host-bound."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    _generate(llm, batch, args.prompt_len, 64, seed=batch + 2)
+    prof.disable()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(60)
+    (out_dir / f"host_B{batch}.txt").write_text(text.getvalue())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(MODEL))
@@ -62,6 +81,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--torch-profile", metavar="DIR",
                         help="also run each batch under torch.profiler and write op tables to DIR")
+    parser.add_argument("--host-profile", metavar="DIR",
+                        help="also run each batch under cProfile and write the host call tables to DIR")
     args = parser.parse_args()
     spec = None if args.spec == "none" else json.loads(args.spec)
     bole = spec is not None and spec.get("method") == "bole"
@@ -102,6 +123,8 @@ def main() -> None:
         rows.append(row)
         if args.torch_profile:
             _torch_profile(llm, batch, args, Path(args.torch_profile))
+        if args.host_profile:
+            _host_profile(llm, batch, args, Path(args.host_profile))
         print(f"B={batch}: {row['tok_s']:.1f} tok/s" + (
             f", mean accepted {row['mean_accepted']:.2f}, nodes/step {row['draft_tokens_per_step']:.1f}"
             if spec else ""), flush=True)

@@ -641,13 +641,18 @@ BUILDERS = {"qwen3_5": build_tiny_qwen3_5, "qwen3_next": build_tiny_qwen3_next}
 def engine_kwargs(kind: str = "qwen3_5") -> dict:
     """``vllm.LLM`` keyword arguments that run a tiny checkpoint (tested on CPU).
 
-    On CPU also set ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) and ``HF_HUB_OFFLINE=1``.
+    On CPU also set ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) and ``HF_HUB_OFFLINE=1``. On a GPU,
+    ``VLLM_BOLE_TEST_CUDA_GRAPHS=1`` runs the engines with torch.compile and CUDA graphs (a few small capture
+    sizes) instead of eagerly, so tests cover the graph paths too.
     """
     kwargs = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8}
 
     if torch.cuda.is_available():
         # The GPU bundle has no FlashInfer, which vLLM would pick for GDN prefill on Hopper.
         kwargs["additional_config"] = {"gdn_prefill_backend": "triton"}
+        if os.environ.get("VLLM_BOLE_TEST_CUDA_GRAPHS") == "1":
+            kwargs["enforce_eager"] = False
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}
     if kind == "qwen3_5":
         kwargs["language_model_only"] = True
     else:
