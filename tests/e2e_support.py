@@ -11,6 +11,18 @@ from dataclasses import dataclass
 TIE_TOL = 0.125
 
 
+def assert_graphs_used(out: dict) -> None:
+    """With ``VLLM_BOLE_TEST_CUDA_GRAPHS=1`` on a GPU, the run must have replayed verification CUDA graphs (so
+    its lossless check covered them)."""
+    if os.environ.get("VLLM_BOLE_TEST_CUDA_GRAPHS") != "1":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        graphs = out.get("bole_graphs")
+        assert graphs and graphs["replays"] > 0, f"no verification step ran from a CUDA graph: {graphs}"
+
+
 def run_engine(tmp_path, name: str, spec: dict, timeout: int = 900) -> dict:
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))

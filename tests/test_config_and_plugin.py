@@ -16,6 +16,7 @@ def test_defaults():
 def test_values_and_dashes():
     cfg, _ = parse_bole_config({"method": "bole", "num-speculative-tokens": 3, "topk": 2, "budget": 64})
     assert (cfg.max_depth, cfg.topk, cfg.budget) == (3, 2, 64)
+    assert cfg.cuda_graphs and not parse_bole_config({"method": "bole", "cuda_graphs": False})[0].cuda_graphs
 
 
 @pytest.mark.parametrize("key,value,field", [
@@ -30,6 +31,8 @@ def test_values_and_dashes():
     ("drafter_args", [1], "drafter_args"),
     ("budget_table", 3, "budget_table"),
     ("budget_table", "", "budget_table"),
+    ("cuda_graphs", "yes", "cuda_graphs"),
+    ("cuda_graphs", 1, "cuda_graphs"),
     ("tree", [[0]], "unknown key"),
 ])
 def test_bad_values_name_the_field(key, value, field):

@@ -53,3 +53,34 @@ def test_prefix_lens_per_batch_request():
     seq_lens = torch.tensor([50, 7, 100, 80, 33], dtype=torch.int32)   # requests 2 and 4 have no tree
     assert packed.prefix_lens(seq_lens).tolist() == [10, 4, 0, 10, 0]
     assert packed.prefix_lens(seq_lens) is packed.prefix_lens(seq_lens)
+
+
+def test_graph_rows_built_on_device_equal_packed_host_rows():
+    """A graph-captured verification forward builds its rows from the device forest (parents, cu_seqlens,
+    ancestor bits, with a capacity bound as the tree size): they must say what the host-packed rows say."""
+    from triton_modes import DEV, import_kernel_modules, interpreter
+
+    (tv,) = import_kernel_modules("vllm_bole.kernels.tree_gdn.triton_verify")
+    rng = random.Random(seed_of("graph-rows"))
+    trees = [make_tree(s, t, rng) for s, t in [("random", 9), ("chain", 1), ("star", 33), ("random", 20)]]
+    sizes = [len(t) for t in trees]
+    cu = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    padded = sum(sizes) + 5                                     # padding rows after the last tree
+    parent = torch.full((padded,), -1, dtype=torch.int32, device=DEV)
+    parent[:sum(sizes)] = torch.tensor([p for t in trees for p in t], dtype=torch.int32)
+    bound = 40                                                  # any bound on the tree sizes
+    forest = StepForest(req_ids=list("abcd"), tree_req_indices=[0, 1, 2, 3], parent=parent, cu_seqlens=cu,
+                        tokens=[], tree_parents=trees, max_nodes=bound,
+                        query_starts=cu[:-1].tolist(), graph=object())
+    with interpreter():
+        forest._bits = tv.ancestor_bits(parent, cu, bound)
+    forest.build_attention_rows()
+    on_device = forest.device_rows(DEV)
+    host = DeviceTreeRows.pack(forest.attention_rows, "cpu")
+    assert torch.equal(on_device.meta.cpu(), host.meta) and on_device.max_rows == bound
+    j = torch.arange(max(sizes))
+    for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        got = ((on_device.bits.cpu().long()[s:e][:, j[:e - s] // 32] >> (j[:e - s] % 32)) & 1).bool()
+        assert torch.equal(got, forest.attention_rows[b].region_mask)
+    seq_lens = torch.tensor([50, 7, 100, 80], dtype=torch.int32, device=DEV)
+    assert on_device.prefix_lens(seq_lens).tolist() == [50 - 9, 7 - 1, 100 - 33, 80 - 20]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, write_oracle
+from e2e_support import assert_graphs_used, assert_lossless, bole_engine, random_requests, run_engine, write_oracle
 
 pytestmark = pytest.mark.vllm
 
@@ -68,7 +68,8 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
     out = run_engine(tmp, name, {"model": model, "requests": requests_, "logprobs": 2,
                                  "engine": bole_engine(tmp, name, depth, topk, budget, **cfg)})
     divs = assert_lossless(reference, out, max_near_ties=2)
-    print(f"{name}: near-tie divergences {len(divs)}; counters {out['counters']}")
+    print(f"{name}: near-tie divergences {len(divs)}; counters {out['counters']}; graphs {out['bole_graphs']}")
+    assert_graphs_used(out)
     assert out["outputs"][LONG]["finish_reason"] == "length"
     # One GDN state slot per request, conv window of width-1: no per-draft snapshots.
     assert out["mamba_state"] and all(g["num_speculative_blocks"] == 0 for g in out["mamba_state"])
@@ -92,7 +93,8 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     assert len(sampled["tokens"]) == 20
     divs = assert_lossless(reference, out, max_near_ties=2)
     counters = out["counters"]
-    print(f"mtp: near-tie divergences {len(divs)}; counters {counters}")
+    print(f"mtp: near-tie divergences {len(divs)}; counters {counters}; graphs {out['bole_graphs']}")
+    assert_graphs_used(out)
     assert counters["mean_acceptance_length"] > 1.5, counters
 
 

@@ -35,6 +35,8 @@ class BoleConfig:
     drafter_args: dict[str, Any] = field(default_factory=dict)
     # Benchmarks only: accept paths from given rates instead of the target (see spec_decode/synthetic.py).
     synthetic_acceptance: bool | dict[str, Any] | None = None
+    # GPU: replay tree verification steps from Bole's own full CUDA graphs (off under enforce_eager).
+    cuda_graphs: bool = True
 
     @property
     def max_nodes_per_request(self) -> int:
@@ -60,7 +62,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
     known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "drafter", "drafter_args",
-             "synthetic_acceptance"} | _PASSTHROUGH_KEYS
+             "synthetic_acceptance", "cuda_graphs"} | _PASSTHROUGH_KEYS
     unknown = sorted(set(spec) - known)
     if unknown:
         raise BoleConfigError(
@@ -89,8 +91,11 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     from .spec_decode.synthetic import parse_synthetic
 
     parse_synthetic(synthetic)  # validate here, where the user's config is read
+    cuda_graphs = spec.get("cuda_graphs", True)
+    if not isinstance(cuda_graphs, bool):
+        raise BoleConfigError(f"speculative_config.cuda_graphs must be true or false, got {cuda_graphs!r}")
     return BoleConfig(max_depth=depth, topk=topk, budget=budget, budget_table=budget_table, drafter=drafter,
-                      drafter_args=drafter_args, synthetic_acceptance=synthetic), rest
+                      drafter_args=drafter_args, synthetic_acceptance=synthetic, cuda_graphs=cuda_graphs), rest
 
 
 def bole_config_from_vllm(vllm_config) -> BoleConfig | None:

@@ -86,6 +86,11 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
         attn = forward_context.attn_metadata
         meta = attn.get(self.prefix) if isinstance(attn, dict) else None
         forest = current_forest()
+        if forest is not None and forest.graph is not None:
+            # Graph mode (worker/verify_graphs.py): every row is a tree node or padding; the slots come from
+            # the persistent block table, not from this step's metadata (fresh tensors every step).
+            core_attn_out.copy_(self._verify_trees(mixed_qkv, b, a, forest.graph.state_slots(self.prefix), forest))
+            return
         if meta is None or meta.spec_sequence_masks is None or forest is None:
             return self._vllm_core(mixed_qkv, b, a, core_attn_out, meta)
 
@@ -144,7 +149,7 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
         o, _ = kernels.tree_gdn_verify(
             q, k, v, g, beta, ssm_state_view(self), forest.parent, forest.cu_seqlens,
             use_qk_l2norm_in_kernel=True, state_indices=state_slots, out_factors=scratch.factors_of(layer),
-            max_seqlen=forest.max_nodes or None, bits=scratch.ancestor_bits(forest))
+            max_seqlen=forest.max_nodes or None, bits=forest.device_bits())
         return o.to(x.dtype)
 
 
@@ -164,7 +169,6 @@ class GDNStepScratch:
             u=torch.empty(n_layers, n, hv, layer.head_v_dim, dtype=torch.float32, device=dev),
             g_cum=torch.empty(n_layers, n, hv, dtype=torch.float32, device=dev))
         self.conv_inputs = torch.empty(n_layers, n, x.shape[1], dtype=x.dtype, device=dev)
-        self._bits = None
 
     @classmethod
     def of(cls, forest, layer, x: torch.Tensor) -> "GDNStepScratch":
@@ -180,13 +184,10 @@ class GDNStepScratch:
     def factors_of(self, i: int) -> TreeFactors:
         return TreeFactors(k=self.factors.k[i], u=self.factors.u[i], g_cum=self.factors.g_cum[i])
 
-    def ancestor_bits(self, forest):
-        """The forest's ancestor bitmask for the Triton verify, built once for all layers (None on CPU)."""
-        if self._bits is None and forest.parent.is_cuda and forest.max_nodes:
-            from ..kernels.tree_gdn.triton_verify import ancestor_bits
-
-            self._bits = ancestor_bits(forest.parent, forest.cu_seqlens, forest.max_nodes)
-        return self._bits
+    def reset(self) -> None:
+        """Forget the layers of an earlier forward (the buffers are reused by a graph's capture)."""
+        self.layers.clear()
+        self.slots.clear()
 
     def used(self) -> tuple[TreeFactors, torch.Tensor]:
         """Factors and conv inputs of the layers that ran (all of them in a full forward)."""

@@ -11,6 +11,8 @@ When every row of the batch is a tree row, vLLM's causal pass is skipped; otherw
 step) it runs first, and the tree kernel overwrites the tree rows.
 """
 
+import os
+
 import torch
 from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
 from vllm.v1.attention.backend import AttentionType
@@ -21,8 +23,9 @@ from ..kernels.tree_attention import triton_tree_attn
 from ..worker.forest_context import current_forest
 
 # Up to this many keys per request, one tree-kernel launch beats FlashAttention's prefix pass plus the tree
-# kernel (benchmarks/tree_attention.py: "single_us" vs "split_us").
-INLINE_PREFIX_MAX_SEQ = 512
+# kernel (benchmarks/tree_attention.py: "single_us" vs "split_us"). Both routes are exact;
+# VLLM_BOLE_INLINE_PREFIX_MAX_SEQ overrides the threshold (tests use 0 to run the prefix pass on short models).
+INLINE_PREFIX_MAX_SEQ = int(os.environ.get("VLLM_BOLE_INLINE_PREFIX_MAX_SEQ", "512"))
 
 
 def reads_prefix_itself(attn_metadata) -> bool:
@@ -45,14 +48,18 @@ def unsupported_reason(impl: FlashAttentionImpl) -> str | None:
     return None
 
 
-def prefix_pass(impl: FlashAttentionImpl, query, kv_cache, attn_metadata, prefix_lens, out) -> torch.Tensor:
+def prefix_pass(impl: FlashAttentionImpl, query, kv_cache, attn_metadata, prefix_lens, out, graph=None
+                ) -> torch.Tensor:
     """FlashAttention over every request's first ``prefix_lens[b]`` keys for all its query rows, non-causal,
-    into ``out``; returns the LSE ``[Hq, num_tokens]``. Requests with ``prefix_lens`` 0 attend to nothing."""
+    into ``out``; returns the LSE ``[Hq, num_tokens]``. Requests with ``prefix_lens`` 0 attend to nothing.
+    In graph mode the host lengths are the graph's bounds, not this step's."""
     key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    max_q = graph.max_nodes if graph is not None else attn_metadata.max_query_len
+    max_k = graph.max_model_len if graph is not None else attn_metadata.max_seq_len
     _, lse = fa_utils.flash_attn_varlen_func(
         q=query, k=canonicalize_singleton_dim_strides(key_cache), v=canonicalize_singleton_dim_strides(value_cache),
-        out=out, cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
-        seqused_k=prefix_lens, max_seqlen_k=attn_metadata.max_seq_len, softmax_scale=impl.scale, causal=False,
+        out=out, cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=max_q,
+        seqused_k=prefix_lens, max_seqlen_k=max_k, softmax_scale=impl.scale, causal=False,
         block_table=attn_metadata.block_table, return_softmax_lse=True, fa_version=impl.vllm_flash_attn_version,
         num_splits=attn_metadata.max_num_splits)
     return lse
@@ -73,16 +80,19 @@ class BoleFlashAttentionImpl(FlashAttentionImpl):
             raise NotImplementedError(f"Bole tree attention does not support "
                                       f"{self.tree_unsupported or 'fused output quantization'}")
         rows = forest.device_rows(query.device)
-        n = attn_metadata.num_actual_tokens
-        only_trees = rows.num_rows == n
+        graph = forest.graph
+        # Graph mode (worker/verify_graphs.py): every row is a tree node or padding, and host values are the
+        # graph's bounds (this step's token count and longest sequence would be baked into the graph).
+        n = query.shape[0] if graph is not None else attn_metadata.num_actual_tokens
+        only_trees = graph is not None or rows.num_rows == n
         if not only_trees:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         prefix_out = prefix_lse = None
-        if not reads_prefix_itself(attn_metadata):
+        if graph.long_prefix if graph is not None else not reads_prefix_itself(attn_metadata):
             # With only tree rows the prefix pass writes straight into the output, merged there in place.
             prefix_out = output[:n] if only_trees else torch.empty_like(output[:n])
             prefix_lse = prefix_pass(self, query[:n], kv_cache, attn_metadata,
-                                     rows.prefix_lens(attn_metadata.seq_lens), prefix_out)
+                                     rows.prefix_lens(attn_metadata.seq_lens), prefix_out, graph)
         triton_tree_attn.tree_attention_paged(
             query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, rows.meta, rows.bits,
             self.scale, max_rows=rows.max_rows, out=output[:n], prefix_out=prefix_out, prefix_lse=prefix_lse)

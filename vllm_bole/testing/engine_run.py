@@ -14,13 +14,25 @@ import json
 import os
 
 
+def _runner(llm):
+    try:
+        return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return None
+
+
+def _graph_summary(llm) -> dict | None:
+    """Bole's verification graphs (GPU): how many were captured and how many steps replayed one."""
+    graphs = getattr(_runner(llm), "_bole_graphs", None)
+    return None if graphs is None else {"graphs": len(graphs.graphs), "replays": graphs.replays}
+
+
 def _mamba_state_summary(llm) -> list[dict]:
     """Per Mamba KV-cache group: state shapes and how many slots a request holds (in-process engines only)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    try:
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    except AttributeError:
+    runner = _runner(llm)
+    if runner is None:
         return []
     return [{"shapes": [list(s) for s in g.kv_cache_spec.shapes],
              "num_speculative_blocks": g.kv_cache_spec.num_speculative_blocks,
@@ -54,7 +66,7 @@ def run(spec: dict) -> dict:
         top = [{int(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
         results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
-            "mamba_state": _mamba_state_summary(llm)}
+            "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm)}
 
 
 def main() -> None:

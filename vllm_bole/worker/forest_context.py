@@ -60,6 +60,17 @@ class DeviceTreeRows:
         return cls(meta=flat[:meta.size].view(-1, 5), bits=flat[meta.size:].view(total, words), num_rows=total,
                    max_rows=max([n for n, _ in shapes] + [0]))
 
+    @classmethod
+    def of_verified_forest(cls, forest: "StepForest") -> "DeviceTreeRows":
+        """Rows of a forest whose request ``i`` is batch request ``i`` and whose rows are all its tree nodes,
+        built on the device (inside a CUDA graph; no host data): the region of each tree is the tree, and its
+        bits are the forest's ancestor bits."""
+        cu = forest.cu_seqlens
+        starts, sizes = cu[:-1], cu[1:] - cu[:-1]
+        index = torch.arange(sizes.numel(), dtype=torch.int32, device=cu.device)
+        meta = torch.stack([index, starts, sizes, sizes, starts], dim=1).contiguous()
+        return cls(meta=meta, bits=forest.device_bits(), num_rows=forest.parent.numel(), max_rows=forest.max_nodes)
+
     def prefix_lens(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """``[B]`` committed prefix length of every batch request (0 without a tree, so FlashAttention's prefix
         pass skips it); computed once per ``seq_lens`` tensor (the layers of a KV-cache group share it)."""
@@ -89,14 +100,36 @@ class StepForest:
     accepted_paths: list[list[int]] | None = None  # per tree request, accepted local nodes, root first
     # per tree request: row of its first node (the root) in the step's flat token arrays
     query_starts: list[int] = field(default_factory=list)
+    # every scheduled token of the step is a tree node (no prefill beside the trees)
+    tree_only: bool = False
+    max_seq_len: int = 0                 # longest sequence of the step, this step's tokens included
+    # set while the forward runs from (or is captured into) a full CUDA graph: worker/verify_graphs.py
+    graph: object = None
 
     _device_rows: DeviceTreeRows | None = field(default=None, init=False, repr=False)
+    _bits: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def device_rows(self, device) -> DeviceTreeRows:
-        """``attention_rows`` on ``device``, built on first use and shared by every attention layer."""
+        """``attention_rows`` on ``device``, built on first use and shared by every attention layer (in graph
+        mode from the device forest, since nothing may come from the host inside a graph)."""
         if self._device_rows is None:
-            self._device_rows = DeviceTreeRows.pack(self.attention_rows, device)
+            self._device_rows = (DeviceTreeRows.of_verified_forest(self) if self.graph is not None
+                                 else DeviceTreeRows.pack(self.attention_rows, device))
         return self._device_rows
+
+    def device_bits(self) -> torch.Tensor | None:
+        """The forest's ancestor bitmask (:func:`kernels.tree_gdn.triton_verify.ancestor_bits`), built once for
+        all layers; None on CPU, where the references need none."""
+        if self._bits is None and self.parent.is_cuda and self.max_nodes:
+            from ..kernels.tree_gdn.triton_verify import ancestor_bits
+
+            self._bits = ancestor_bits(self.parent, self.cu_seqlens, self.max_nodes)
+        return self._bits
+
+    def reset_device_cache(self) -> None:
+        """Forget the device rows and bits (a graph capture must build its own, inside the graph)."""
+        self._device_rows = None
+        self._bits = None
 
     @property
     def accepted(self) -> list[int] | None:

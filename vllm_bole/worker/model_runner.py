@@ -36,10 +36,26 @@ class BoleModelRunnerMixin:
         self._bole_synthetic = parse_synthetic(self.bole_config.synthetic_acceptance)
         self.bole_drafter = None
         self._bole_profiler = StepProfiler.from_env()
+        self._bole_graphs = None
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
         self.bole_drafter = make_drafter(self, self.bole_config)
+        if self.device.type == "cuda" and self.bole_config.cuda_graphs and not self.model_config.enforce_eager:
+            from .verify_graphs import VerifyGraphs
+
+            self._bole_graphs = VerifyGraphs(self)
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                       **model_kwargs):
+        if self._bole_graphs is None or self._bole_forest is None:
+            return super()._model_forward(input_ids=input_ids, positions=positions,
+                                          intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds,
+                                          **model_kwargs)
+        from .verify_graphs import model_forward
+
+        return model_forward(self._bole_graphs, self._bole_forest, super()._model_forward, input_ids, positions,
+                             intermediate_tensors, inputs_embeds, model_kwargs)
 
     # ---- verification inputs ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -81,14 +97,21 @@ class BoleModelRunnerMixin:
                     fix_rows.append(int(starts[r]) + j)
                     fix_shift.append(j - d)
         sizes = [len(p) for p in tree_parents]
-        # One host-to-device copy for parents and offsets; non-blocking, so the GPU queue is not drained.
-        flat = torch.tensor([p for par in tree_parents for p in par] + np.cumsum([0] + sizes).tolist(),
-                            dtype=torch.int32).to(self.device, non_blocking=True)
+        parents, cu = [p for par in tree_parents for p in par], np.cumsum([0] + sizes).tolist()
         n = sum(sizes)
+        if self._bole_graphs is not None:  # the fixed addresses a verification graph reads
+            parent, cu_seqlens = self._bole_graphs.forest_tensors(parents, cu)
+        else:
+            # One host-to-device copy for parents and offsets; non-blocking, so the GPU queue is not drained.
+            flat = torch.tensor(parents + cu, dtype=torch.int32).to(self.device, non_blocking=True)
+            parent, cu_seqlens = flat[:n], flat[n:]
+        seq_lens = self.input_batch.num_computed_tokens_cpu[:len(req_ids)] + num_scheduled_tokens[:len(req_ids)]
         forest = StepForest(
             req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
-            parent=flat[:n], cu_seqlens=flat[n:], tokens=tokens, tree_parents=tree_parents,
-            max_nodes=max(sizes, default=0), query_starts=q_starts)
+            parent=parent, cu_seqlens=cu_seqlens, tokens=tokens, tree_parents=tree_parents,
+            max_nodes=max(sizes, default=0), query_starts=q_starts,
+            tree_only=len(forest_req) == len(req_ids) and n == int(num_scheduled_tokens.sum()),
+            max_seq_len=int(seq_lens.max()) if len(req_ids) else 0)
         if fix_rows:
             rows = torch.tensor(fix_rows, dtype=torch.long).to(self.device, non_blocking=True)
             shift = torch.tensor(fix_shift, dtype=torch.int64).to(self.device, non_blocking=True)

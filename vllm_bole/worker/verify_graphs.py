@@ -1,0 +1,189 @@
+"""Full CUDA graphs of tree verification steps (GPU).
+
+vLLM runs Bole's steps with piecewise CUDA graphs: the pieces between layers replay, but every GDN and
+attention layer runs eagerly, and at Qwen3.5 sizes their host work (about 1 ms per GDN layer) is what the GPU
+waits on. A step whose scheduled tokens are all tree nodes ("tree-only": no prefill in the batch) is instead
+replayed from a graph of the whole target forward that Bole captures itself, one per key
+(padded token count, number of requests, attention route):
+
+- the inputs keep fixed addresses: vLLM's persistent input ids / embeddings, positions, slot mappings,
+  query_start_loc, seq_lens and block tables, and Bole's forest buffer (parents, cu_seqlens), written before
+  every replay;
+- every host value a layer would read from the step is replaced by a bound of the key
+  (:class:`GraphStep`: largest possible tree, longest sequence); the kernels read the real sizes from
+  ``cu_seqlens`` / ``seq_lens`` on the device;
+- a key is captured the first time it occurs: one eager run of the graph-mode layer code (Triton compiles
+  there; it computes this step's outputs), the capture, then a replay. Re-running a verification forward is
+  harmless: it writes only this step's K/V slots and Bole's per-step scratch.
+"""
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
+from ..logger import init_logger
+
+logger = init_logger(__name__)
+
+# Graphs kept per engine (each costs its activations' memory in Bole's pool and a GDN scratch per token
+# count); later keys run with vLLM's piecewise graphs.
+MAX_GRAPHS = 96
+
+
+@dataclass
+class GraphStep:
+    """What the layers of a graph-mode forward read instead of the step's own host values."""
+
+    num_tokens: int          # padded rows of every activation
+    num_reqs: int
+    max_nodes: int           # bound on any tree's size under this key
+    long_prefix: bool        # attention route: FlashAttention's prefix pass + the tree kernel
+    max_model_len: int
+    block_tables: dict[str, torch.Tensor]  # GDN layer name -> its KV-cache group's persistent block table
+    _slots: dict = field(default_factory=dict, repr=False)
+
+    def state_slots(self, layer_name: str) -> torch.Tensor:
+        """``[R]`` state slot of every request for one GDN layer: column 0 of its group's block table (vLLM
+        keeps one state block per request without prefix caching), read inside the graph."""
+        table = self.block_tables[layer_name]
+        if table.data_ptr() not in self._slots:
+            self._slots[table.data_ptr()] = table[:self.num_reqs, 0].contiguous()
+        return self._slots[table.data_ptr()]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    output: object
+    scratch: object          # the GDN layers' step buffers, as the capture recorded them
+    input_ptrs: tuple
+
+
+def _ptrs(inputs) -> tuple:
+    return tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in inputs)
+
+
+class VerifyGraphs:
+    """Bole's verification graphs of one model runner, and the persistent forest buffer they read."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.graphs: dict[tuple, _Graph] = {}
+        self.scratch: dict[int, object] = {}   # padded token count -> GDNStepScratch
+        self.pool = torch.cuda.graph_pool_handle()
+        self.capacity = runner.max_num_tokens
+        self.forest_buf = torch.zeros(self.capacity + runner.max_num_reqs + 1, dtype=torch.int32,
+                                      device=runner.device)
+        self._block_tables = None
+        self._full_logged = False
+        self.replays = 0   # verification steps run from a graph (the capturing step included)
+
+    # ---- forest buffer --------------------------------------------------------------------------------
+    def forest_tensors(self, parents: list[int], cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parent ``[N]``, cu_seqlens ``[B+1]``) as views of the persistent buffer, filled from the host."""
+        n, cap = len(parents), self.capacity
+        self.forest_buf[:n].copy_(torch.tensor(parents, dtype=torch.int32), non_blocking=True)
+        cu = self.forest_buf[cap:cap + len(cu_seqlens)]
+        cu.copy_(torch.tensor(cu_seqlens, dtype=torch.int32), non_blocking=True)
+        return self.forest_buf[:n], cu
+
+    def block_tables(self) -> dict[str, torch.Tensor]:
+        if self._block_tables is None:
+            runner = self.runner
+            self._block_tables = {
+                name: runner.input_batch.block_table[gid].block_table.gpu
+                for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups)
+                if isinstance(group.kv_cache_spec, MambaSpec) for name in group.layer_names}
+        return self._block_tables
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def key(self, forest, inputs) -> tuple | None:
+        """(padded tokens, requests, long prefix) when this step can run from a graph, else None."""
+        input_ids, positions, inputs_embeds, intermediate_tensors, _ = inputs
+        if not forest.tree_only or intermediate_tensors is not None:
+            return None
+        if get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.PIECEWISE:
+            return None   # eager configurations, or more tokens than vLLM captures
+        rows = input_ids if input_ids is not None else inputs_embeds
+        return rows.shape[0], len(forest.tree_req_indices), forest.max_seq_len > INLINE_PREFIX_MAX_SEQ
+
+    def forward(self, forest, call, inputs):
+        """The step's model output: replayed from the key's graph (captured now if new), or ``call()``."""
+        key = self.key(forest, inputs)
+        if key is None:
+            return call()
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= MAX_GRAPHS:
+                if not self._full_logged:
+                    logger.info("Bole holds %d verification CUDA graphs; new shapes run piecewise", MAX_GRAPHS)
+                    self._full_logged = True
+                return call()
+            entry = self._capture(key, forest, call, inputs)
+        elif entry.input_ptrs != _ptrs(inputs):
+            return call()   # vLLM moved an input buffer: the graph would read stale memory
+        self._enter(key, forest)
+        forest.gdn_scratch = entry.scratch
+        entry.graph.replay()
+        self.replays += 1
+        return entry.output
+
+    def _enter(self, key, forest) -> None:
+        """Point the forest at the key's bounds and buffers (what the layers read in graph mode)."""
+        tokens, reqs, long_prefix = key
+        bound = min(tokens - reqs + 1, self.runner.bole_config.max_nodes_per_request + 1)
+        forest.graph = GraphStep(num_tokens=tokens, num_reqs=reqs, max_nodes=bound, long_prefix=long_prefix,
+                                 max_model_len=self.runner.max_model_len, block_tables=self.block_tables())
+        forest.parent = self.forest_buf[:tokens]
+        forest.max_nodes = bound
+        forest.reset_device_cache()
+        scratch = self.scratch.get(tokens)
+        if scratch is not None:
+            scratch.reset()
+        forest.gdn_scratch = scratch
+
+    def _capture(self, key, forest, call, inputs) -> _Graph:
+        start = time.perf_counter()
+        context = get_forward_context()
+        mode = context.cudagraph_runtime_mode
+        # Inside Bole's graph vLLM's pieces run their compiled code instead of replaying their own graphs.
+        context.cudagraph_runtime_mode = CUDAGraphMode.NONE
+        try:
+            self._enter(key, forest)
+            call()  # warm-up at the graph's shapes; allocates the GDN scratch of this token count
+            self.scratch[key[0]] = forest.gdn_scratch
+            torch.cuda.synchronize()
+            self._enter(key, forest)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                output = call()
+        finally:
+            context.cudagraph_runtime_mode = mode
+        entry = _Graph(graph=graph, output=output, scratch=forest.gdn_scratch, input_ptrs=_ptrs(inputs))
+        self.graphs[key] = entry
+        logger.debug("Bole captured the verification graph of %d tokens, %d requests (%s prefixes) in %.0f ms",
+                     key[0], key[1], "long" if key[2] else "short", (time.perf_counter() - start) * 1e3)
+        if len(self.graphs) == 1:
+            logger.info("Bole verifies tree-only steps from full CUDA graphs (captured per token count, "
+                        "request count and prefix route on first use)")
+        return entry
+
+
+def model_forward(graphs: "VerifyGraphs | None", forest, call, input_ids, positions, intermediate_tensors,
+                  inputs_embeds, model_kwargs):
+    """The runner's model call: through Bole's graphs when the step allows, else ``call`` as vLLM does it."""
+    call = functools.partial(call, input_ids=input_ids, positions=positions,
+                             intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds,
+                             **model_kwargs)
+    if graphs is None or forest is None:
+        return call()
+    inputs = (input_ids, positions, inputs_embeds, intermediate_tensors,
+              tuple(sorted((k, v.data_ptr() if isinstance(v, torch.Tensor) else repr(v))
+                           for k, v in model_kwargs.items())))
+    return graphs.forward(forest, call, inputs)
