@@ -652,7 +652,7 @@ def engine_kwargs(kind: str = "qwen3_5") -> dict:
         kwargs["additional_config"] = {"gdn_prefill_backend": "triton"}
         if os.environ.get("VLLM_BOLE_TEST_CUDA_GRAPHS") == "1":
             kwargs["enforce_eager"] = False
-            kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]}
     if kind == "qwen3_5":
         kwargs["language_model_only"] = True
     else:

@@ -61,7 +61,9 @@ class GraphStep:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     output: object
-    scratch: object          # the GDN layers' step buffers, as the capture recorded them
+    scratch: object          # the GDN layers' step buffers (shared by the graphs of one token count)
+    gdn_layers: list         # the GDN layers the capture saw, in order, and the slot tensors it recorded
+    gdn_slots: list          # (written by every replay) for the commit
     input_ptrs: tuple
 
 
@@ -129,13 +131,16 @@ class VerifyGraphs:
         elif entry.input_ptrs != _ptrs(inputs):
             return call()   # vLLM moved an input buffer: the graph would read stale memory
         self._enter(key, forest)
-        forest.gdn_scratch = entry.scratch
+        scratch = forest.gdn_scratch = entry.scratch
+        # The commit after this step reads the layers and slot tensors of *this* graph's capture.
+        scratch.layers[:], scratch.slots[:] = entry.gdn_layers, entry.gdn_slots
         entry.graph.replay()
         self.replays += 1
         return entry.output
 
     def _enter(self, key, forest) -> None:
-        """Point the forest at the key's bounds and buffers (what the layers read in graph mode)."""
+        """Point the forest at the key's bounds and buffers (what the layers read in graph mode); the GDN
+        scratch of the token count starts without layers, as the first GDN layer of a forward expects."""
         tokens, reqs, long_prefix = key
         bound = min(tokens - reqs + 1, self.runner.bole_config.max_nodes_per_request + 1)
         forest.graph = GraphStep(num_tokens=tokens, num_reqs=reqs, max_nodes=bound, long_prefix=long_prefix,
@@ -165,7 +170,9 @@ class VerifyGraphs:
                 output = call()
         finally:
             context.cudagraph_runtime_mode = mode
-        entry = _Graph(graph=graph, output=output, scratch=forest.gdn_scratch, input_ptrs=_ptrs(inputs))
+        scratch = forest.gdn_scratch
+        entry = _Graph(graph=graph, output=output, scratch=scratch, gdn_layers=list(scratch.layers),
+                       gdn_slots=list(scratch.slots), input_ptrs=_ptrs(inputs))
         self.graphs[key] = entry
         logger.debug("Bole captured the verification graph of %d tokens, %d requests (%s prefixes) in %.0f ms",
                      key[0], key[1], "long" if key[2] else "short", (time.perf_counter() - start) * 1e3)
