@@ -13,6 +13,7 @@ from vllm.v1.outputs import SamplerOutput
 
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
+from ..logger import init_logger
 from ..spec_decode.budget import node_budget
 from ..spec_decode.drafter import DraftStep, make_drafter
 from ..spec_decode.synthetic import parse_synthetic
@@ -22,6 +23,8 @@ from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_ou
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 from .step_profile import StepProfiler, profiled
+
+logger = init_logger(__name__)
 
 
 class BoleModelRunnerMixin:
@@ -42,9 +45,13 @@ class BoleModelRunnerMixin:
         super().load_model(*args, **kwargs)
         self.bole_drafter = make_drafter(self, self.bole_config)
         if self.device.type == "cuda" and self.bole_config.cuda_graphs and not self.model_config.enforce_eager:
-            from .verify_graphs import VerifyGraphs
+            if self.parallel_config.tensor_parallel_size > 1:
+                # A lazy capture would run tensor-parallel all-reduces outside vLLM's graph_capture() context.
+                logger.info("Bole's verification CUDA graphs are off with tensor parallelism (piecewise graphs)")
+            else:
+                from .verify_graphs import VerifyGraphs
 
-            self._bole_graphs = VerifyGraphs(self)
+                self._bole_graphs = VerifyGraphs(self)
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):
