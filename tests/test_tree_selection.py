@@ -60,3 +60,63 @@ def test_verify_parents_and_depths():
     t = DraftTree([1, 2, 3], [-1, 0, -1], [0.5, 0.2, 0.4])
     assert t.verify_parents() == [-1, 0, 1, 0]
     assert t.depths() == [1, 2, 1]
+
+
+def _grow(n_reqs, depth, topk, seed, per_request=None, budget=None, ties=False):
+    """Grow trees level by level like the MTP drafter (top-``topk`` frontier nodes expand into ``topk`` children
+    each); with ``per_request``/``budget`` a node expands only while its score beats its selection floor.
+    Child probabilities depend only on the node's path, so pruned and unpruned growth agree node for node."""
+    from vllm_bole.spec_decode.mtp_tree_drafter import _Growing
+    from vllm_bole.spec_decode.tree import selection_floors
+
+    def child_probs(r, path):
+        rng = random.Random(hash((seed, r, path)))
+        if ties:  # few distinct values: exact score ties across requests and depths
+            return sorted((rng.choice([0.5, 0.25, 1.0]) for _ in range(topk)), reverse=True)
+        return sorted((rng.random() for _ in range(topk)), reverse=True)
+
+    trees, paths = [_Growing(req_index=r, next_pos=0) for r in range(n_reqs)], []
+    for r, g in enumerate(trees):
+        g.add_children(-1, child_probs(r, ()), list(range(topk)))
+        paths.append({i: (i,) for i in range(topk)})
+    expanded_nodes = 0
+    for _ in range(depth - 1):
+        floors = (selection_floors([g.tree.scores for g in trees], per_request, budget) if per_request
+                  else [float("-inf")] * n_reqs)
+        for r, (g, floor) in enumerate(zip(trees, floors)):
+            best = [n for n in sorted(g.frontier, key=lambda n: -g.tree.scores[n])[:topk]
+                    if g.tree.scores[n] > floor]
+            g.frontier = []
+            for n in best:
+                first = len(g.tree)
+                g.add_children(n, child_probs(r, paths[r][n]), [len(g.tree) + j for j in range(topk)])
+                paths[r].update({first + j: paths[r][n] + (j,) for j in range(topk)})
+                expanded_nodes += 1
+    # Token = the node's path, so trees compare by content whatever order the nodes were created in.
+    out = []
+    for r, g in enumerate(trees):
+        t = g.tree
+        out.append(DraftTree([hash(paths[r][i]) for i in range(len(t))], list(t.parents), list(t.scores)))
+    return out, expanded_nodes
+
+
+def _content(tree):
+    return sorted(zip(tree.tokens, tree.scores))
+
+
+@pytest.mark.parametrize("n_reqs,depth,topk,per_request,budget,ties", [
+    (1, 8, 4, 32, 128, False), (16, 8, 4, 32, 128, False), (16, 8, 4, 32, 40, True), (5, 10, 2, 6, 9, False),
+    (3, 6, 3, 100, 1000, False), (8, 7, 4, 12, 16, True), (64, 8, 4, 32, 128, False), (2, 9, 1, 3, 4, True)])
+def test_pruned_growth_selects_what_full_growth_selects(n_reqs, depth, topk, per_request, budget, ties):
+    from vllm_bole.spec_decode.tree import select_step
+
+    for seed in range(3):
+        full, full_cost = _grow(n_reqs, depth, topk, seed, ties=ties)
+        pruned, pruned_cost = _grow(n_reqs, depth, topk, seed, per_request, budget, ties=ties)
+        want = select_step(full, per_request, budget)
+        got = select_step(pruned, per_request, budget)
+        assert [_content(t) for t in got] == [_content(t) for t in want]
+        assert [t.parents for t in got] == [t.parents for t in want]
+        assert pruned_cost <= full_cost
+    if n_reqs * per_request > budget or depth * topk > per_request:
+        assert pruned_cost < full_cost, "the selection floors never cut an expansion"

@@ -7,6 +7,7 @@ verification; :func:`commit_step` writes the accepted path's state after samplin
 """
 
 import dataclasses
+import math
 
 import torch
 from vllm.forward_context import get_forward_context
@@ -159,8 +160,8 @@ class GDNStepScratch:
     layer's state slots. Allocated by the step's first GDN layer (every Bole GDN layer of the model runs in
     each step; L is their count)."""
 
-    def __init__(self, n_layers: int, layer, x: torch.Tensor):
-        n, dev = x.shape[0], x.device
+    def __init__(self, n_layers: int, layer, x: torch.Tensor, rows: int | None = None):
+        n, dev = x.shape[0] if rows is None else rows, x.device
         hk, hv = layer.num_k_heads // layer.tp_size, layer.num_v_heads // layer.tp_size
         self.layers: list = []
         self.slots: list[torch.Tensor] = []
@@ -173,8 +174,29 @@ class GDNStepScratch:
     @classmethod
     def of(cls, forest, layer, x: torch.Tensor) -> "GDNStepScratch":
         if forest.gdn_scratch is None:
-            forest.gdn_scratch = cls(BoleQwenGDN.num_layers, layer, x)
+            graph = forest.graph
+            if graph is None:
+                forest.gdn_scratch = cls(BoleQwenGDN.num_layers, layer, x)
+            else:  # graph mode: one allocation per power-of-two row capacity, shared by the graphs within it
+                capacity = 1 << (x.shape[0] - 1).bit_length()
+                if capacity not in graph.scratch_storage:
+                    graph.scratch_storage[capacity] = cls(BoleQwenGDN.num_layers, layer, x, rows=capacity)
+                forest.gdn_scratch = graph.scratch_storage[capacity].rows_view(x.shape[0])
         return forest.gdn_scratch
+
+    def rows_view(self, n: int) -> "GDNStepScratch":
+        """A scratch of ``n`` rows in this one's memory (contiguous ``[L, n, ...]`` views; the graphs that
+        share it never run at the same time)."""
+        view = object.__new__(GDNStepScratch)
+        view.layers, view.slots = [], []
+
+        def first_rows(t):
+            return t.view(-1)[:t.shape[0] * n * math.prod(t.shape[2:])].view(t.shape[0], n, *t.shape[2:])
+
+        f = self.factors
+        view.factors = TreeFactors(k=first_rows(f.k), u=first_rows(f.u), g_cum=first_rows(f.g_cum))
+        view.conv_inputs = first_rows(self.conv_inputs)
+        return view
 
     def add_layer(self, layer, state_slots: torch.Tensor) -> int:
         self.layers.append(layer)

@@ -17,6 +17,8 @@ class DraftStep:
     tokens. first_pass[r]: (rows of hidden_states, the token that follows each row, each row's position) for
     the tokens this step committed (a verified tree contributes its accepted path only); None if the request
     ran no tokens. common_attn_metadata: vLLM's metadata of this step for the drafter's KV-cache group.
+    per_request, budget: the runner keeps each tree's ``per_request`` best nodes and then ``budget`` nodes over
+    the batch (``tree.select_step``), so a drafter may stop growing what cannot be kept.
     """
 
     req_ids: list[str]
@@ -24,6 +26,8 @@ class DraftStep:
     hidden_states: torch.Tensor | None = None
     first_pass: list[tuple[list[int], list[int], list[int]] | None] | None = None
     common_attn_metadata: object = None
+    per_request: int | None = None
+    budget: int | None = None
 
 
 class TreeDrafter:

@@ -18,7 +18,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from ..worker.forest_context import StepForest, TreeRows, ancestor_masks, forest_scope
 from .drafter import DraftStep, TreeDrafter
 from .synthetic import parse_synthetic
-from .tree import DraftTree
+from .tree import DraftTree, selection_floors
 
 
 @dataclass
@@ -150,11 +150,15 @@ class MTPTreeDrafter(TreeDrafter):
             g.hidden_row[-1] = k
             trees[r] = g
 
-        # 2. Grow one level per MTP forward.
+        # 2. Grow one level per MTP forward. A node is expanded only while its children could still be kept by
+        # the runner's selection (their scores are at most its own): beyond the budget, levels cost nothing.
         for _ in range(self.bole_config.max_depth - 1):
             chunks, hidden_rows, query_parents, row_starts, expanded = [], [], [], [], []
-            for g in trees.values():
-                best = sorted(g.frontier, key=lambda n: -g.tree.scores[n])[: self.bole_config.topk]
+            floors = (selection_floors([g.tree.scores for g in trees.values()], step.per_request, step.budget)
+                      if step.per_request is not None else [-np.inf] * len(trees))
+            for g, floor in zip(trees.values(), floors):
+                best = [n for n in sorted(g.frontier, key=lambda n: -g.tree.scores[n])[: self.bole_config.topk]
+                        if g.tree.scores[n] > floor]
                 g.frontier = []
                 if not best:
                     continue

@@ -8,6 +8,8 @@ which keeps the tree connected.
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class DraftTree:
@@ -68,3 +70,33 @@ def select_global(trees: list[DraftTree], budget: int) -> list[DraftTree]:
             tree.scores.append(t.scores[i])
         out.append(tree)
     return out
+
+
+def select_step(trees: list[DraftTree], per_request: int, budget: int) -> list[DraftTree]:
+    """The trees a step verifies: each request's ``per_request`` best nodes, then ``budget`` over all."""
+    return select_global([select_global([t], per_request)[0] for t in trees], budget)
+
+
+def selection_floors(scores: list[list[float]], per_request: int, budget: int | None) -> list[float]:
+    """Per request, a score that a node added later (deeper than every node there now, with a score no higher
+    than its parent's) must exceed to be kept by :func:`select_step`; ``-inf`` while there is room.
+
+    A later node loses every tie (``select_global`` prefers the shallower node), so it is cut if its score is
+    at most the ``per_request``-th best of its request or, once the requests' best nodes fill the budget, the
+    ``budget``-th best of those; the nodes it would push out of its request rank below it and were not kept.
+    """
+    floors, best = [], []
+    for s in scores:
+        s = np.asarray(s, dtype=np.float64)
+        if len(s) >= per_request:
+            s = np.partition(s, len(s) - per_request)[len(s) - per_request:]
+            floors.append(float(s.min()))
+        else:
+            floors.append(-np.inf)
+        best.append(s)
+    if budget is not None:
+        pooled = np.concatenate(best) if best else np.zeros(0)
+        if len(pooled) >= budget:
+            cut = float(np.partition(pooled, len(pooled) - budget)[len(pooled) - budget])
+            floors = [max(f, cut) for f in floors]
+    return floors

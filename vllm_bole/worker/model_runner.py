@@ -17,7 +17,7 @@ from ..logger import init_logger
 from ..spec_decode.budget import node_budget
 from ..spec_decode.drafter import DraftStep, make_drafter
 from ..spec_decode.synthetic import parse_synthetic
-from ..spec_decode.tree import DraftTree, select_global
+from ..spec_decode.tree import DraftTree, select_step
 from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
                                         tree_rows_supported, walk_tree)
 from .forest_context import StepForest, set_current_forest
@@ -220,12 +220,12 @@ class BoleModelRunnerMixin:
                                 common_attn_metadata, slot_mappings):
         with profiled(self._bole_profiler, "draft"):
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
-            per_request = self.speculative_config.num_speculative_tokens
-            trees = [select_global([t], per_request)[0] for t in self.bole_drafter.propose(step)]
-            context = self.input_batch.num_computed_tokens_cpu[:len(trees)]
-            budget = node_budget(self.bole_config, len(trees), context_len=int(context.mean()) if len(trees) else None,
-                                 model_config=self.model_config)
-            trees = select_global(trees, budget)
+            num_reqs = len(step.req_ids)
+            context = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+            step.per_request = self.speculative_config.num_speculative_tokens
+            step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
+                                      context_len=int(context.mean()) if num_reqs else None)
+            trees = select_step(self.bole_drafter.propose(step), step.per_request, step.budget)
         self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
         if self._bole_profiler is not None:
             self._bole_profiler.end_step(tree_step=self._bole_forest is not None)

@@ -47,6 +47,7 @@ class GraphStep:
     long_prefix: bool        # attention route: FlashAttention's prefix pass + the tree kernel
     max_model_len: int
     block_tables: dict[str, torch.Tensor]  # GDN layer name -> its KV-cache group's persistent block table
+    scratch_storage: dict    # row capacity -> GDN step buffers shared by the graphs within it (attention/gdn.py)
     _slots: dict = field(default_factory=dict, repr=False)
 
     def state_slots(self, layer_name: str) -> torch.Tensor:
@@ -78,7 +79,8 @@ class VerifyGraphs:
     def __init__(self, runner):
         self.runner = runner
         self.graphs: dict[tuple, _Graph] = {}
-        self.scratch: dict[int, object] = {}   # padded token count -> GDNStepScratch
+        self.scratch: dict[int, object] = {}   # padded token count -> GDNStepScratch (views of the storage)
+        self.scratch_storage: dict[int, object] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.capacity = runner.max_num_tokens
         self.forest_buf = torch.zeros(self.capacity + runner.max_num_reqs + 1, dtype=torch.int32,
@@ -145,7 +147,8 @@ class VerifyGraphs:
         tokens, reqs, long_prefix = key
         bound = min(tokens - reqs + 1, self.runner.bole_config.max_nodes_per_request + 1)
         forest.graph = GraphStep(num_tokens=tokens, num_reqs=reqs, max_nodes=bound, long_prefix=long_prefix,
-                                 max_model_len=self.runner.max_model_len, block_tables=self.block_tables())
+                                 max_model_len=self.runner.max_model_len, block_tables=self.block_tables(),
+                                 scratch_storage=self.scratch_storage)
         forest.parent = self.forest_buf[:tokens]
         forest.max_nodes = bound
         forest.reset_device_cache()
