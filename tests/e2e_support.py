@@ -11,9 +11,9 @@ from dataclasses import dataclass
 TIE_TOL = 0.125
 
 
-def assert_graphs_used(out: dict) -> None:
+def assert_graphs_used(out: dict, drafter: bool = False) -> None:
     """With ``VLLM_BOLE_TEST_CUDA_GRAPHS=1`` on a GPU, the run must have replayed verification CUDA graphs (so
-    its lossless check covered them)."""
+    its lossless check covered them), and with ``drafter`` the MTP drafter's level graphs too."""
     if os.environ.get("VLLM_BOLE_TEST_CUDA_GRAPHS") != "1":
         return
     import torch
@@ -21,6 +21,7 @@ def assert_graphs_used(out: dict) -> None:
     if torch.cuda.is_available():
         graphs = out.get("bole_graphs")
         assert graphs and graphs["replays"] > 0, f"no verification step ran from a CUDA graph: {graphs}"
+        assert not drafter or graphs.get("draft_replays", 0) > 0, f"no drafter level ran from a CUDA graph: {graphs}"
 
 
 def run_engine(tmp_path, name: str, spec: dict, timeout: int = 900) -> dict:

@@ -21,6 +21,17 @@ from .synthetic import parse_synthetic
 from .tree import DraftTree, selection_floors
 
 
+def _to_device(values, device, dtype=torch.long) -> torch.Tensor:
+    # non-blocking: the GPU queue keeps running meanwhile
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _children_lists(top: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Host lists (probabilities, token ids) per row of a ``[rows, 2k]`` top-children tensor."""
+    rows = top.tolist()
+    return [r[:k] for r in rows], [[int(t) for t in r[k:]] for r in rows]
+
+
 @dataclass
 class _Growing:
     """One request's tree while it grows; ``query_of`` holds the MTP query index of each expanded node."""
@@ -54,6 +65,11 @@ class MTPTreeDrafter(TreeDrafter):
         # calibrated drafter would (dummy weights give meaningless draft probabilities).
         self.synthetic = parse_synthetic(bole_config.synthetic_acceptance)
         self._synthetic_scores: dict[int, list[float]] = {}
+        self.graphs = None   # full CUDA graphs of the tree levels (GPU): spec_decode/draft_graphs.py
+        if runner.device.type == "cuda" and getattr(runner, "_bole_graphs_allowed", False):
+            from .draft_graphs import DraftGraphs
+
+            self.graphs = DraftGraphs(self)
 
     def _child_scores(self, probs: list[float], depth: int) -> list[float]:
         """Scores of a node's children (probability order) at ``depth``, relative to their parent."""
@@ -65,6 +81,53 @@ class MTPTreeDrafter(TreeDrafter):
         return self._synthetic_scores[depth][:len(probs)]
 
     # ---- one MTP forward over a packed batch of per-request query chunks ----
+    def _write_inputs(self, chunks, hidden: torch.Tensor):
+        """Token ids, positions, hidden states and KV slots of ``chunks`` into the proposer's persistent
+        buffers, padded to a size vLLM captured. Returns (tokens, padded tokens, vLLM's graph mode)."""
+        device, proposer = hidden.device, self.proposer
+        n = sum(len(c[1]) for c in chunks)
+        mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
+        proposer.input_ids[:n].copy_(_to_device([t for c in chunks for t in c[1]], device), non_blocking=True)
+        positions = _to_device([p for c in chunks for p in c[2]], device)
+        proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if self.runner.uses_mrope else positions)
+        proposer.hidden_states[:n].copy_(hidden)
+        proposer._get_slot_mapping(padded, _to_device([s for c in chunks for s in c[4]], device))
+        return n, padded, mode
+
+    @staticmethod
+    def _request_tensors(cm: CommonAttentionMetadata, chunks):
+        """Host query_start_loc and seq_lens of ``chunks``, and their block-table rows on the device."""
+        qsl = torch.tensor([0] + [len(c[1]) for c in chunks], dtype=torch.int32).cumsum(0).to(torch.int32)
+        seq_lens_cpu = torch.tensor([c[3] for c in chunks], dtype=torch.int32)
+        rows = cm.block_table_tensor[_to_device([c[0] for c in chunks], cm.block_table_tensor.device)]
+        return qsl, seq_lens_cpu, rows
+
+    def _metadata(self, cm: CommonAttentionMetadata, chunks, n: int, device_tensors=None):
+        """Per-layer attention metadata of ``chunks``: on fresh device tensors, or on ``device_tensors``
+        (query_start_loc, seq_lens, block-table rows) already holding these values."""
+        device = cm.block_table_tensor.device
+        lens = [len(c[1]) for c in chunks]
+        qsl, seq_lens_cpu, rows = self._request_tensors(cm, chunks)
+        if device_tensors is None:
+            query_start_loc, seq_lens, block_table = (qsl.to(device, non_blocking=True),
+                                                      seq_lens_cpu.to(device, non_blocking=True), rows)
+        else:
+            query_start_loc, seq_lens, block_table = device_tensors
+        meta = CommonAttentionMetadata(
+            query_start_loc=query_start_loc, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=len(chunks),
+            num_actual_tokens=n, max_query_len=max(lens), max_seq_len=int(seq_lens_cpu.max()),
+            block_table_tensor=block_table, slot_mapping=self.proposer._slot_mapping_buffer[:n],
+            _seq_lens_cpu=seq_lens_cpu)
+        return self.proposer.build_per_group_and_layer_attn_metadata(meta)[1]
+
+    def _run_model(self, per_layer, forest, padded: int, mode):
+        proposer = self.proposer
+        with forest_scope(forest), set_forward_context(
+                per_layer, self.runner.vllm_config, num_tokens=padded, cudagraph_runtime_mode=mode,
+                slot_mapping=proposer._get_slot_mapping(padded)):
+            return proposer.model(input_ids=proposer.input_ids[:padded], positions=proposer._get_positions(padded),
+                                  hidden_states=proposer.hidden_states[:padded])
+
     def _forward(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows=None):
         """chunks: per request (req_index, tokens, positions [n], seq_len, slots [n]); hidden: the target or
         MTP hidden state each row's token follows, ``[rows, H]`` in chunk order.
@@ -72,48 +135,34 @@ class MTPTreeDrafter(TreeDrafter):
         Returns the MTP hidden states of all rows, in chunk order. The inputs go through the proposer's
         persistent buffers, padded to a captured size, so the MTP layer replays vLLM's piecewise CUDA graphs
         (the attention between the pieces runs eagerly with the tree mask)."""
-        device = cm.block_table_tensor.device
-        proposer = self.proposer
-
-        def to_device(values, dtype=torch.long):  # non-blocking: the GPU queue keeps running meanwhile
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        lens = [len(c[1]) for c in chunks]
-        n = sum(lens)
-        mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
-        proposer.input_ids[:n].copy_(to_device([t for c in chunks for t in c[1]]), non_blocking=True)
-        positions = to_device([p for c in chunks for p in c[2]])
-        proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if self.runner.uses_mrope else positions)
-        proposer.hidden_states[:n].copy_(hidden)
-        slots = to_device([s for c in chunks for s in c[4]])
-        qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-        seq_lens_cpu = torch.tensor([c[3] for c in chunks], dtype=torch.int32)
-        meta = CommonAttentionMetadata(
-            query_start_loc=qsl.to(device, non_blocking=True), query_start_loc_cpu=qsl,
-            seq_lens=seq_lens_cpu.to(device, non_blocking=True), num_reqs=len(chunks), num_actual_tokens=n,
-            max_query_len=max(lens), max_seq_len=int(seq_lens_cpu.max()),
-            block_table_tensor=cm.block_table_tensor[to_device([c[0] for c in chunks])],
-            slot_mapping=slots, _seq_lens_cpu=seq_lens_cpu)
-        _, per_layer = proposer.build_per_group_and_layer_attn_metadata(meta)
+        n, padded, mode = self._write_inputs(chunks, hidden)
         forest = StepForest(req_ids=[], tree_req_indices=[], parent=None, cu_seqlens=None, tokens=[],
                             attention_rows=tree_rows or [])
-        with forest_scope(forest), set_forward_context(
-                per_layer, self.runner.vllm_config, num_tokens=padded, cudagraph_runtime_mode=mode,
-                slot_mapping=proposer._get_slot_mapping(padded, slots)):
-            out = proposer.model(input_ids=proposer.input_ids[:padded], positions=proposer._get_positions(padded),
-                                 hidden_states=proposer.hidden_states[:padded])
+        out = self._run_model(self._metadata(cm, chunks, n), forest, padded, mode)
         # A replayed graph writes its output buffer again on the next forward.
         return out[:n].clone()
 
-    def _top_children(self, hidden_rows: torch.Tensor):
+    def _tree_level(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows):
+        """One tree level: (MTP hidden states ``[n, H]``, top children ``[n, 2k]`` as :meth:`_top_rows`),
+        replayed from a full CUDA graph of the level when there is one (``spec_decode/draft_graphs.py``)."""
+        if self.graphs is not None:
+            out = self.graphs.level(cm, chunks, hidden, tree_rows)
+            if out is not None:
+                return out
+        out = self._forward(cm, chunks, hidden, tree_rows)
+        return out, self._top_rows(out)
+
+    def _top_rows(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """``[rows, 2k]``: the top-k children's probabilities, then their token ids. Probabilities of the top
+        tokens only: no full-vocabulary softmax is written. Token ids are exact in float32 (vocabularies
+        < 2^24), so one copy to the host carries both."""
         logits = self.proposer.model.compute_logits(hidden_rows).float()
         top, tok = logits.topk(self.bole_config.topk, dim=-1)
-        # Probabilities of the top tokens only: no full-vocabulary softmax is written. Token ids are exact in
-        # float32 (vocabularies < 2^24), so one copy to the host carries both.
         p = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
-        k = tok.shape[1]
-        rows = torch.cat([p, tok.float()], dim=1).tolist()
-        return [r[:k] for r in rows], [[int(t) for t in r[k:]] for r in rows]
+        return torch.cat([p, tok.float()], dim=1)
+
+    def _top_children(self, hidden_rows: torch.Tensor):
+        return _children_lists(self._top_rows(hidden_rows), self.bole_config.topk)
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
         cm = step.common_attn_metadata
@@ -178,8 +227,8 @@ class MTPTreeDrafter(TreeDrafter):
             tree_rows = [TreeRows(req_index=c, row_start=start, region_mask=mask[[g.query_of[n] for n in best]])
                          for c, (start, mask, (g, best)) in enumerate(
                              zip(row_starts, ancestor_masks(query_parents), expanded))]
-            prev = self._forward(cm, chunks, rows_of(hidden_rows, prev), tree_rows)
-            probs, toks = self._top_children(prev)
+            prev, top = self._tree_level(cm, chunks, rows_of(hidden_rows, prev), tree_rows)
+            probs, toks = _children_lists(top, self.bole_config.topk)
             i = 0
             for g, best in expanded:
                 for n in best:

@@ -22,9 +22,16 @@ def _runner(llm):
 
 
 def _graph_summary(llm) -> dict | None:
-    """Bole's verification graphs (GPU): how many were captured and how many steps replayed one."""
-    graphs = getattr(_runner(llm), "_bole_graphs", None)
-    return None if graphs is None else {"graphs": len(graphs.graphs), "replays": graphs.replays}
+    """Bole's full CUDA graphs (GPU): verification graphs and drafter level graphs captured, and replays."""
+    runner = _runner(llm)
+    graphs = getattr(runner, "_bole_graphs", None)
+    if graphs is None:
+        return None
+    summary = {"graphs": len(graphs.graphs), "replays": graphs.replays}
+    draft = getattr(getattr(runner, "bole_drafter", None), "graphs", None)
+    if draft is not None:
+        summary |= {"draft_graphs": len(draft.graphs), "draft_replays": draft.replays}
+    return summary
 
 
 def _mamba_state_summary(llm) -> list[dict]:

@@ -42,11 +42,11 @@ class DeviceTreeRows:
     _prefix: tuple = field(default=(None, None), repr=False)
 
     @classmethod
-    def pack(cls, tree_rows: list["TreeRows"], device) -> "DeviceTreeRows":
-        """One host-to-device copy for all requests' rows."""
+    def pack(cls, tree_rows: list["TreeRows"], device, words: int = 1) -> "DeviceTreeRows":
+        """One host-to-device copy for all requests' rows (bit rows of at least ``words`` words)."""
         shapes = [tuple(rows.region_mask.shape) for rows in tree_rows]
         total = sum(n for n, _ in shapes)
-        words = max([-(-t // 32) for _, t in shapes] + [1])
+        words = max([-(-t // 32) for _, t in shapes] + [words])
         visible = np.zeros((total, 32 * words), dtype=bool)
         meta = np.zeros((len(tree_rows), 5), dtype=np.int32)
         first = 0

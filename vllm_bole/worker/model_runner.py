@@ -43,15 +43,17 @@ class BoleModelRunnerMixin:
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
+        self._bole_graphs_allowed = (self.device.type == "cuda" and self.bole_config.cuda_graphs
+                                     and not self.model_config.enforce_eager)
+        if self._bole_graphs_allowed and self.parallel_config.tensor_parallel_size > 1:
+            # A lazy capture would run tensor-parallel all-reduces outside vLLM's graph_capture() context.
+            logger.info("Bole's full CUDA graphs are off with tensor parallelism (vLLM's piecewise graphs run)")
+            self._bole_graphs_allowed = False
         self.bole_drafter = make_drafter(self, self.bole_config)
-        if self.device.type == "cuda" and self.bole_config.cuda_graphs and not self.model_config.enforce_eager:
-            if self.parallel_config.tensor_parallel_size > 1:
-                # A lazy capture would run tensor-parallel all-reduces outside vLLM's graph_capture() context.
-                logger.info("Bole's verification CUDA graphs are off with tensor parallelism (piecewise graphs)")
-            else:
-                from .verify_graphs import VerifyGraphs
+        if self._bole_graphs_allowed:
+            from .verify_graphs import VerifyGraphs
 
-                self._bole_graphs = VerifyGraphs(self)
+            self._bole_graphs = VerifyGraphs(self)
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):

@@ -169,12 +169,7 @@ class VerifyGraphs:
             self.scratch[key[0]] = forest.gdn_scratch
             torch.cuda.synchronize()
             self._enter(key, forest)
-            graph = torch.cuda.CUDAGraph()
-            # As vLLM's own captures: no full garbage collection and cache release per graph (tens of ms each).
-            with patch("gc.collect", lambda *args, **kwargs: None), \
-                    patch("torch.cuda.empty_cache", lambda *args, **kwargs: None), \
-                    torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                output = call()
+            graph, output = capture(call, self.pool)
         finally:
             context.cudagraph_runtime_mode = mode
         scratch = forest.gdn_scratch
@@ -187,6 +182,17 @@ class VerifyGraphs:
             logger.info("Bole verifies tree-only steps from full CUDA graphs (captured per token count, "
                         "request count and prefix route on first use)")
         return entry
+
+
+def capture(call, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``call()`` captured into a new graph in ``pool`` (after an eager warm-up at the same shapes)."""
+    graph = torch.cuda.CUDAGraph()
+    # As vLLM's own captures: no full garbage collection and cache release per graph (tens of ms each).
+    with patch("gc.collect", lambda *args, **kwargs: None), \
+            patch("torch.cuda.empty_cache", lambda *args, **kwargs: None), \
+            torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        output = call()
+    return graph, output
 
 
 def model_forward(graphs: "VerifyGraphs | None", forest, call, input_ids, positions, intermediate_tensors,

@@ -1,0 +1,111 @@
+"""Full CUDA graphs of the MTP drafter's tree levels (GPU).
+
+A tree level is one MTP forward over the new queries of every growing request, then the LM head and the top-k
+children. With vLLM's piecewise graphs its attention layer, the LM head and the top-k run eagerly, and that
+host work is most of a level's time. A level is instead replayed from a graph of all of it, keyed by (padded
+tokens, requests, attention route) and captured the first time its key occurs (eager warm-up, capture, replay;
+a level only writes its own queries' MTP K/V slots, so running it again is harmless).
+
+Fixed addresses: the proposer's persistent token / position / hidden-state / slot buffers, and this module's
+query_start_loc, seq_lens, block-table rows and tree-row buffers, refilled before every replay. The attention
+layer reads the graph's bounds (``GraphStep``) instead of the level's host values. The catch-up forward over
+the committed tokens stays on vLLM's path (its causal attention uses per-step FlashAttention metadata).
+"""
+
+import time
+
+import torch
+from vllm.config import CUDAGraphMode
+
+from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
+from ..logger import init_logger
+from ..worker.forest_context import DeviceTreeRows, StepForest
+from ..worker.verify_graphs import GraphStep, capture
+
+logger = init_logger(__name__)
+
+MAX_GRAPHS = 128
+
+
+class DraftGraphs:
+    def __init__(self, drafter):
+        self.drafter = drafter
+        runner, topk = drafter.runner, drafter.bole_config.topk
+        reqs, dev = runner.max_num_reqs, runner.device
+        self.query_start_loc = torch.zeros(reqs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=dev)
+        self.block_table = None                      # [reqs, blocks] once the KV cache exists
+        # Tree rows: a level has at most topk queries per request, over at most depth * topk + 1 region keys.
+        self.words = -(-(drafter.bole_config.max_depth * topk + 1) // 32)
+        self.meta = torch.zeros(reqs, 5, dtype=torch.int32, device=dev)
+        self.bits = torch.zeros(reqs * topk, self.words, dtype=torch.int32, device=dev)
+        self.pool = torch.cuda.graph_pool_handle()   # not shared with the verification graphs' pool
+        self.graphs: dict[tuple, tuple] = {}
+        self.replays = 0
+        self._full_logged = False
+
+    def level(self, cm, chunks, hidden: torch.Tensor, tree_rows):
+        """(MTP hidden ``[n, H]``, top children ``[n, 2k]``) of one tree level from its graph, or None when the
+        level cannot run from one (more tokens than vLLM captures for the drafter, too many graphs)."""
+        drafter = self.drafter
+        n, padded, mode = drafter._write_inputs(chunks, hidden)
+        if mode != CUDAGraphMode.PIECEWISE:
+            return None
+        reqs = len(chunks)
+        key = (padded, reqs, max(c[3] for c in chunks) > INLINE_PREFIX_MAX_SEQ)
+        entry = self.graphs.get(key)
+        if entry is None and len(self.graphs) >= MAX_GRAPHS:
+            if not self._full_logged:
+                logger.info("Bole holds %d drafter CUDA graphs; new level shapes run piecewise", MAX_GRAPHS)
+                self._full_logged = True
+            return None
+        if self.block_table is None:
+            self.block_table = torch.zeros_like(cm.block_table_tensor[:1]).expand(
+                self.seq_lens.numel(), -1).contiguous()
+        # The level's requests and rows go into the fixed buffers (the graph reads nothing else from the host).
+        qsl, seq_lens, rows = drafter._request_tensors(cm, chunks)
+        views = (self.query_start_loc[:reqs + 1], self.seq_lens[:reqs], self.block_table[:reqs])
+        views[0].copy_(qsl, non_blocking=True)
+        views[1].copy_(seq_lens, non_blocking=True)
+        views[2].copy_(rows)
+        packed = DeviceTreeRows.pack(tree_rows, "cpu", words=self.words)
+        self.meta[:reqs].copy_(packed.meta, non_blocking=True)
+        self.bits[:packed.num_rows].copy_(packed.bits, non_blocking=True)
+        if entry is None:
+            entry = self._capture(key, drafter._metadata(cm, chunks, n, views), tree_rows, padded)
+        entry[0].replay()
+        self.replays += 1
+        hidden_out, top = entry[1]
+        return hidden_out[:n], top[:n]
+
+    def _forest(self, key, tree_rows) -> StepForest:
+        padded, reqs, long_prefix = key
+        topk = self.drafter.bole_config.topk
+        forest = StepForest(req_ids=[], tree_req_indices=[], parent=None, cu_seqlens=None, tokens=[],
+                            attention_rows=tree_rows, graph=GraphStep(
+                                num_tokens=padded, num_reqs=reqs, max_nodes=topk, long_prefix=long_prefix,
+                                max_model_len=self.drafter.runner.max_model_len, block_tables={},
+                                scratch_storage={}))
+        forest._device_rows = DeviceTreeRows(meta=self.meta[:reqs], bits=self.bits[:reqs * topk],
+                                             num_rows=padded, max_rows=topk)
+        return forest
+
+    def _capture(self, key, per_layer, tree_rows, padded: int):
+        start = time.perf_counter()
+        drafter = self.drafter
+
+        def call():
+            # A fresh forest per run: its device rows cache what they compute (inside the graph when capturing).
+            hidden = drafter._run_model(per_layer, self._forest(key, tree_rows), padded, CUDAGraphMode.NONE)
+            return hidden, drafter._top_rows(hidden)
+
+        call()
+        torch.cuda.synchronize()
+        entry = capture(call, self.pool)
+        self.graphs[key] = entry
+        logger.debug("Bole captured the drafter level graph of %d tokens, %d requests in %.0f ms", key[0], key[1],
+                     (time.perf_counter() - start) * 1e3)
+        if len(self.graphs) == 1:
+            logger.info("Bole drafts tree levels from full CUDA graphs (captured per token count, request count "
+                        "and prefix route on first use)")
+        return entry
