@@ -48,8 +48,8 @@ def unsupported_reason(impl: FlashAttentionImpl) -> str | None:
     return None
 
 
-def prefix_pass(impl: FlashAttentionImpl, query, kv_cache, attn_metadata, prefix_lens, out, graph=None
-                ) -> torch.Tensor:
+def prefix_pass(impl: FlashAttentionImpl, query, kv_cache, attn_metadata, prefix_lens, out, graph=None,
+                query_start_loc=None, block_table=None) -> torch.Tensor:
     """FlashAttention over every request's first ``prefix_lens[b]`` keys for all its query rows, non-causal,
     into ``out``; returns the LSE ``[Hq, num_tokens]``. Requests with ``prefix_lens`` 0 attend to nothing.
     In graph mode the host lengths are the graph's bounds, not this step's."""
@@ -58,10 +58,10 @@ def prefix_pass(impl: FlashAttentionImpl, query, kv_cache, attn_metadata, prefix
     max_k = graph.max_model_len if graph is not None else attn_metadata.max_seq_len
     _, lse = fa_utils.flash_attn_varlen_func(
         q=query, k=canonicalize_singleton_dim_strides(key_cache), v=canonicalize_singleton_dim_strides(value_cache),
-        out=out, cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=max_q,
-        seqused_k=prefix_lens, max_seqlen_k=max_k, softmax_scale=impl.scale, causal=False,
-        block_table=attn_metadata.block_table, return_softmax_lse=True, fa_version=impl.vllm_flash_attn_version,
-        num_splits=attn_metadata.max_num_splits)
+        out=out, cu_seqlens_q=attn_metadata.query_start_loc if query_start_loc is None else query_start_loc,
+        max_seqlen_q=max_q, seqused_k=prefix_lens, max_seqlen_k=max_k, softmax_scale=impl.scale, causal=False,
+        block_table=attn_metadata.block_table if block_table is None else block_table, return_softmax_lse=True,
+        fa_version=impl.vllm_flash_attn_version, num_splits=attn_metadata.max_num_splits)
     return lse
 
 
@@ -87,14 +87,17 @@ class BoleFlashAttentionImpl(FlashAttentionImpl):
         only_trees = graph is not None or rows.num_rows == n
         if not only_trees:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        qsl, seq_lens, block_table = attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table
+        if graph is not None and graph.query_start_loc is not None:  # over the graph's (padded) requests
+            qsl, seq_lens, block_table = graph.query_start_loc, graph.seq_lens, graph.block_table(layer.layer_name)
         prefix_out = prefix_lse = None
         if graph.long_prefix if graph is not None else not reads_prefix_itself(attn_metadata):
             # With only tree rows the prefix pass writes straight into the output, merged there in place.
             prefix_out = output[:n] if only_trees else torch.empty_like(output[:n])
-            prefix_lse = prefix_pass(self, query[:n], kv_cache, attn_metadata,
-                                     rows.prefix_lens(attn_metadata.seq_lens), prefix_out, graph)
+            prefix_lse = prefix_pass(self, query[:n], kv_cache, attn_metadata, rows.prefix_lens(seq_lens), prefix_out,
+                                     graph, qsl, block_table)
         triton_tree_attn.tree_attention_paged(
-            query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, rows.meta, rows.bits,
+            query[:n], kv_cache, block_table, seq_lens, rows.meta, rows.bits,
             self.scale, max_rows=rows.max_rows, out=output[:n], prefix_out=prefix_out, prefix_lse=prefix_lse)
         return output
 

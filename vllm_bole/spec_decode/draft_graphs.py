@@ -51,8 +51,11 @@ class DraftGraphs:
         n, padded, mode = drafter._write_inputs(chunks, hidden)
         if mode != CUDAGraphMode.PIECEWISE:
             return None
+        # Requests padded to a power of two with empty ones (no queries, no keys): fewer keys to capture as
+        # the pruned levels' request counts vary.
         reqs = len(chunks)
-        key = (padded, reqs, max(c[3] for c in chunks) > INLINE_PREFIX_MAX_SEQ)
+        bucket = min(1 << (reqs - 1).bit_length(), self.seq_lens.numel())
+        key = (padded, bucket, max(c[3] for c in chunks) > INLINE_PREFIX_MAX_SEQ)
         entry = self.graphs.get(key)
         if entry is None and len(self.graphs) >= MAX_GRAPHS:
             if not self._full_logged:
@@ -63,13 +66,18 @@ class DraftGraphs:
             self.block_table = torch.zeros_like(cm.block_table_tensor[:1]).expand(
                 self.seq_lens.numel(), -1).contiguous()
         # The level's requests and rows go into the fixed buffers (the graph reads nothing else from the host).
-        qsl, seq_lens, rows = drafter._request_tensors(cm, chunks)
-        views = (self.query_start_loc[:reqs + 1], self.seq_lens[:reqs], self.block_table[:reqs])
+        qsl, seq_lens, rows = drafter._request_tensors(cm, chunks, bucket)
+        views = (self.query_start_loc[:bucket + 1], self.seq_lens[:bucket], self.block_table[:bucket])
         views[0].copy_(qsl, non_blocking=True)
         views[1].copy_(seq_lens, non_blocking=True)
-        views[2].copy_(rows)
+        views[2][:reqs].copy_(rows)
         packed = DeviceTreeRows.pack(tree_rows, "cpu", words=self.words)
-        self.meta[:reqs].copy_(packed.meta, non_blocking=True)
+        meta = packed.meta
+        if bucket > reqs:  # an empty request j has no rows and is its own batch index (its prefix stays 0)
+            pad = torch.zeros(bucket - reqs, 5, dtype=torch.int32)
+            pad[:, 0] = torch.arange(reqs, bucket)
+            meta = torch.cat([meta, pad])
+        self.meta[:bucket].copy_(meta, non_blocking=True)
         self.bits[:packed.num_rows].copy_(packed.bits, non_blocking=True)
         if entry is None:
             entry = self._capture(key, drafter._metadata(cm, chunks, n, views), tree_rows, padded)
@@ -87,7 +95,7 @@ class DraftGraphs:
                                 max_model_len=self.drafter.runner.max_model_len, block_tables={},
                                 scratch_storage={}))
         forest._device_rows = DeviceTreeRows(meta=self.meta[:reqs], bits=self.bits[:reqs * topk],
-                                             num_rows=padded, max_rows=topk)
+                                             num_rows=padded, max_rows=topk)   # reqs: the key's bucket
         return forest
 
     def _capture(self, key, per_layer, tree_rows, padded: int):

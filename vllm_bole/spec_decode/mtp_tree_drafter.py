@@ -95,26 +95,29 @@ class MTPTreeDrafter(TreeDrafter):
         return n, padded, mode
 
     @staticmethod
-    def _request_tensors(cm: CommonAttentionMetadata, chunks):
-        """Host query_start_loc and seq_lens of ``chunks``, and their block-table rows on the device."""
-        qsl = torch.tensor([0] + [len(c[1]) for c in chunks], dtype=torch.int32).cumsum(0).to(torch.int32)
-        seq_lens_cpu = torch.tensor([c[3] for c in chunks], dtype=torch.int32)
+    def _request_tensors(cm: CommonAttentionMetadata, chunks, num_reqs: int | None = None):
+        """Host query_start_loc and seq_lens of ``chunks`` (padded with empty requests to ``num_reqs``), and
+        the chunks' block-table rows on the device."""
+        pad = (num_reqs or len(chunks)) - len(chunks)
+        qsl = torch.tensor([0] + [len(c[1]) for c in chunks] + [0] * pad, dtype=torch.int32).cumsum(0)
+        seq_lens_cpu = torch.tensor([c[3] for c in chunks] + [0] * pad, dtype=torch.int32)
         rows = cm.block_table_tensor[_to_device([c[0] for c in chunks], cm.block_table_tensor.device)]
-        return qsl, seq_lens_cpu, rows
+        return qsl.to(torch.int32), seq_lens_cpu, rows
 
     def _metadata(self, cm: CommonAttentionMetadata, chunks, n: int, device_tensors=None):
         """Per-layer attention metadata of ``chunks``: on fresh device tensors, or on ``device_tensors``
-        (query_start_loc, seq_lens, block-table rows) already holding these values."""
+        (query_start_loc, seq_lens, block-table rows; possibly padded with empty requests) holding them."""
         device = cm.block_table_tensor.device
+        num_reqs = len(chunks) if device_tensors is None else device_tensors[1].numel()
         lens = [len(c[1]) for c in chunks]
-        qsl, seq_lens_cpu, rows = self._request_tensors(cm, chunks)
+        qsl, seq_lens_cpu, rows = self._request_tensors(cm, chunks, num_reqs)
         if device_tensors is None:
             query_start_loc, seq_lens, block_table = (qsl.to(device, non_blocking=True),
                                                       seq_lens_cpu.to(device, non_blocking=True), rows)
         else:
             query_start_loc, seq_lens, block_table = device_tensors
         meta = CommonAttentionMetadata(
-            query_start_loc=query_start_loc, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=len(chunks),
+            query_start_loc=query_start_loc, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=num_reqs,
             num_actual_tokens=n, max_query_len=max(lens), max_seq_len=int(seq_lens_cpu.max()),
             block_table_tensor=block_table, slot_mapping=self.proposer._slot_mapping_buffer[:n],
             _seq_lens_cpu=seq_lens_cpu)

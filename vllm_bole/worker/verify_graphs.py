@@ -46,8 +46,12 @@ class GraphStep:
     max_nodes: int           # bound on any tree's size under this key
     long_prefix: bool        # attention route: FlashAttention's prefix pass + the tree kernel
     max_model_len: int
-    block_tables: dict[str, torch.Tensor]  # GDN layer name -> its KV-cache group's persistent block table
+    block_tables: dict[str, torch.Tensor]  # layer name -> its KV-cache group's persistent block table
     scratch_storage: dict    # row capacity -> GDN step buffers shared by the graphs within it (attention/gdn.py)
+    # Attention inputs over all ``num_reqs`` (requests past the step's are empty: vLLM pads query_start_loc
+    # with its last value and seq_lens with 0); None: the layer's own metadata (the drafter's graphs).
+    query_start_loc: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
     _slots: dict = field(default_factory=dict, repr=False)
 
     def state_slots(self, layer_name: str) -> torch.Tensor:
@@ -57,6 +61,9 @@ class GraphStep:
         if table.data_ptr() not in self._slots:
             self._slots[table.data_ptr()] = table[:self.num_reqs, 0].contiguous()
         return self._slots[table.data_ptr()]
+
+    def block_table(self, layer_name: str) -> torch.Tensor:
+        return self.block_tables[layer_name][:self.num_reqs]
 
 
 @dataclass
@@ -91,20 +98,22 @@ class VerifyGraphs:
 
     # ---- forest buffer --------------------------------------------------------------------------------
     def forest_tensors(self, parents: list[int], cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(parent ``[N]``, cu_seqlens ``[B+1]``) as views of the persistent buffer, filled from the host."""
+        """(parent ``[N]``, cu_seqlens ``[B+1]``) as views of the persistent buffer, filled from the host;
+        cu_seqlens continues with its last value up to the capacity (empty requests, for padded graphs)."""
         n, cap = len(parents), self.capacity
         self.forest_buf[:n].copy_(torch.tensor(parents, dtype=torch.int32), non_blocking=True)
-        cu = self.forest_buf[cap:cap + len(cu_seqlens)]
-        cu.copy_(torch.tensor(cu_seqlens, dtype=torch.int32), non_blocking=True)
-        return self.forest_buf[:n], cu
+        tail = self.forest_buf.numel() - cap - len(cu_seqlens)
+        self.forest_buf[cap:].copy_(torch.tensor(cu_seqlens + cu_seqlens[-1:] * tail, dtype=torch.int32),
+                                    non_blocking=True)
+        return self.forest_buf[:n], self.forest_buf[cap:cap + len(cu_seqlens)]
 
     def block_tables(self) -> dict[str, torch.Tensor]:
+        """Every layer's persistent block table (GDN layers: column 0 is the state slot)."""
         if self._block_tables is None:
             runner = self.runner
             self._block_tables = {
                 name: runner.input_batch.block_table[gid].block_table.gpu
-                for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups)
-                if isinstance(group.kv_cache_spec, MambaSpec) for name in group.layer_names}
+                for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups) for name in group.layer_names}
         return self._block_tables
 
     # ---- one step -------------------------------------------------------------------------------------
@@ -116,7 +125,9 @@ class VerifyGraphs:
         if get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.PIECEWISE:
             return None   # eager configurations, or more tokens than vLLM captures
         rows = input_ids if input_ids is not None else inputs_embeds
-        return rows.shape[0], len(forest.tree_req_indices), forest.max_seq_len > INLINE_PREFIX_MAX_SEQ
+        # Requests padded to a power of two with empty ones: fewer keys as requests come and go.
+        bucket = min(1 << (len(forest.tree_req_indices) - 1).bit_length(), self.runner.max_num_reqs)
+        return rows.shape[0], bucket, forest.max_seq_len > INLINE_PREFIX_MAX_SEQ
 
     def forward(self, forest, call, inputs):
         """The step's model output: replayed from the key's graph (captured now if new), or ``call()``."""
@@ -139,17 +150,23 @@ class VerifyGraphs:
         scratch.layers[:], scratch.slots[:] = entry.gdn_layers, entry.gdn_slots
         entry.graph.replay()
         self.replays += 1
+        forest.cu_seqlens = self.forest_buf[self.capacity:self.capacity + len(forest.tree_req_indices) + 1]
         return entry.output
 
     def _enter(self, key, forest) -> None:
         """Point the forest at the key's bounds and buffers (what the layers read in graph mode); the GDN
         scratch of the token count starts without layers, as the first GDN layer of a forward expects."""
         tokens, reqs, long_prefix = key
-        bound = min(tokens - reqs + 1, self.runner.bole_config.max_nodes_per_request + 1)
+        runner = self.runner
+        bound = min(tokens, runner.bole_config.max_nodes_per_request + 1)
         forest.graph = GraphStep(num_tokens=tokens, num_reqs=reqs, max_nodes=bound, long_prefix=long_prefix,
-                                 max_model_len=self.runner.max_model_len, block_tables=self.block_tables(),
-                                 scratch_storage=self.scratch_storage)
+                                 max_model_len=runner.max_model_len, block_tables=self.block_tables(),
+                                 scratch_storage=self.scratch_storage,
+                                 query_start_loc=runner.query_start_loc.gpu[:reqs + 1],
+                                 seq_lens=runner.seq_lens[:reqs])
         forest.parent = self.forest_buf[:tokens]
+        # The layers see ``reqs`` trees (the step's, then empty ones); the commit gets the step's back.
+        forest.cu_seqlens = self.forest_buf[self.capacity:self.capacity + reqs + 1]
         forest.max_nodes = bound
         forest.reset_device_cache()
         scratch = self.scratch.get(tokens)
