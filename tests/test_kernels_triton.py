@@ -362,3 +362,53 @@ def test_chain_matches_vllm_fused_recurrent(dtype):
         new = tc.commit_accepted(s0, f, accepted, parent, cu)
         want = cache[1 + cu[:-1].long() + accepted.long()]
         assert rel_err(new, want) <= tol, i
+
+
+# --------------------------------------------------------------------------------------------------------
+# Padded forests, as the full CUDA graphs run them: padding rows after the last tree, empty requests after the
+# last request (cu_seqlens repeats its last value), capacity bounds instead of the largest tree
+# --------------------------------------------------------------------------------------------------------
+def _padded(parent, cu, extra_rows, extra_reqs):
+    pad_parent = torch.cat([parent, torch.full((extra_rows,), -1, dtype=parent.dtype, device=parent.device)])
+    pad_cu = torch.cat([cu, cu[-1:].expand(extra_reqs)])
+    return pad_parent, pad_cu
+
+
+def test_verify_on_a_padded_forest_matches_the_reference_on_the_real_one():
+    spec = [("random", 9), ("deep", 20), ("single", 1)]
+    parent, cu = forest(spec, "padded")
+    hk, hv, dk, dv, extra_rows, extra_reqs = 1, 2, 16, 16, 6, 3
+    q, k, v, g, beta, s0 = gdn_inputs(parent, cu, hk, hv, dk, dv, seed=seed_of("padded"))
+    n, b = parent.numel(), cu.numel() - 1
+    gen = torch.Generator().manual_seed(seed_of("padded-rows"))
+
+    def pad_rows(t):
+        return torch.cat([t, torch.randn(extra_rows, *t.shape[1:], generator=gen).to(t.dtype).to(DEV)])
+
+    p_parent, p_cu = _padded(parent, cu, extra_rows, extra_reqs)
+    cache = torch.cat([s0, torch.randn(2, *s0.shape[1:], generator=gen).to(DEV)])      # 2 spare slots
+    slots = torch.tensor(list(range(b)) + [b, b + 1, b], dtype=torch.int32, device=DEV)
+    bound = 40                                                                          # > every tree
+    o, f = tv.tree_gdn_verify(pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(g), pad_rows(beta), cache,
+                              p_parent, p_cu, use_qk_l2norm_in_kernel=True, state_indices=slots, max_seqlen=bound,
+                              bits=tv.ancestor_bits(p_parent, p_cu, bound))
+    o_ref, f_ref = gdn_ref.tree_gdn_verify(*[t.cpu() for t in (q, k, v, g, beta, s0, parent, cu)],
+                                           use_qk_l2norm_in_kernel=True)
+    for got, want in ((o[:n], o_ref), (f.u[:n], f_ref.u), (f.k[:n], f_ref.k), (f.g_cum[:n], f_ref.g_cum)):
+        assert rel_err(got.cpu(), want) <= FP32_TOL
+
+
+def test_conv_and_bits_on_a_padded_forest_equal_the_real_ones():
+    parent, cu, x, w, bias, state = conv_inputs(MULTI, 40, 4, "padded")
+    n, b = parent.numel(), cu.numel() - 1
+    p_parent, p_cu = _padded(parent, cu, 5, 4)
+    gen = torch.Generator().manual_seed(seed_of("padded-conv"))
+    p_x = torch.cat([x, torch.randn(5, x.shape[1], generator=gen).to(DEV)])
+    p_state = torch.cat([state, torch.randn(4, *state.shape[1:], generator=gen).to(DEV)])
+    out = tconv.tree_causal_conv1d(x, w, bias, state, parent, cu)
+    p_out = tconv.tree_causal_conv1d(p_x, w, bias, p_state, p_parent, p_cu)
+    assert torch.equal(p_out[:n], out)
+    max_t = int((cu[1:] - cu[:-1]).max())
+    bits, p_bits = tv.ancestor_bits(parent, cu, max_t), tv.ancestor_bits(p_parent, p_cu, 70)
+    assert torch.equal(p_bits[:n, :bits.shape[1]], bits) and not p_bits[:n, bits.shape[1]:].any()
+    assert b == len(MULTI)

@@ -368,3 +368,40 @@ def test_compact_nothing_to_move():
                         torch.zeros(0, dtype=torch.int64, device=DEV))
     ta.compact_kv_paged(views, torch.full((5,), -1, device=DEV), torch.full((5,), -1, device=DEV))
     assert torch.equal(dbuf.cpu(), buf)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_padded_requests_and_capacity_rows_change_nothing(mode):
+    """As a full CUDA graph runs the kernel: empty requests after the real ones (their own batch index, no
+    rows, seq_len 0), padding query rows after the last tree, and a capacity bound for the grid."""
+    batch = Batch([("random", 9), ("chain", 3), ("kary2", 9, 4)], [5, 40, 0], seed_params=("padded",))
+    want = batch.reference()
+    extra_reqs, extra_rows = 3, 5
+    rows = DeviceTreeRows.pack(batch.tree_rows, "cpu")
+    b = rows.meta.shape[0]
+    pad = torch.zeros(extra_reqs, 5, dtype=torch.int32)
+    pad[:, 0] = torch.arange(b, b + extra_reqs)
+    meta = torch.cat([rows.meta, pad]).to(DEV)
+    seq_lens = torch.tensor(batch.seq_lens + [0] * extra_reqs, dtype=torch.int32, device=DEV)
+    table = torch.cat([batch.block_table, batch.block_table[:1].expand(extra_reqs, -1)]).to(DEV)
+    q = torch.cat([batch.q, torch.randn(extra_rows, *batch.q.shape[1:])]).to(DEV)
+    out = torch.full_like(q, 7.0)
+    kw = {}
+    if mode != "inline":
+        p_out, p_lse = batch.prefix_pass()
+        p_out = torch.cat([p_out, torch.zeros(extra_rows, *p_out.shape[1:])]).to(DEV)
+        p_lse = torch.cat([p_lse, torch.zeros(p_lse.shape[0], extra_rows)], dim=1).to(DEV)
+        if mode == "merge_in_place":
+            idx = batch.tree_row_index().to(DEV)
+            out[idx] = p_out[idx]
+            p_out = out
+        kw = dict(prefix_out=p_out, prefix_lse=p_lse)
+    ta.tree_attention_paged(q, _to_dev_view(batch.kv), table, seq_lens, meta, rows.bits.to(DEV), batch.scale,
+                            max_rows=40, out=out, **kw)
+    got, tree = out.cpu(), batch.tree_row_index()
+    assert rel_err(got[tree], want[tree]) <= FP32_TOL
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[tree] = False
+    assert (got[others] == 7.0).all()
+    prefix = DeviceTreeRows(meta=meta, bits=rows.bits.to(DEV), num_rows=q.shape[0], max_rows=40).prefix_lens(seq_lens)
+    assert prefix.tolist() == [s - t for s, t in zip(batch.seq_lens, batch.sizes)] + [0] * extra_reqs
