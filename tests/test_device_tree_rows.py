@@ -84,3 +84,22 @@ def test_graph_rows_built_on_device_equal_packed_host_rows():
         assert torch.equal(got, forest.attention_rows[b].region_mask)
     seq_lens = torch.tensor([50, 7, 100, 80], dtype=torch.int32, device=DEV)
     assert on_device.prefix_lens(seq_lens).tolist() == [50 - 9, 7 - 1, 100 - 33, 80 - 20]
+
+
+def test_plain_decodes_become_one_node_trees_in_batch_order():
+    def forest_tensors(parents, cu):
+        return torch.tensor(parents, dtype=torch.int32), torch.tensor(cu, dtype=torch.int32)
+
+    parent, cu = forest_tensors([-1, 0, 0, -1, 0], [0, 3, 5])
+    forest = StepForest(req_ids=["b", "d"], tree_req_indices=[1, 3], parent=parent, cu_seqlens=cu,
+                        tokens=[[-1, 7, 8], [-1, 9]], tree_parents=[[-1, 0, 0], [-1, 0]], max_nodes=3,
+                        query_starts=[1, 5], tree_only=True,
+                        plain_decodes=[(0, "a", 0), (2, "c", 4), (4, "e", 7)])
+    assert forest.num_trees == 5
+    forest.promote_plain_decodes(forest_tensors)
+    assert forest.tree_req_indices == [0, 1, 2, 3, 4] and forest.req_ids == list("abcde")
+    assert forest.query_starts == [0, 1, 4, 5, 7] and forest.tokens[0] == [-1] and forest.tokens[1] == [-1, 7, 8]
+    assert forest.parent.tolist() == [-1, -1, 0, 0, -1, -1, 0, -1] and forest.cu_seqlens.tolist() == [0, 1, 4, 5, 7, 8]
+    assert forest.plain_decodes == [] and forest.num_trees == 5 and forest.max_nodes == 3
+    assert [tuple(r.region_mask.shape) for r in forest.attention_rows] == [(1, 1), (3, 3), (1, 1), (2, 2), (1, 1)]
+    assert [r.row_start for r in forest.attention_rows] == [0, 1, 4, 5, 7]

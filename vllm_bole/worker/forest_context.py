@@ -100,8 +100,11 @@ class StepForest:
     accepted_paths: list[list[int]] | None = None  # per tree request, accepted local nodes, root first
     # per tree request: row of its first node (the root) in the step's flat token arrays
     query_starts: list[int] = field(default_factory=list)
-    # every scheduled token of the step is a tree node (no prefill beside the trees)
+    # every scheduled token of the step is a tree node or a plain decode (no prefill beside the trees)
     tree_only: bool = False
+    # (batch index, request id, row) of the step's decodes without drafts; they run vLLM's own decode path,
+    # unless a full CUDA graph runs the step (:meth:`promote_plain_decodes`)
+    plain_decodes: list = field(default_factory=list)
     max_seq_len: int = 0                 # longest sequence of the step, this step's tokens included
     # set while the forward runs from (or is captured into) a full CUDA graph: worker/verify_graphs.py
     graph: object = None
@@ -125,6 +128,30 @@ class StepForest:
 
             self._bits = ancestor_bits(self.parent, self.cu_seqlens, self.max_nodes)
         return self._bits
+
+    @property
+    def num_trees(self) -> int:
+        """Trees once the plain decodes are one-node trees."""
+        return len(self.tree_req_indices) + len(self.plain_decodes)
+
+    def promote_plain_decodes(self, forest_tensors) -> None:
+        """Make each plain decode a one-node tree (its root: the same computation as a decode), in batch
+        order, so that a graph sees only trees; ``forest_tensors(parents, cu_seqlens)`` places the device
+        forest. The walk then verifies the root alone and the commit writes the state after it."""
+        if not self.plain_decodes:
+            return
+        trees = list(zip(self.tree_req_indices, self.req_ids, self.tokens, self.tree_parents, self.query_starts))
+        trees += [(r, req_id, [-1], [-1], row) for r, req_id, row in self.plain_decodes]
+        trees.sort(key=lambda t: t[0])
+        self.tree_req_indices, self.req_ids, self.tokens, self.tree_parents, self.query_starts = (
+            list(column) for column in zip(*trees))
+        sizes = [len(p) for p in self.tree_parents]
+        self.parent, self.cu_seqlens = forest_tensors([p for par in self.tree_parents for p in par],
+                                                      np.cumsum([0] + sizes).tolist())
+        self.max_nodes = max(sizes)
+        self.plain_decodes = []
+        self.reset_device_cache()
+        self.build_attention_rows()
 
     def reset_device_cache(self) -> None:
         """Forget the device rows and bits (a graph capture must build its own, inside the graph)."""

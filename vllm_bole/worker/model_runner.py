@@ -87,9 +87,13 @@ class BoleModelRunnerMixin:
         starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
         forest_req, tree_parents, tokens, q_starts = [], [], [], []
         fix_rows, fix_shift = [], []  # flat rows whose position is prefix + depth, not prefix + index
+        plain = []  # (batch index, first row) of decodes without drafts: one-node trees if a graph runs
+        decoding = self.input_batch.num_computed_tokens_cpu >= self.input_batch.num_prompt_tokens
         for r, req_id in enumerate(req_ids):
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts is None or num_scheduled_tokens[r] != len(drafts) + 1:
+                if not drafts and num_scheduled_tokens[r] == 1 and decoding[r]:
+                    plain.append((r, int(starts[r])))
                 continue
             tree = self._bole_trees.get(req_id)
             if tree is None or tree.tokens[:len(drafts)] != list(drafts):
@@ -119,8 +123,10 @@ class BoleModelRunnerMixin:
             req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
             parent=parent, cu_seqlens=cu_seqlens, tokens=tokens, tree_parents=tree_parents,
             max_nodes=max(sizes, default=0), query_starts=q_starts,
-            tree_only=len(forest_req) == len(req_ids) and n == int(num_scheduled_tokens.sum()),
-            max_seq_len=int(seq_lens.max()) if len(req_ids) else 0)
+            tree_only=(len(forest_req) + len(plain) == len(req_ids)
+                       and n + len(plain) == int(num_scheduled_tokens.sum())),
+            max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
+            plain_decodes=[(r, req_ids[r], row) for r, row in plain])
         if fix_rows:
             rows = torch.tensor(fix_rows, dtype=torch.long).to(self.device, non_blocking=True)
             shift = torch.tensor(fix_shift, dtype=torch.int64).to(self.device, non_blocking=True)

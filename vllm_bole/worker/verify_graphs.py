@@ -126,7 +126,7 @@ class VerifyGraphs:
             return None   # eager configurations, or more tokens than vLLM captures
         rows = input_ids if input_ids is not None else inputs_embeds
         # Requests padded to a power of two with empty ones: fewer keys as requests come and go.
-        bucket = min(1 << (len(forest.tree_req_indices) - 1).bit_length(), self.runner.max_num_reqs)
+        bucket = min(1 << (forest.num_trees - 1).bit_length(), self.runner.max_num_reqs)
         return rows.shape[0], bucket, forest.max_seq_len > INLINE_PREFIX_MAX_SEQ
 
     def forward(self, forest, call, inputs):
@@ -135,22 +135,23 @@ class VerifyGraphs:
         if key is None:
             return call()
         entry = self.graphs.get(key)
-        if entry is None:
-            if len(self.graphs) >= MAX_GRAPHS:
-                if not self._full_logged:
-                    logger.info("Bole holds %d verification CUDA graphs; new shapes run piecewise", MAX_GRAPHS)
-                    self._full_logged = True
-                return call()
-            entry = self._capture(key, forest, call, inputs)
-        elif entry.input_ptrs != _ptrs(inputs):
+        if entry is None and len(self.graphs) >= MAX_GRAPHS:
+            if not self._full_logged:
+                logger.info("Bole holds %d verification CUDA graphs; new shapes run piecewise", MAX_GRAPHS)
+                self._full_logged = True
+            return call()
+        if entry is not None and entry.input_ptrs != _ptrs(inputs):
             return call()   # vLLM moved an input buffer: the graph would read stale memory
+        forest.promote_plain_decodes(self.forest_tensors)   # a graph runs them as one-node trees
+        if entry is None:
+            entry = self._capture(key, forest, call, inputs)
         self._enter(key, forest)
         scratch = forest.gdn_scratch = entry.scratch
         # The commit after this step reads the layers and slot tensors of *this* graph's capture.
         scratch.layers[:], scratch.slots[:] = entry.gdn_layers, entry.gdn_slots
         entry.graph.replay()
         self.replays += 1
-        forest.cu_seqlens = self.forest_buf[self.capacity:self.capacity + len(forest.tree_req_indices) + 1]
+        forest.cu_seqlens = self.forest_buf[self.capacity:self.capacity + forest.num_trees + 1]
         return entry.output
 
     def _enter(self, key, forest) -> None:
