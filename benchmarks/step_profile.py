@@ -98,7 +98,8 @@ def main() -> None:
               limit_mm_per_prompt={"image": 0, "video": 0}, additional_config={"gdn_prefill_backend": "triton"},
               max_model_len=args.prompt_len + args.new_tokens + 64, max_num_seqs=max_batch,
               gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=False,
-              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512}
+              # Tree steps carry B + (up to the budget) tokens: capture sizes over that range, as benchmarks/e2e.py.
+              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *range(8, 256, 8), *range(256, 513, 32)}
                                                                       | set(args.batch))},
               speculative_config=spec)
     for batch in args.batch:  # warm-up: every batch size once, so Triton's compilations stay out of the numbers
