@@ -42,12 +42,15 @@ class DraftGraphs:
         self.pool = torch.cuda.graph_pool_handle()   # not shared with the verification graphs' pool
         self.graphs: dict[tuple, tuple] = {}
         self.replays = 0
+        self.disabled = False
         self._full_logged = False
 
     def level(self, cm, chunks, hidden: torch.Tensor, tree_rows):
         """(MTP hidden ``[n, H]``, top children ``[n, 2k]``) of one tree level from its graph, or None when the
         level cannot run from one (more tokens than vLLM captures for the drafter, too many graphs)."""
         drafter = self.drafter
+        if self.disabled:
+            return None
         n, padded, mode = drafter._write_inputs(chunks, hidden)
         if mode != CUDAGraphMode.PIECEWISE:
             return None
@@ -80,7 +83,13 @@ class DraftGraphs:
         self.meta[:bucket].copy_(meta, non_blocking=True)
         self.bits[:packed.num_rows].copy_(packed.bits, non_blocking=True)
         if entry is None:
-            entry = self._capture(key, drafter._metadata(cm, chunks, n, views), tree_rows, padded)
+            try:
+                entry = self._capture(key, drafter._metadata(cm, chunks, n, views), tree_rows, padded)
+            except Exception as e:  # the level runs as before; nothing of it was committed
+                logger.warning("Bole's drafter CUDA graphs are off: capturing a level failed (%s: %s)",
+                               type(e).__name__, e)
+                self.disabled = True
+                return None
         entry[0].replay()
         self.replays += 1
         hidden_out, top = entry[1]
