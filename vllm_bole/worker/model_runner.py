@@ -55,6 +55,31 @@ class BoleModelRunnerMixin:
 
             self._bole_graphs = VerifyGraphs(self)
 
+    def profile_cudagraph_memory(self) -> int:
+        """vLLM's estimate of its graphs' memory, plus what Bole's graphs hold once captured, so that the KV
+        cache leaves room for them: the GDN step buffers (one per power-of-two capacity up to the largest
+        captured size, under twice the largest) and two more graph pools (verification, drafter levels) taken
+        as large as vLLM's own."""
+        vllm_graphs = super().profile_cudagraph_memory()
+        if self._bole_graphs is None:
+            return vllm_graphs
+        from ..attention.gdn import BoleQwenGDN
+
+        estimate = 3 * vllm_graphs
+
+        gdn = [m for m in self.compilation_config.static_forward_context.values() if isinstance(m, BoleQwenGDN)]
+        if gdn:
+            layer = gdn[0]
+            hk, hv = layer.num_k_heads // layer.tp_size, layer.num_v_heads // layer.tp_size
+            conv_dim = 2 * hk * layer.head_k_dim + hv * layer.head_v_dim
+            per_token = len(gdn) * ((hk * layer.head_k_dim + hv * layer.head_v_dim + hv) * 4
+                                    + conv_dim * self.model_config.dtype.itemsize)
+            capacity = 1 << (max(self.compilation_config.max_cudagraph_capture_size or 1, 1) - 1).bit_length()
+            estimate += 2 * capacity * per_token
+        logger.info("Bole reserves %.2f GiB for its full CUDA graphs and GDN step buffers (vLLM's graphs: %.2f GiB)",
+                    (estimate - vllm_graphs) / 2**30, vllm_graphs / 2**30)
+        return estimate
+
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):
         if self._bole_graphs is None or self._bole_forest is None:
