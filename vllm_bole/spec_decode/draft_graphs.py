@@ -45,14 +45,13 @@ class DraftGraphs:
         self.disabled = False
         self._full_logged = False
 
-    def level(self, cm, chunks, hidden: torch.Tensor, tree_rows):
-        """(MTP hidden ``[n, H]``, top children ``[n, 2k]``) of one tree level from its graph, or None when the
-        level cannot run from one (more tokens than vLLM captures for the drafter, too many graphs)."""
+    def level(self, cm, chunks, tree_rows, n: int, padded: int, mode):
+        """(MTP hidden ``[n, H]``, top children ``[n, 2k]``) of one tree level whose inputs the drafter has
+        written (``_write_inputs``: ``n`` tokens padded to ``padded``, vLLM's graph ``mode`` for that size),
+        from its graph; None when the level cannot run from one (more tokens than vLLM captures for the
+        drafter, too many graphs, a capture failed)."""
         drafter = self.drafter
-        if self.disabled:
-            return None
-        n, padded, mode = drafter._write_inputs(chunks, hidden)
-        if mode != CUDAGraphMode.PIECEWISE:
+        if self.disabled or mode != CUDAGraphMode.PIECEWISE:
             return None
         # Requests padded to a power of two with empty ones (no queries, no keys): fewer keys to capture as
         # the pruned levels' request counts vary.

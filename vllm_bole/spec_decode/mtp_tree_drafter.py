@@ -138,7 +138,10 @@ class MTPTreeDrafter(TreeDrafter):
         Returns the MTP hidden states of all rows, in chunk order. The inputs go through the proposer's
         persistent buffers, padded to a captured size, so the MTP layer replays vLLM's piecewise CUDA graphs
         (the attention between the pieces runs eagerly with the tree mask)."""
-        n, padded, mode = self._write_inputs(chunks, hidden)
+        return self._forward_written(cm, chunks, tree_rows, *self._write_inputs(chunks, hidden))
+
+    def _forward_written(self, cm: CommonAttentionMetadata, chunks, tree_rows, n: int, padded: int, mode):
+        """:meth:`_forward` once :meth:`_write_inputs` has placed the inputs."""
         forest = StepForest(req_ids=[], tree_req_indices=[], parent=None, cu_seqlens=None, tokens=[],
                             attention_rows=tree_rows or [])
         out = self._run_model(self._metadata(cm, chunks, n), forest, padded, mode)
@@ -148,11 +151,12 @@ class MTPTreeDrafter(TreeDrafter):
     def _tree_level(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows):
         """One tree level: (MTP hidden states ``[n, H]``, top children ``[n, 2k]`` as :meth:`_top_rows`),
         replayed from a full CUDA graph of the level when there is one (``spec_decode/draft_graphs.py``)."""
+        written = self._write_inputs(chunks, hidden)
         if self.graphs is not None:
-            out = self.graphs.level(cm, chunks, hidden, tree_rows)
+            out = self.graphs.level(cm, chunks, tree_rows, *written)
             if out is not None:
                 return out
-        out = self._forward(cm, chunks, hidden, tree_rows)
+        out = self._forward_written(cm, chunks, tree_rows, *written)
         return out, self._top_rows(out)
 
     def _top_rows(self, hidden_rows: torch.Tensor) -> torch.Tensor:

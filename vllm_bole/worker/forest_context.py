@@ -145,10 +145,8 @@ class StepForest:
         trees.sort(key=lambda t: t[0])
         self.tree_req_indices, self.req_ids, self.tokens, self.tree_parents, self.query_starts = (
             list(column) for column in zip(*trees))
-        sizes = [len(p) for p in self.tree_parents]
-        self.parent, self.cu_seqlens = forest_tensors([p for par in self.tree_parents for p in par],
-                                                      np.cumsum([0] + sizes).tolist())
-        self.max_nodes = max(sizes)
+        self.parent, self.cu_seqlens = forest_tensors(*flat_forest(self.tree_parents))
+        self.max_nodes = max(len(p) for p in self.tree_parents)
         self.plain_decodes = []
         self.reset_device_cache()
         self.build_attention_rows()
@@ -173,6 +171,11 @@ class StepForest:
         masks = ancestor_masks([self.parents_of(i) for i in range(len(self.tree_req_indices))])
         self.attention_rows = [TreeRows(req_index=r, row_start=self.query_starts[i], region_mask=m)
                                for i, (r, m) in enumerate(zip(self.tree_req_indices, masks))]
+
+
+def flat_forest(tree_parents: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(every tree's local parents in one list, cu_seqlens) of a packed forest."""
+    return [p for par in tree_parents for p in par], np.cumsum([0] + [len(p) for p in tree_parents]).tolist()
 
 
 def ancestor_masks(tree_parents: list[list[int]]) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
 from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
                                         tree_rows_supported, walk_tree)
-from .forest_context import StepForest, set_current_forest
+from .forest_context import StepForest, flat_forest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 from .step_profile import StepProfiler, profiled
 
@@ -135,7 +135,7 @@ class BoleModelRunnerMixin:
                     fix_rows.append(int(starts[r]) + j)
                     fix_shift.append(j - d)
         sizes = [len(p) for p in tree_parents]
-        parents, cu = [p for par in tree_parents for p in par], np.cumsum([0] + sizes).tolist()
+        parents, cu = flat_forest(tree_parents)
         n = sum(sizes)
         if self._bole_graphs is not None:  # the fixed addresses a verification graph reads
             parent, cu_seqlens = self._bole_graphs.forest_tensors(parents, cu)

@@ -105,7 +105,11 @@ class VerifyGraphs:
         tail = self.forest_buf.numel() - cap - len(cu_seqlens)
         self.forest_buf[cap:].copy_(torch.tensor(cu_seqlens + cu_seqlens[-1:] * tail, dtype=torch.int32),
                                     non_blocking=True)
-        return self.forest_buf[:n], self.forest_buf[cap:cap + len(cu_seqlens)]
+        return self.forest_buf[:n], self._cu_seqlens(len(cu_seqlens) - 1)
+
+    def _cu_seqlens(self, num_trees: int) -> torch.Tensor:
+        """The forest buffer's cu_seqlens of the first ``num_trees`` trees (the step's, then empty ones)."""
+        return self.forest_buf[self.capacity:self.capacity + num_trees + 1]
 
     def block_tables(self) -> dict[str, torch.Tensor]:
         """Every layer's persistent block table (GDN layers: column 0 is the state slot)."""
@@ -151,7 +155,7 @@ class VerifyGraphs:
         scratch.layers[:], scratch.slots[:] = entry.gdn_layers, entry.gdn_slots
         entry.graph.replay()
         self.replays += 1
-        forest.cu_seqlens = self.forest_buf[self.capacity:self.capacity + forest.num_trees + 1]
+        forest.cu_seqlens = self._cu_seqlens(forest.num_trees)
         return entry.output
 
     def _enter(self, key, forest) -> None:
@@ -167,7 +171,7 @@ class VerifyGraphs:
                                  seq_lens=runner.seq_lens[:reqs])
         forest.parent = self.forest_buf[:tokens]
         # The layers see ``reqs`` trees (the step's, then empty ones); the commit gets the step's back.
-        forest.cu_seqlens = self.forest_buf[self.capacity:self.capacity + reqs + 1]
+        forest.cu_seqlens = self._cu_seqlens(reqs)
         forest.max_nodes = bound
         forest.reset_device_cache()
         scratch = self.scratch.get(tokens)
@@ -213,14 +217,13 @@ def capture(call, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, output
 
 
-def model_forward(graphs: "VerifyGraphs | None", forest, call, input_ids, positions, intermediate_tensors,
-                  inputs_embeds, model_kwargs):
-    """The runner's model call: through Bole's graphs when the step allows, else ``call`` as vLLM does it."""
+def model_forward(graphs: VerifyGraphs, forest, call, input_ids, positions, intermediate_tensors, inputs_embeds,
+                  model_kwargs):
+    """The runner's model call of a step with a forest: through Bole's graphs when the step allows, else
+    ``call`` as vLLM does it."""
     call = functools.partial(call, input_ids=input_ids, positions=positions,
                              intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds,
                              **model_kwargs)
-    if graphs is None or forest is None:
-        return call()
     inputs = (input_ids, positions, inputs_embeds, intermediate_tensors,
               tuple(sorted((k, v.data_ptr() if isinstance(v, torch.Tensor) else repr(v))
                            for k, v in model_kwargs.items())))
