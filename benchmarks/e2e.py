@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-epsilon", type=float, default=0.1)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/e2e.json)")
     p.add_argument("--log-dir", default=None, help="engine logs (default $OUT/e2e-logs or /tmp/bole-e2e)")
+    p.add_argument("--profile-batch", type=int, default=None,
+                   help="Bole: after the timed runs, one pass at this batch size with the step profiler (phase "
+                        "times in the JSON) and one under cProfile (host call tables in the log directory)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny bundled model, tiny grid")
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -237,7 +240,39 @@ def run_worker(args) -> None:
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
     result["batches"] = per_batch
+    if name == "bole" and args.profile_batch:
+        result["profile"] = profile_bole(llm, runner, args, run_dir, rng)
     _write_json(run_dir / f"{name}.json", result)
+
+
+def profile_bole(llm, runner, args, run_dir: Path, rng) -> dict:
+    """Phase means of ``--profile-batch`` requests (``vllm_bole/worker/step_profile.py``; synchronizing, so
+    slower than the timed runs), then the same under cProfile: ``host_B<b>.txt`` in the run's log directory."""
+    import cProfile
+    import io
+    import pstats
+
+    from vllm import SamplingParams
+
+    from vllm_bole.worker.step_profile import StepProfiler
+
+    b, vocab = args.profile_batch, runner.model_config.get_vocab_size()
+    prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(args.prompt_len)]} for _ in range(b)]
+    params = SamplingParams(max_tokens=min(args.new_tokens, 96), ignore_eos=True, temperature=0.0, detokenize=False)
+    runner._bole_profiler = profiler = StepProfiler(8)
+    llm.generate(prompts, params, use_tqdm=False)
+    runner._bole_profiler = None
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(90)
+    stats.sort_stats("tottime").print_stats(60)
+    (run_dir / f"host_B{b}.txt").write_text(text.getvalue())
+    print(f"[bole] profile B={b}: {profiler.report}", flush=True)
+    return {"batch_size": b, "phases_ms": {k: round(v, 3) for k, v in profiler.report.items()}}
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ occur; the MTP drafter runs the real product path.
 """
 
 import json
+import os
 
 import pytest
 
@@ -96,6 +97,8 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     counters = out["counters"]
     print(f"mtp: near-tie divergences {len(divs)}; counters {counters}; graphs {out['bole_graphs']}")
     assert_graphs_used(out, drafter=True)
+    if os.environ.get("VLLM_BOLE_HOST_DRAFT_LEVELS") != "1":
+        assert out["device_levels"], "the MTP drafter grew no level on the device"
     assert counters["mean_acceptance_length"] > 1.5, counters
 
 

@@ -106,7 +106,8 @@ def _content(tree):
 
 @pytest.mark.parametrize("n_reqs,depth,topk,per_request,budget,ties", [
     (1, 8, 4, 32, 128, False), (16, 8, 4, 32, 128, False), (16, 8, 4, 32, 40, True), (5, 10, 2, 6, 9, False),
-    (3, 6, 3, 100, 1000, False), (8, 7, 4, 12, 16, True), (64, 8, 4, 32, 128, False), (2, 9, 1, 3, 4, True)])
+    (3, 6, 3, 100, 1000, False), (8, 7, 4, 12, 16, True), (64, 8, 4, 32, 128, False), (2, 9, 1, 3, 4, True),
+    (44, 8, 4, 32, 0, False)])  # a calibrated budget of 0: nothing kept, nothing expanded
 def test_pruned_growth_selects_what_full_growth_selects(n_reqs, depth, topk, per_request, budget, ties):
     from vllm_bole.spec_decode.tree import select_step
 
@@ -120,3 +121,31 @@ def test_pruned_growth_selects_what_full_growth_selects(n_reqs, depth, topk, per
         assert pruned_cost <= full_cost
     if n_reqs * per_request > budget or depth * topk > per_request:
         assert pruned_cost < full_cost, "the selection floors never cut an expansion"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_vectorized_selection_is_select_step(seed):
+    """tree.select_step_arrays (the device drafter's selection) picks select_step's nodes, ties included."""
+    import numpy as np
+
+    from vllm_bole.spec_decode.tree import select_step, select_step_arrays
+
+    rng = random.Random(seed)
+    g, m = rng.randint(1, 6), rng.randint(1, 40)
+    trees = []
+    for _ in range(g):
+        t = DraftTree()
+        for i in range(m):
+            p = -1 if i == 0 or rng.random() < 0.2 else rng.randrange(i)
+            base = 1.0 if p < 0 else t.scores[p]
+            t.tokens.append(rng.randrange(1000))
+            t.parents.append(p)
+            t.scores.append(base * (rng.choice([0.5, 0.25, 1.0]) if seed % 2 else rng.random()))
+        trees.append(t)
+    arrays = [np.array([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "scores")]
+    depths = np.array([t.depths() for t in trees])
+    per_request = rng.choice([None, rng.randint(0, 40)])
+    budget = rng.choice([None, rng.randint(0, 100)])
+    want = select_step(trees, 10**9 if per_request is None else per_request, 10**9 if budget is None else budget)
+    got = select_step_arrays(*arrays, depths, per_request, budget)
+    assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]

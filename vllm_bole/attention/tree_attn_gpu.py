@@ -73,7 +73,7 @@ class BoleFlashAttentionImpl(FlashAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         forest = current_forest()
-        if attn_metadata is None or forest is None or not forest.attention_rows:
+        if attn_metadata is None or forest is None or not forest.has_tree_rows:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         if self.tree_unsupported or output_scale is not None or output_block_scale is not None:

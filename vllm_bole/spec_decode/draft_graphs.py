@@ -45,11 +45,14 @@ class DraftGraphs:
         self.disabled = False
         self._full_logged = False
 
-    def level(self, cm, chunks, tree_rows, n: int, padded: int, mode):
+    def level(self, cm, chunks, rows, n: int, padded: int, mode, tree_rows=()):
         """(MTP hidden ``[n, H]``, top children ``[n, 2k]``) of one tree level whose inputs the drafter has
         written (``_write_inputs``: ``n`` tokens padded to ``padded``, vLLM's graph ``mode`` for that size),
         from its graph; None when the level cannot run from one (more tokens than vLLM captures for the
-        drafter, too many graphs, a capture failed)."""
+        drafter, too many graphs, a capture failed). ``rows``: the level's tree rows as (meta ``[reqs, 5]`` on
+        the host, bits ``[rows, words]`` on the host or the device), the layout of ``DeviceTreeRows``;
+        ``tree_rows``: the same rows on the host, if the drafter has them (the forest's ``attention_rows``; the
+        graph reads ``rows``)."""
         drafter = self.drafter
         if self.disabled or mode != CUDAGraphMode.PIECEWISE:
             return None
@@ -73,14 +76,13 @@ class DraftGraphs:
         views[0].copy_(qsl, non_blocking=True)
         views[1].copy_(seq_lens, non_blocking=True)
         views[2][:reqs].copy_(rows)
-        packed = DeviceTreeRows.pack(tree_rows, "cpu", words=self.words)
-        meta = packed.meta
+        meta, bits = rows
         if bucket > reqs:  # an empty request j has no rows and is its own batch index (its prefix stays 0)
             pad = torch.zeros(bucket - reqs, 5, dtype=torch.int32)
             pad[:, 0] = torch.arange(reqs, bucket)
             meta = torch.cat([meta, pad])
         self.meta[:bucket].copy_(meta, non_blocking=True)
-        self.bits[:packed.num_rows].copy_(packed.bits, non_blocking=True)
+        self.bits[:bits.shape[0], :bits.shape[1]].copy_(bits, non_blocking=True)
         if entry is None:
             try:
                 entry = self._capture(key, drafter._metadata(cm, chunks, n, views), tree_rows, padded)
@@ -98,7 +100,7 @@ class DraftGraphs:
         padded, reqs, long_prefix = key
         topk = self.drafter.bole_config.topk
         forest = StepForest(req_ids=[], tree_req_indices=[], parent=None, cu_seqlens=None, tokens=[],
-                            attention_rows=tree_rows, graph=GraphStep(
+                            attention_rows=list(tree_rows), graph=GraphStep(
                                 num_tokens=padded, num_reqs=reqs, max_nodes=topk, long_prefix=long_prefix,
                                 max_model_len=self.drafter.runner.max_model_len, block_tables={},
                                 scratch_storage={}))

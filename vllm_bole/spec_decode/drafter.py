@@ -31,7 +31,11 @@ class DraftStep:
 
 
 class TreeDrafter:
-    """Base class: ``propose`` returns one DraftTree (possibly empty) per batch request."""
+    """Base class: ``propose`` returns one DraftTree (possibly empty) per batch request. The runner then keeps
+    the step's selection of their nodes (``tree.select_step``), unless the drafter says it returns exactly that
+    already (``selects``)."""
+
+    selects = False
 
     def __init__(self, runner, bole_config):
         self.runner = runner

@@ -5,9 +5,12 @@ final positions; for a verified tree only the accepted path). Then it grows a tr
 ``topk`` best new nodes of the last level (by cumulative draft probability) are fed back through the MTP
 layer, each attending to the committed prefix plus its own ancestors' MTP entries (ancestor mask), and each
 expands into its ``topk`` most probable children. Every created node is a candidate; the runner keeps the
-best ones within the per-request and per-step budgets.
+best ones within the per-request and per-step budgets. The levels grow on the device
+(``spec_decode/device_beam.py``) or, with ``VLLM_BOLE_HOST_DRAFT_LEVELS=1``, with host bookkeeping
+(:meth:`MTPTreeDrafter._grow_on_host`, which also skips nodes the selection cannot keep).
 """
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,10 +18,13 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from ..worker.forest_context import StepForest, TreeRows, ancestor_masks, forest_scope
+from ..logger import init_logger
+from ..worker.forest_context import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
 from .drafter import DraftStep, TreeDrafter
 from .synthetic import parse_synthetic
-from .tree import DraftTree, selection_floors
+from .tree import DraftTree, select_step, selection_floors
+
+logger = init_logger(__name__)
 
 
 def _to_device(values, device, dtype=torch.long) -> torch.Tensor:
@@ -58,6 +64,8 @@ class _Growing:
 
 
 class MTPTreeDrafter(TreeDrafter):
+    selects = True   # propose returns the step's selection (tree.select_step) of the candidates
+
     def __init__(self, runner, bole_config):
         super().__init__(runner, bole_config)
         self.proposer = runner.drafter  # vLLM's MTP proposer: owns the loaded MTP model and its KV group
@@ -70,6 +78,13 @@ class MTPTreeDrafter(TreeDrafter):
             from .draft_graphs import DraftGraphs
 
             self.graphs = DraftGraphs(self)
+        # Tree levels grown on the device (spec_decode/device_beam.py); VLLM_BOLE_HOST_DRAFT_LEVELS=1 grows them
+        # with host bookkeeping instead (a copy of every level's top children to the host).
+        self.beam = None
+        if os.environ.get("VLLM_BOLE_HOST_DRAFT_LEVELS", "0") != "1":
+            from .device_beam import DeviceBeam
+
+            self.beam = DeviceBeam(self)
 
     def _child_scores(self, probs: list[float], depth: int) -> list[float]:
         """Scores of a node's children (probability order) at ``depth``, relative to their parent."""
@@ -84,14 +99,21 @@ class MTPTreeDrafter(TreeDrafter):
     def _write_inputs(self, chunks, hidden: torch.Tensor):
         """Token ids, positions, hidden states and KV slots of ``chunks`` into the proposer's persistent
         buffers, padded to a size vLLM captured. Returns (tokens, padded tokens, vLLM's graph mode)."""
+        return self._write_arrays([t for c in chunks for t in c[1]], [p for c in chunks for p in c[2]],
+                                  [s for c in chunks for s in c[4]], hidden)
+
+    def _write_arrays(self, tokens, positions, slots, hidden: torch.Tensor):
+        """:meth:`_write_inputs` of flat rows: ``tokens`` a host list or a device tensor, ``positions`` and
+        ``slots`` host sequences, ``hidden`` ``[rows, H]``."""
         device, proposer = hidden.device, self.proposer
-        n = sum(len(c[1]) for c in chunks)
+        n = hidden.shape[0]
         mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
-        proposer.input_ids[:n].copy_(_to_device([t for c in chunks for t in c[1]], device), non_blocking=True)
-        positions = _to_device([p for c in chunks for p in c[2]], device)
+        proposer.input_ids[:n].copy_(tokens if isinstance(tokens, torch.Tensor) else _to_device(tokens, device),
+                                     non_blocking=True)
+        positions = _to_device(positions, device)
         proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if self.runner.uses_mrope else positions)
         proposer.hidden_states[:n].copy_(hidden)
-        proposer._get_slot_mapping(padded, _to_device([s for c in chunks for s in c[4]], device))
+        proposer._get_slot_mapping(padded, _to_device(slots, device))
         return n, padded, mode
 
     @staticmethod
@@ -140,10 +162,14 @@ class MTPTreeDrafter(TreeDrafter):
         (the attention between the pieces runs eagerly with the tree mask)."""
         return self._forward_written(cm, chunks, tree_rows, *self._write_inputs(chunks, hidden))
 
-    def _forward_written(self, cm: CommonAttentionMetadata, chunks, tree_rows, n: int, padded: int, mode):
-        """:meth:`_forward` once :meth:`_write_inputs` has placed the inputs."""
+    def _forward_written(self, cm: CommonAttentionMetadata, chunks, tree_rows, n: int, padded: int, mode,
+                         device_rows=None):
+        """:meth:`_forward` once :meth:`_write_inputs` has placed the inputs; ``device_rows``: the tree rows
+        already on the device (``DeviceTreeRows``) instead of host ``tree_rows``."""
         forest = StepForest(req_ids=[], tree_req_indices=[], parent=None, cu_seqlens=None, tokens=[],
                             attention_rows=tree_rows or [])
+        if device_rows is not None:
+            forest._device_rows = device_rows
         out = self._run_model(self._metadata(cm, chunks, n), forest, padded, mode)
         # A replayed graph writes its output buffer again on the next forward.
         return out[:n].clone()
@@ -153,7 +179,8 @@ class MTPTreeDrafter(TreeDrafter):
         replayed from a full CUDA graph of the level when there is one (``spec_decode/draft_graphs.py``)."""
         written = self._write_inputs(chunks, hidden)
         if self.graphs is not None:
-            out = self.graphs.level(cm, chunks, tree_rows, *written)
+            packed = DeviceTreeRows.pack(tree_rows, "cpu", words=self.graphs.words)
+            out = self.graphs.level(cm, chunks, (packed.meta, packed.bits), *written, tree_rows=tree_rows)
             if out is not None:
                 return out
         out = self._forward_written(cm, chunks, tree_rows, *written)
@@ -171,14 +198,15 @@ class MTPTreeDrafter(TreeDrafter):
     def _top_children(self, hidden_rows: torch.Tensor):
         return _children_lists(self._top_rows(hidden_rows), self.bole_config.topk)
 
+    def _slots(self, r, positions) -> np.ndarray:
+        """KV slots of batch request ``r`` at ``positions`` (or of requests ``r`` ``[G, 1]`` at ``[G, n]``
+        positions), from the host copy of the MTP group's block table: no device round trip."""
+        table = self.runner.input_batch.block_table[self.proposer.kv_cache_gid]
+        pos = np.asarray(positions, dtype=np.int64)
+        return table.block_table.np[r, pos // table.block_size].astype(np.int64) * table.block_size + pos % table.block_size
+
     def propose(self, step: DraftStep) -> list[DraftTree]:
         cm = step.common_attn_metadata
-        table = self.runner.input_batch.block_table[self.proposer.kv_cache_gid]
-        block_table, block_size = table.block_table.np, table.block_size
-
-        def slots(r, positions):  # from the host copy of the block table: no device round trip
-            pos = np.asarray(positions, dtype=np.int64)
-            return (block_table[r, pos // block_size].astype(np.int64) * block_size + pos % block_size).tolist()
 
         def rows_of(values, hidden):  # rows of a hidden-state tensor, in one gather
             return hidden[torch.tensor(values, dtype=torch.long).to(hidden.device, non_blocking=True)]
@@ -189,25 +217,48 @@ class MTPTreeDrafter(TreeDrafter):
             if fp is None:
                 continue
             rows, tokens, positions = fp
-            chunks.append((r, tokens, positions, positions[-1] + 1, slots(r, positions)))
+            chunks.append((r, tokens, positions, positions[-1] + 1, self._slots(r, positions).tolist()))
             hidden_rows += rows
             last_rows.append(len(hidden_rows) - 1)
             if step.contexts[r] is not None:
                 growing.append((r, len(chunks) - 1))
+        out = [DraftTree() for _ in step.req_ids]
         if not chunks:
-            return [DraftTree() for _ in step.req_ids]
+            return out
         mtp_hidden = self._forward(cm, chunks, rows_of(hidden_rows, step.hidden_states))
+        if not growing:
+            return out
+        # 2. Grow the trees from the hidden state that predicts each root's children.
+        reqs, roots = [r for r, _ in growing], [chunks[c][2][-1] + 1 for _, c in growing]
+        prev = rows_of([last_rows[c] for _, c in growing], mtp_hidden)
+        grown = None
+        if self.beam is not None:
+            try:
+                grown = self.beam.grow(step, cm, reqs, roots, prev)
+            except Exception as e:  # drafts only: the host bookkeeping grows this step's trees instead
+                logger.warning("Bole's device-grown draft levels are off: a level failed (%s: %s); growing them "
+                               "on the host", type(e).__name__, e)
+                self.beam = None
+        if grown is None:
+            grown = self._grow_on_host(step, cm, reqs, roots, prev)
+            if step.per_request is not None:
+                grown = select_step(grown, step.per_request, step.budget)
+        for r, tree in zip(reqs, grown):
+            out[r] = tree
+        return out
+
+    def _grow_on_host(self, step: DraftStep, cm, reqs: list[int], roots: list[int], prev: torch.Tensor):
+        """Trees of batch requests ``reqs`` (root positions ``roots``) grown with host bookkeeping, one MTP
+        forward per level and a copy of its top children to the host. A node is expanded only while its children
+        could still be kept by the runner's selection (their scores are at most its own): beyond the budget,
+        levels cost nothing."""
         trees = {}
-        prev = rows_of([last_rows[c] for _, c in growing], mtp_hidden)  # hidden that predicts the next level
         probs, toks = self._top_children(prev)
-        for k, ((r, c), p_row, t_row) in enumerate(zip(growing, probs, toks)):
-            g = _Growing(req_index=r, next_pos=chunks[c][2][-1] + 1)
+        for k, (r, root, p_row, t_row) in enumerate(zip(reqs, roots, probs, toks)):
+            g = _Growing(req_index=r, next_pos=root)
             g.add_children(-1, self._child_scores(p_row, 1), t_row)
             g.hidden_row[-1] = k
             trees[r] = g
-
-        # 2. Grow one level per MTP forward. A node is expanded only while its children could still be kept by
-        # the runner's selection (their scores are at most its own): beyond the budget, levels cost nothing.
         for _ in range(self.bole_config.max_depth - 1):
             chunks, hidden_rows, query_parents, row_starts, expanded = [], [], [], [], []
             floors = (selection_floors([g.tree.scores for g in trees.values()], step.per_request, step.budget)
@@ -225,7 +276,7 @@ class MTPTreeDrafter(TreeDrafter):
                 hidden_rows += [g.hidden_row[g.tree.parents[n]] for n in best]
                 chunks.append((g.req_index, [g.tree.tokens[n] for n in best],
                                [g.next_pos + g.depth[n] - 1 for n in best], g.next_pos + n_queries,
-                               slots(g.req_index, [g.next_pos + g.query_of[n] for n in best])))
+                               self._slots(g.req_index, [g.next_pos + g.query_of[n] for n in best]).tolist()))
                 query_parents.append(self._query_parents(g, n_queries))
                 expanded.append((g, best))
             if not chunks:
@@ -234,7 +285,8 @@ class MTPTreeDrafter(TreeDrafter):
             tree_rows = [TreeRows(req_index=c, row_start=start, region_mask=mask[[g.query_of[n] for n in best]])
                          for c, (start, mask, (g, best)) in enumerate(
                              zip(row_starts, ancestor_masks(query_parents), expanded))]
-            prev, top = self._tree_level(cm, chunks, rows_of(hidden_rows, prev), tree_rows)
+            hidden = prev[torch.tensor(hidden_rows, dtype=torch.long).to(prev.device, non_blocking=True)]
+            prev, top = self._tree_level(cm, chunks, hidden, tree_rows)
             probs, toks = _children_lists(top, self.bole_config.topk)
             i = 0
             for g, best in expanded:
@@ -242,7 +294,7 @@ class MTPTreeDrafter(TreeDrafter):
                     g.hidden_row[n] = i
                     g.add_children(n, self._child_scores(probs[i], g.depth[n] + 1), toks[i])
                     i += 1
-        return [trees[r].tree if r in trees else DraftTree() for r in range(len(step.req_ids))]
+        return [trees[r].tree for r in reqs]
 
     @staticmethod
     def _query_parents(g: _Growing, n_queries: int) -> list[int]:

@@ -34,6 +34,12 @@ def _graph_summary(llm) -> dict | None:
     return summary
 
 
+def _beam_levels(llm) -> int | None:
+    """Tree levels the MTP drafter grew on the device (None: it grows them on the host, or another drafter)."""
+    beam = getattr(getattr(_runner(llm), "bole_drafter", None), "beam", None)
+    return None if beam is None else beam.levels_run
+
+
 def _mamba_state_summary(llm) -> list[dict]:
     """Per Mamba KV-cache group: state shapes and how many slots a request holds (in-process engines only)."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -73,7 +79,8 @@ def run(spec: dict) -> dict:
         top = [{int(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
         results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
-            "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm)}
+            "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
+            "device_levels": _beam_levels(llm)}
 
 
 def main() -> None:

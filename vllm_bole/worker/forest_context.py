@@ -120,6 +120,12 @@ class StepForest:
                                  else DeviceTreeRows.pack(self.attention_rows, device))
         return self._device_rows
 
+    @property
+    def has_tree_rows(self) -> bool:
+        """Whether attention layers have tree rows to run: host rows, or rows already on the device (the MTP
+        drafter's device-grown levels give only those)."""
+        return bool(self.attention_rows) or self._device_rows is not None
+
     def device_bits(self) -> torch.Tensor | None:
         """The forest's ancestor bitmask (:func:`kernels.tree_gdn.triton_verify.ancestor_bits`), built once for
         all layers; None on CPU, where the references need none."""

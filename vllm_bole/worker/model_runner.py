@@ -102,10 +102,20 @@ class BoleModelRunnerMixin:
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._bole_forest = None
-        if spec_meta is not None:
+        if spec_meta is not None or self._plain_decode_step(num_scheduled_tokens):
             self._bole_forest = self._build_forest(scheduler_output, num_scheduled_tokens)
             set_current_forest(self._bole_forest)
         return logits_indices, spec_meta
+
+    def _plain_decode_step(self, num_scheduled_tokens: np.ndarray) -> bool:
+        """A step of decodes only, none with drafts, that Bole's graphs can run (as one-node trees): its cost
+        is then what a tree step's is measured against (calibration's T_dec), and it does not fall back to
+        vLLM's piecewise graphs, whose eager GDN and attention layers are host-bound."""
+        n = len(num_scheduled_tokens)
+        if self._bole_graphs is None or n == 0 or int(num_scheduled_tokens.max()) != 1:
+            return False
+        batch = self.input_batch
+        return bool((batch.num_computed_tokens_cpu[:n] >= batch.num_prompt_tokens[:n]).all())
 
     def _build_forest(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> StepForest:
         req_ids = self.input_batch.req_ids
@@ -170,6 +180,11 @@ class BoleModelRunnerMixin:
         forest = self._bole_forest
         if spec_decode_metadata is None or forest is None:
             self._bole_paths = None
+            if forest is not None and forest.tree_req_indices:
+                # A plain decode step that ran from a graph as one-node trees: each root is accepted, and the
+                # commit writes the state after it (graph mode leaves the GDN state to the commit).
+                forest.accepted_paths = [[0] for _ in forest.tree_req_indices]
+                self._bole_paths = [[0] for _ in self.input_batch.req_ids]
             return super()._sample(logits, spec_decode_metadata)
         self.input_batch.update_async_output_token_ids()
         metadata = self.input_batch.sampling_metadata
@@ -258,7 +273,9 @@ class BoleModelRunnerMixin:
             step.per_request = self.speculative_config.num_speculative_tokens
             step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
                                       context_len=int(context.mean()) if num_reqs else None)
-            trees = select_step(self.bole_drafter.propose(step), step.per_request, step.budget)
+            trees = self.bole_drafter.propose(step)
+            if not self.bole_drafter.selects:
+                trees = select_step(trees, step.per_request, step.budget)
         self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
         if self._bole_profiler is not None:
             self._bole_profiler.end_step(tree_step=self._bole_forest is not None)

@@ -1,5 +1,6 @@
 """Where a Bole engine step spends its time: ``VLLM_BOLE_PROFILE_STEPS=N`` logs the mean time of each phase
-(inputs + target forward, tree walk, commit + compaction, drafting) every N verification steps.
+(inputs + target forward, tree walk, commit + compaction, drafting) every N verification steps, and the mean
+wall time from one step's end to the next's ("step": the phases plus scheduling and vLLM's own bookkeeping).
 
 Each phase is closed by a device synchronize, so profiled runs are slower than plain ones; use it to compare
 phases, and benchmarks (without it) for throughput.
@@ -22,6 +23,8 @@ class StepProfiler:
         self.total: dict[str, float] = defaultdict(float)
         self.current: dict[str, float] = defaultdict(float)
         self.steps = 0
+        self.report: dict[str, float] = {}   # the last logged means (ms)
+        self._last_end: float | None = None
 
     @classmethod
     def from_env(cls) -> "StepProfiler | None":
@@ -46,13 +49,18 @@ class StepProfiler:
     def end_step(self, tree_step: bool) -> None:
         """Count a step (only steps that verified trees are reported) and log every ``every`` of them."""
         current, self.current = self.current, defaultdict(float)
+        now, last, self._last_end = time.perf_counter(), self._last_end, time.perf_counter()
         if not tree_step:
             return
+        # Wall time since the previous step ended: the phases plus what runs outside them (scheduling, output
+        # processing, vLLM's own input preparation and bookkeeping).
+        current["step"] = now - last if last is not None else sum(current.values())
         for k, v in current.items():
             self.total[k] += v
         self.steps += 1
         if self.steps % self.every == 0:
-            phases = ", ".join(f"{k} {v * 1e3 / self.every:.2f} ms" for k, v in self.total.items())
+            self.report = {k: v * 1e3 / self.every for k, v in self.total.items()}
+            phases = ", ".join(f"{k} {v:.2f} ms" for k, v in self.report.items())
             logger.info("Bole step profile (mean of %d tree steps): %s", self.every, phases)
             self.total.clear()
 

@@ -1,0 +1,127 @@
+"""The MTP drafter's device-grown levels (spec_decode/device_beam.py) against its host bookkeeping: the same
+queries, positions, KV slots, lengths and ancestor rows level by level, the same trees, and the same selection
+once the host's pruning applies. The MTP forward is a stand-in whose output depends only on the query's token
+and input hidden state, and whose children's probabilities are powers of two (exact products, many ties)."""
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_bole.spec_decode.device_beam import DeviceBeam, pack_bits, selection_alive
+from vllm_bole.spec_decode.drafter import DraftStep
+from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
+from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
+from vllm_bole.spec_decode.tree import select_step, selection_floors
+from vllm_bole.worker.forest_context import DeviceTreeRows
+
+PROBS = np.array([0.5, 0.25, 0.125, 0.0625])
+
+
+def _stand_in(k, depth, synthetic=None):
+    """An MTPTreeDrafter without an engine: writes, forwards and top children recorded and faked."""
+    drafter = MTPTreeDrafter.__new__(MTPTreeDrafter)
+    drafter.bole_config = SimpleNamespace(topk=k, max_depth=depth)
+    drafter.synthetic, drafter._synthetic_scores, drafter.graphs = synthetic, {}, None
+    drafter.levels = []
+    words = -(-(depth * k + 1) // 32)
+
+    def top_rows(hidden):
+        rows = []
+        for h in hidden[:, 0].tolist():
+            rng = np.random.default_rng(int(h))
+            p = np.sort(rng.choice(PROBS, size=k))[::-1]
+            tok = rng.choice(1 << 20, size=k, replace=False)
+            rows.append(np.concatenate([p, tok]))
+        return torch.tensor(np.array(rows), dtype=torch.float32)
+
+    def write_arrays(tokens, positions, slots, hidden):
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        drafter._written = (tokens, np.asarray(positions).tolist(), np.asarray(slots).tolist(), hidden[:, 0].tolist())
+        return len(tokens), len(tokens), None
+
+    def forward_written(cm, chunks, tree_rows, n, padded, mode, device_rows=None):
+        tokens, positions, slots, hid = drafter._written
+        packed = DeviceTreeRows.pack(tree_rows, "cpu", words=words)
+        drafter.levels.append({"tokens": tokens, "positions": positions, "slots": slots, "hidden": hid,
+                               "chunks": [(c[0], len(c[1]), c[3]) for c in chunks],
+                               "meta": packed.meta.tolist(), "bits": packed.bits.tolist()})
+        out = [(h * 1000003 + t) % (1 << 22) for h, t in zip(hid, tokens)]
+        return torch.tensor(out, dtype=torch.float32)[:, None]
+
+    drafter._top_rows, drafter._write_arrays, drafter._forward_written = top_rows, write_arrays, forward_written
+    drafter._slots = lambda r, positions: np.asarray(positions, dtype=np.int64) + 10000 * (r + 1)
+    return drafter
+
+
+def _grow(drafter, beam, reqs, roots, per_request=None, budget=None):
+    drafter.levels = []
+    step = DraftStep(req_ids=[], contexts=[], per_request=per_request, budget=budget)
+    hidden = torch.tensor([[float(7 + 13 * r)] for r in reqs])
+    if beam:
+        trees = DeviceBeam(drafter).grow(step, None, reqs, roots, hidden)
+    else:
+        trees = drafter._grow_on_host(step, None, reqs, roots, hidden)
+    return trees, drafter.levels
+
+
+def _case(seed):
+    rng = random.Random(seed)
+    k, depth = rng.choice([(1, 5), (2, 4), (3, 4), (4, 3), (4, 8), (2, 8)])
+    reqs = sorted(rng.sample(range(12), rng.randint(1, 5)))
+    roots = [rng.randint(1, 300) for _ in reqs]
+    synthetic = SyntheticAcceptance(rates=(0.9, 0.8, 0.7), sibling_rates=(0.35, 0.2), seed=0) if seed % 3 == 0 else None
+    return k, depth, reqs, roots, synthetic
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_device_levels_match_host_levels_without_pruning(seed):
+    k, depth, reqs, roots, synthetic = _case(seed)
+    drafter = _stand_in(k, depth, synthetic)
+    host_trees, host_levels = _grow(drafter, False, reqs, roots)
+    beam_trees, beam_levels = _grow(drafter, True, reqs, roots)
+    assert len(host_levels) == depth - 1
+    assert beam_levels == host_levels        # queries, positions, slots, hidden rows, lengths, tree rows
+    for h, b in zip(host_trees, beam_trees):
+        assert (b.tokens, b.parents) == (h.tokens, h.parents)
+        assert np.allclose(b.scores, h.scores, rtol=1e-6)
+        assert len(h) == k + (depth - 1) * k * k
+
+
+@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("per_request,budget", [(32, 128), (6, 9), (12, 16), (3, 4), (32, 0), (100, 1000)])
+def test_device_levels_select_what_pruned_host_levels_select(seed, per_request, budget):
+    k, depth, reqs, roots, synthetic = _case(seed)
+    drafter = _stand_in(k, depth, synthetic)
+    host_trees, host_levels = _grow(drafter, False, reqs, roots, per_request, budget)
+    beam_trees, beam_levels = _grow(drafter, True, reqs, roots, per_request, budget)
+    want = select_step(host_trees, per_request, budget)
+    assert [(t.tokens, t.parents) for t in beam_trees] == [(t.tokens, t.parents) for t in want]
+    assert len(beam_levels) <= depth - 1
+    if budget == 0:
+        assert beam_levels == [] and all(len(t) == 0 for t in beam_trees)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_selection_alive_matches_host_floors(seed):
+    rng = np.random.default_rng(seed)
+    g, n, k = int(rng.integers(1, 6)), int(rng.integers(1, 40)), int(rng.integers(1, 5))
+    scores = rng.choice(PROBS, size=(g, n)) if seed % 2 else rng.random((g, n))
+    front = rng.choice(PROBS, size=(g, k)) if seed % 2 else rng.random((g, k))
+    per_request, budget = int(rng.integers(1, 50)), int(rng.integers(1, 100))
+    floors = selection_floors([list(s) for s in scores], per_request, budget)
+    want = any(f > fl for row, fl in zip(front, floors) for f in row)
+    got = selection_alive(torch.tensor(scores, dtype=torch.float64), torch.tensor(front, dtype=torch.float64),
+                          per_request, budget)
+    assert bool(got) == want
+
+
+@pytest.mark.parametrize("cols,words", [(1, 1), (5, 1), (31, 1), (32, 1), (33, 2), (64, 3)])
+def test_pack_bits_is_the_host_layout(cols, words):
+    from vllm_bole.worker.forest_context import TreeRows
+
+    mask = torch.rand(7, cols) < 0.5
+    host = DeviceTreeRows.pack([TreeRows(req_index=0, row_start=0, region_mask=mask)], "cpu", words=words)
+    assert torch.equal(pack_bits(mask, host.bits.shape[1]), host.bits)

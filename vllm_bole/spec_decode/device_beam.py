@@ -1,0 +1,195 @@
+"""The MTP drafter's tree levels grown on the device: no copy to the host between levels.
+
+Every growing request keeps a beam of ``topk`` frontier nodes. A level feeds the frontier through the MTP layer
+(each query sees the committed prefix plus the MTP entries of its ancestors and itself), takes each query's
+``topk`` children and keeps the ``topk`` best new nodes (cumulative score; ties to the earlier node) as the next
+frontier: node for node the tree the host bookkeeping grows (``MTPTreeDrafter._grow_on_host``) when it prunes
+nothing. What a level reads from the tree (tokens, hidden-state rows, ancestor bits) is gathered on the device;
+the rest (positions, KV slots, lengths, row layout) follows from the beam's fixed shape and the roots' positions,
+which the host knows. The candidates come to the host once, after the last level, and the step's selection
+runs there in a few vectorized sorts (:func:`tree.select_step_arrays`).
+
+Pruning: levels stop once no frontier node beats its request's selection floor (``tree.selection_floors``,
+computed on the device; one scalar read per level, one level late so that it never drains the GPU queue).
+Frontier nodes below their floor still expand within a level that runs; their children score no higher, so the
+selection never keeps them.
+"""
+
+import numpy as np
+import torch
+
+from ..worker.forest_context import DeviceTreeRows, TreeRows
+from .tree import DraftTree, select_step_arrays
+
+
+def pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
+    """``[rows, cols]`` bool -> ``[rows, words]`` int32, column j at bit j % 32 of word j // 32 (the layout of
+    ``DeviceTreeRows.bits``), on the mask's device."""
+    rows, cols = mask.shape
+    wide = torch.zeros(rows, words * 32, dtype=torch.int64, device=mask.device)
+    wide[:, :cols] = mask
+    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(32, device=mask.device)
+    packed = (wide.view(rows, words, 32) * weights).sum(dim=-1)        # < 2^32: the int32 bit pattern
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def selection_alive(scores: torch.Tensor, frontier_scores: torch.Tensor, per_request: int | None,
+                    budget: int | None) -> torch.Tensor:
+    """0-dim bool on the device: whether some request's frontier node beats its selection floor (the device twin
+    of ``tree.selection_floors`` over ``[G, n]`` candidate scores, every request holding ``n``)."""
+    g, n = scores.shape
+    floor = torch.full((g,), -torch.inf, dtype=scores.dtype, device=scores.device)
+    if per_request is not None:
+        keep = max(min(per_request, n), 1)
+        best = scores.topk(keep, dim=1).values                          # [G, keep], descending
+        if n >= per_request:
+            floor = best[:, -1]
+        if budget is not None and best.numel() >= budget:
+            cut = best.flatten().topk(budget).values[-1]
+            floor = torch.maximum(floor, cut)
+    return (frontier_scores > floor[:, None]).any()
+
+
+class DeviceBeam:
+    def __init__(self, drafter):
+        self.drafter = drafter
+        cfg = drafter.bole_config
+        self.k, self.max_depth = cfg.topk, cfg.max_depth
+        # Bit words of a level's region (its request's queries so far): the drafter graphs' buffers' width.
+        self.words = -(-(self.max_depth * self.k + 1) // 32)
+        self._rates: torch.Tensor | None = None
+        self.levels_run = 0   # expansion levels grown so far (all steps)
+
+    def _child_probs(self, p: torch.Tensor, depth: int) -> torch.Tensor:
+        """Scores of children at ``depth`` relative to their parent, rank order: the drafter's probabilities,
+        or under synthetic acceptance the rates the walk accepts each rank with (``MTPTreeDrafter._child_scores``)."""
+        synthetic = self.drafter.synthetic
+        if synthetic is None:
+            return p
+        if self._rates is None:
+            self._rates = torch.tensor([[synthetic.child_probability(d, r) for r in range(self.k)]
+                                        for d in range(self.max_depth + 2)], dtype=torch.float64, device=p.device)
+        return self._rates[depth].expand_as(p)
+
+    def levels(self, per_request: int | None, budget: int | None) -> int:
+        """Expansion levels after the root's children: none deeper than a kept tree can reach."""
+        deepest = self.max_depth
+        if per_request is not None:
+            deepest = min(deepest, per_request)
+        if budget is not None:
+            deepest = min(deepest, budget)
+        return max(deepest - 1, 0)
+
+    def grow(self, step, cm, reqs: list[int], roots: list[int], hidden: torch.Tensor) -> list[DraftTree]:
+        """The selected trees of batch requests ``reqs`` (root positions ``roots``); ``hidden`` ``[G, H]``: the
+        MTP hidden state that predicts each root's children."""
+        k, g, device = self.k, len(reqs), hidden.device
+        if step.budget is not None and step.budget <= 0 or step.per_request is not None and step.per_request <= 0:
+            return [DraftTree() for _ in reqs]
+        levels = self.levels(step.per_request, step.budget)
+        m = k + levels * k * k
+        # Candidates: token ids, local parents (-1: the root) and cumulative scores, in float64: the products
+        # (and so the ties) of the host bookkeeping, and one copy to the host for all three.
+        tokens = torch.zeros(g, m, dtype=torch.float64, device=device)
+        parents = torch.full((g, m), -1.0, dtype=torch.float64, device=device)
+        scores = torch.zeros(g, m, dtype=torch.float64, device=device)
+        depths = np.ones(m, dtype=np.int64)
+
+        top = self.drafter._top_rows(hidden).double()                         # [G, 2k]
+        p = self._child_probs(top[:, :k], 1)
+        tokens[:, :k], scores[:, :k] = top[:, k:], p
+        order = torch.sort(p, dim=1, descending=True, stable=True).indices   # [G, k]
+        front = order
+        front_tok, front_score = top[:, k:].gather(1, order), p.gather(1, order)
+        front_row = torch.arange(g, device=device)[:, None].expand(g, k)    # row of ``prev`` per query
+        front_slot = None                     # each frontier node's parent among the last level's queries
+        prev, anc, n = hidden, None, k
+        roots_np = np.asarray(roots, dtype=np.int64)
+        cols = torch.arange(k, device=device)
+        # flags[j]: whether a frontier node beat its floor once level j's nodes existed. Level d reads flags[d-2]
+        # (no frontier node beat it after level d-2: level d-1's nodes and all deeper ones are below it, and
+        # floors only rise), so the read waits for work the GPU finished while level d-1 was queued.
+        check = step.per_request is not None
+        flags = [self._flag(scores[:, :n], front_score, step)] if check else []
+        for d in range(1, levels + 1):
+            if check and d >= 2 and not self._read(flags[d - 2]):
+                break
+            # The level's queries see their parent query's region and themselves (key (d-1)k + j).
+            if anc is None:
+                anc = torch.zeros(g, k, self.max_depth * k, dtype=torch.bool, device=device)
+            else:
+                anc = anc.gather(1, front_slot[:, :, None].expand(-1, -1, anc.shape[2]))
+            anc[:, cols, (d - 1) * k + cols] = True
+            hid = prev[(front_row.reshape(-1)).long()]
+            prev, top = self._run_level(cm, reqs, roots_np, d, front_tok.reshape(-1), hid, anc)
+            self.levels_run += 1
+            top = top.double()
+            p = self._child_probs(top[:, :k], d + 1).reshape(g, k, k)
+            child_tok = top[:, k:].reshape(g, k * k)
+            child_score = (front_score[:, :, None] * p).reshape(g, k * k)
+            tokens[:, n:n + k * k] = child_tok
+            scores[:, n:n + k * k] = child_score
+            parents[:, n:n + k * k] = front.double().repeat_interleave(k, dim=1)
+            depths[n:n + k * k] = d + 1
+            order = torch.sort(child_score, dim=1, descending=True, stable=True).indices[:, :k]
+            front = n + order
+            front_tok, front_score = child_tok.gather(1, order), child_score.gather(1, order)
+            front_slot = order // k
+            front_row = torch.arange(g, device=device)[:, None] * k + front_slot
+            n += k * k
+            if check:
+                flags.append(self._flag(scores[:, :n], front_score, step))
+        host = torch.stack([tokens[:, :n], parents[:, :n], scores[:, :n]]).cpu().numpy()
+        return select_step_arrays(host[0].astype(np.int64), host[1].astype(np.int64), host[2],
+                                  np.broadcast_to(depths[:n], (g, n)), step.per_request, step.budget)
+
+    @staticmethod
+    def _flag(scores: torch.Tensor, front_score: torch.Tensor, step):
+        """:func:`selection_alive` now, on its way to the host without draining the queue: (value, event)."""
+        alive = selection_alive(scores, front_score, step.per_request, step.budget)
+        if not alive.is_cuda:
+            return alive, None
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(alive, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    @staticmethod
+    def _read(flag) -> bool:
+        value, event = flag
+        if event is not None:
+            event.synchronize()
+        return bool(value)
+
+    def _run_level(self, cm, reqs: list[int], roots: np.ndarray, d: int, tokens: torch.Tensor,
+                   hidden: torch.Tensor, anc: torch.Tensor):
+        """One level's MTP forward: (hidden ``[G*k, H]``, top children ``[G*k, 2k]``). Query j of request c
+        is row c*k + j at position root + d - 1, its KV at position root + (d-1)k + j; the request's region is
+        its d*k queries so far."""
+        drafter, k, g = self.drafter, self.k, len(reqs)
+        rows = g * k
+        positions = np.repeat(roots + d - 1, k)
+        kv_pos = roots[:, None] + (d - 1) * k + np.arange(k)
+        slots = drafter._slots(np.asarray(reqs)[:, None], kv_pos).ravel()
+        seq_lens = roots + d * k
+        # What the metadata reads of a chunk: batch request, query count, sequence length.
+        chunks = [(r, range(k), None, int(s), None) for r, s in zip(reqs, seq_lens)]
+        written = drafter._write_arrays(tokens.long(), positions, slots, hidden)
+        c = np.arange(g, dtype=np.int32)
+        meta = torch.from_numpy(np.stack([c, c * k, np.full(g, k), np.full(g, d * k), c * k], axis=1)
+                                .astype(np.int32))
+        visible = anc[:, :, :d * k]
+        if hidden.device.type == "cpu":   # the CPU backend recomputes tree rows from host masks
+            tree_rows = [TreeRows(req_index=i, row_start=i * k, region_mask=visible[i]) for i in range(g)]
+            out = drafter._forward_written(cm, chunks, tree_rows, *written)
+            return out, drafter._top_rows(out)
+        bits = pack_bits(visible.reshape(rows, d * k), self.words)
+        if drafter.graphs is not None:
+            out = drafter.graphs.level(cm, chunks, (meta, bits), *written)
+            if out is not None:
+                return out
+        device_rows = DeviceTreeRows(meta=meta.to(hidden.device, non_blocking=True), bits=bits, num_rows=rows,
+                                     max_rows=k)
+        out = drafter._forward_written(cm, chunks, [], *written, device_rows=device_rows)
+        return out, drafter._top_rows(out)
