@@ -222,9 +222,11 @@ def run_worker(args) -> None:
         llm.generate(prompts, warm, use_tqdm=False)
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         before = spec_decode_counters(llm.get_metrics())
+        graphs_before = _bole_graph_counts(runner)
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t
+        graphs_after = _bole_graph_counts(runner)
         after = spec_decode_counters(llm.get_metrics())
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         drafts = after["num_drafts"] - before["num_drafts"]
@@ -237,12 +239,22 @@ def run_worker(args) -> None:
             from vllm_bole.spec_decode.budget import node_budget
 
             row["budget"] = node_budget(runner.bole_config, b, None, runner.model_config)
+            # Bole captures its full graphs lazily: captures inside the timed run are part of its wall time.
+            row["graphs_captured_in_timed_run"] = [a - b for a, b in zip(graphs_after, graphs_before)]
+            row["graphs_held"] = list(graphs_after)
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
     result["batches"] = per_batch
     if name == "bole" and args.profile_batch:
         result["profile"] = profile_bole(llm, runner, args, run_dir, rng)
     _write_json(run_dir / f"{name}.json", result)
+
+
+def _bole_graph_counts(runner) -> tuple[int, int]:
+    """(verification graphs, drafter level graphs) a Bole runner holds; zeros for other engines."""
+    verify = getattr(runner, "_bole_graphs", None)
+    draft = getattr(getattr(runner, "bole_drafter", None), "graphs", None)
+    return (len(verify.graphs) if verify is not None else 0, len(draft.graphs) if draft is not None else 0)
 
 
 def profile_bole(llm, runner, args, run_dir: Path, rng) -> dict:

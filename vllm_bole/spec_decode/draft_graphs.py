@@ -24,7 +24,7 @@ from ..worker.verify_graphs import GraphStep, capture
 
 logger = init_logger(__name__)
 
-MAX_GRAPHS = 128
+MAX_GRAPHS = 384   # as the verification graphs' cap (worker/verify_graphs.py); levels are cheaper to hold
 
 
 class DraftGraphs:

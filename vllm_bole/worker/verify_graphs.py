@@ -32,9 +32,11 @@ from ..logger import init_logger
 
 logger = init_logger(__name__)
 
-# Graphs kept per engine (each costs its activations' memory in Bole's pool and a GDN scratch per token
-# count); later keys run with vLLM's piecewise graphs.
-MAX_GRAPHS = 96
+# Graphs kept per engine; later keys run with vLLM's piecewise graphs. The graphs share one pool (a graph keeps
+# only its output there; activations are reused across captures) and one GDN scratch per power-of-two token
+# capacity, so a graph costs its capture time (tens of ms) more than memory. A calibration sweep plus serving
+# batch sizes 1..64 holds a few hundred keys.
+MAX_GRAPHS = 384
 
 
 @dataclass
