@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_bole.spec_decode.device_beam import DeviceBeam, pack_bits, selection_alive
+from vllm_bole.spec_decode.device_beam import DeviceBeam, pack_bits, selected_mask, selection_alive, trees_of_selection
 from vllm_bole.spec_decode.drafter import DraftStep
 from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
-from vllm_bole.spec_decode.tree import select_step, selection_floors
+from vllm_bole.spec_decode.tree import DraftTree, select_step, select_step_arrays, selection_floors
 from vllm_bole.worker.forest_context import DeviceTreeRows
 
 PROBS = np.array([0.5, 0.25, 0.125, 0.0625])
@@ -125,3 +125,36 @@ def test_pack_bits_is_the_host_layout(cols, words):
     mask = torch.rand(7, cols) < 0.5
     host = DeviceTreeRows.pack([TreeRows(req_index=0, row_start=0, region_mask=mask)], "cpu", words=words)
     assert torch.equal(pack_bits(mask, host.bits.shape[1]), host.bits)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_device_selection_is_select_step(seed):
+    """The beam's selection on the device keeps select_step's nodes (ties included), re-indexed the same way."""
+    rng = np.random.default_rng(seed)
+    g, k, levels = int(rng.integers(1, 7)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
+    n = k + levels * k * k
+    depths = np.concatenate([np.ones(k, dtype=np.int64)] + [np.full(k * k, d + 2) for d in range(levels)])
+    parents = np.full((g, n), -1, dtype=np.int64)
+    scores = np.zeros((g, n))
+    probs = (lambda size: rng.choice(PROBS, size=size)) if seed % 2 else (lambda size: rng.random(size))
+    scores[:, :k] = probs((g, k))
+    for d in range(levels):   # each level: k children under each of k random earlier nodes of the level above
+        lo = 0 if d == 0 else k + (d - 1) * k * k
+        hi = k if d == 0 else lo + k * k
+        base = k + d * k * k
+        for r in range(g):
+            front = rng.choice(np.arange(lo, hi), size=k, replace=False)
+            parents[r, base:base + k * k] = np.repeat(front, k)
+            scores[r, base:base + k * k] = scores[r, np.repeat(front, k)] * probs(k * k)
+    tokens = rng.integers(0, 1 << 20, size=(g, n))
+    per_request = [None, int(rng.integers(0, 3 * n))][seed % 3 != 0]
+    budget = [None, int(rng.integers(0, 2 * n * g))][seed % 4 != 0]
+    chosen = selected_mask(torch.tensor(scores), torch.tensor(depths), per_request, budget)
+    r, i = (t.numpy() for t in chosen.nonzero(as_tuple=True))
+    host = np.stack([r, i, tokens[r, i], parents[r, i], scores[r, i]]).astype(np.float64)
+    got = trees_of_selection(host, g, n)
+    trees = [DraftTree(tokens[j].tolist(), parents[j].tolist(), scores[j].tolist()) for j in range(g)]
+    want = select_step(trees, 10**9 if per_request is None else per_request, 10**9 if budget is None else budget)
+    assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
+    twin = select_step_arrays(tokens, parents, scores, np.broadcast_to(depths, (g, n)), per_request, budget)
+    assert [(t.tokens, t.parents) for t in twin] == [(t.tokens, t.parents) for t in want]

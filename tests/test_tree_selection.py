@@ -8,7 +8,8 @@ from vllm_bole.spec_decode.tree import DraftTree, select_global
 from vllm_bole.spec_decode.tree_sampler import walk_tree
 
 
-def _random_tree(rng, n):
+def _random_tree(rng, n, ties=False):
+    """``ties``: child probabilities from {1, 1/2, 1/4}, so equal scores occur across nodes and requests."""
     t = DraftTree()
     for i in range(n):
         p = -1 if i == 0 or rng.random() < 0.2 else rng.randrange(i)
@@ -16,7 +17,8 @@ def _random_tree(rng, n):
         t.tokens.append(rng.randrange(1000))
         t.parents.append(p)
         # Exact ties with the parent happen (probability 1.0 children) and must keep the parent.
-        t.scores.append(parent_score * (1.0 if rng.random() < 0.1 else rng.random()))
+        t.scores.append(parent_score * (rng.choice([0.5, 0.25, 1.0]) if ties
+                                        else 1.0 if rng.random() < 0.1 else rng.random()))
     return t
 
 
@@ -132,16 +134,7 @@ def test_vectorized_selection_is_select_step(seed):
 
     rng = random.Random(seed)
     g, m = rng.randint(1, 6), rng.randint(1, 40)
-    trees = []
-    for _ in range(g):
-        t = DraftTree()
-        for i in range(m):
-            p = -1 if i == 0 or rng.random() < 0.2 else rng.randrange(i)
-            base = 1.0 if p < 0 else t.scores[p]
-            t.tokens.append(rng.randrange(1000))
-            t.parents.append(p)
-            t.scores.append(base * (rng.choice([0.5, 0.25, 1.0]) if seed % 2 else rng.random()))
-        trees.append(t)
+    trees = [_random_tree(rng, m, ties=seed % 2 == 1) for _ in range(g)]
     arrays = [np.array([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "scores")]
     depths = np.array([t.depths() for t in trees])
     per_request = rng.choice([None, rng.randint(0, 40)])

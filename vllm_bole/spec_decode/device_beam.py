@@ -6,8 +6,8 @@ Every growing request keeps a beam of ``topk`` frontier nodes. A level feeds the
 frontier: node for node the tree the host bookkeeping grows (``MTPTreeDrafter._grow_on_host``) when it prunes
 nothing. What a level reads from the tree (tokens, hidden-state rows, ancestor bits) is gathered on the device;
 the rest (positions, KV slots, lengths, row layout) follows from the beam's fixed shape and the roots' positions,
-which the host knows. The candidates come to the host once, after the last level, and the step's selection
-runs there in a few vectorized sorts (:func:`tree.select_step_arrays`).
+which the host knows. The step's selection (``tree.select_step``) runs on the device too, in a few stable sorts,
+and only the kept nodes come to the host, once, after the last level.
 
 Pruning: levels stop once no frontier node beats its request's selection floor (``tree.selection_floors``,
 computed on the device; one scalar read per level, one level late so that it never drains the GPU queue).
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..worker.forest_context import DeviceTreeRows, TreeRows
-from .tree import DraftTree, select_step_arrays
+from .tree import DraftTree
 
 
 def pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
@@ -48,6 +48,45 @@ def selection_alive(scores: torch.Tensor, frontier_scores: torch.Tensor, per_req
             cut = best.flatten().topk(budget).values[-1]
             floor = torch.maximum(floor, cut)
     return (frontier_scores > floor[:, None]).any()
+
+
+def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int | None,
+                  budget: int | None) -> torch.Tensor:
+    """``[G, n]`` bool: the nodes :func:`tree.select_step` keeps of ``G`` candidate trees with ``[G, n]`` scores
+    and ``[n]`` depths (the same in every tree), on the scores' device: each request's ``per_request`` best by
+    (score, shallower, lower index), then the ``budget`` best of those by (score, shallower, lower request, lower
+    index); stable sorts, least significant key first. ``tree.select_step_arrays`` is its host twin."""
+    g, n = scores.shape
+    by_depth = torch.sort(depths, stable=True).indices
+    order = by_depth[torch.sort(scores[:, by_depth], dim=1, descending=True, stable=True).indices]
+    keep = order if per_request is None else order[:, :max(min(per_request, n), 0)]
+    rows = torch.arange(g, device=scores.device)[:, None].expand_as(keep).reshape(-1)
+    idx = keep.reshape(-1)
+    perm = torch.argsort(idx, stable=True)
+    perm = perm[torch.argsort(rows[perm], stable=True)]
+    perm = perm[torch.argsort(depths[idx[perm]], stable=True)]
+    perm = perm[torch.sort(scores[rows[perm], idx[perm]], descending=True, stable=True).indices]
+    if budget is not None:
+        perm = perm[:max(budget, 0)]
+    chosen = torch.zeros(g, n, dtype=torch.bool, device=scores.device)
+    chosen[rows[perm], idx[perm]] = True
+    return chosen
+
+
+def trees_of_selection(host: np.ndarray, g: int, n: int) -> list[DraftTree]:
+    """The ``g`` trees of selected nodes given as ``[5, S]`` rows (request, node, token, parent node, score),
+    sorted by request then node: parents re-indexed within each request's kept nodes."""
+    r, i = host[0].astype(np.int64), host[1].astype(np.int64)
+    counts = np.bincount(r, minlength=g)
+    local = np.arange(len(r)) - np.repeat(np.cumsum(counts) - counts, counts)
+    new_index = np.full((g, n), -1, dtype=np.int64)
+    new_index[r, i] = local
+    par = host[3].astype(np.int64)
+    par = np.where(par >= 0, new_index[r, np.maximum(par, 0)], -1)
+    tokens, scores = host[2].astype(np.int64), host[4]
+    bounds = np.cumsum(counts)[:-1]
+    return [DraftTree(t.tolist(), p.tolist(), s.tolist())
+            for t, p, s in zip(np.split(tokens, bounds), np.split(par, bounds), np.split(scores, bounds))]
 
 
 class DeviceBeam:
@@ -139,9 +178,11 @@ class DeviceBeam:
             n += k * k
             if check:
                 flags.append(self._flag(scores[:, :n], front_score, step))
-        host = torch.stack([tokens[:, :n], parents[:, :n], scores[:, :n]]).cpu().numpy()
-        return select_step_arrays(host[0].astype(np.int64), host[1].astype(np.int64), host[2],
-                                  np.broadcast_to(depths[:n], (g, n)), step.per_request, step.budget)
+        chosen = selected_mask(scores[:, :n], torch.from_numpy(depths[:n]).to(device), step.per_request,
+                               step.budget)
+        r, i = chosen.nonzero(as_tuple=True)       # by request, then node: parents before children
+        host = torch.stack([r.double(), i.double(), tokens[r, i], parents[r, i], scores[r, i]]).cpu().numpy()
+        return trees_of_selection(host, g, n)
 
     @staticmethod
     def _flag(scores: torch.Tensor, front_score: torch.Tensor, step):
