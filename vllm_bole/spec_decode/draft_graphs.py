@@ -39,7 +39,7 @@ class DraftGraphs:
         self.words = -(-(drafter.bole_config.max_depth * topk + 1) // 32)
         self.meta = torch.zeros(reqs, 5, dtype=torch.int32, device=dev)
         self.bits = torch.zeros(reqs * topk, self.words, dtype=torch.int32, device=dev)
-        self.pool = torch.cuda.graph_pool_handle()   # not shared with the verification graphs' pool
+        self.pool = None   # at the first capture; not shared with the verification graphs' pool
         self.graphs: dict[tuple, tuple] = {}
         self.replays = 0
         self.disabled = False
@@ -71,11 +71,11 @@ class DraftGraphs:
             self.block_table = torch.zeros_like(cm.block_table_tensor[:1]).expand(
                 self.seq_lens.numel(), -1).contiguous()
         # The level's requests and rows go into the fixed buffers (the graph reads nothing else from the host).
-        qsl, seq_lens, rows = drafter._request_tensors(cm, chunks, bucket)
+        qsl, seq_lens, table_rows = drafter._request_tensors(cm, chunks, bucket)
         views = (self.query_start_loc[:bucket + 1], self.seq_lens[:bucket], self.block_table[:bucket])
         views[0].copy_(qsl, non_blocking=True)
         views[1].copy_(seq_lens, non_blocking=True)
-        views[2][:reqs].copy_(rows)
+        views[2][:reqs].copy_(table_rows)
         meta, bits = rows
         if bucket > reqs:  # an empty request j has no rows and is its own batch index (its prefix stays 0)
             pad = torch.zeros(bucket - reqs, 5, dtype=torch.int32)
@@ -111,6 +111,8 @@ class DraftGraphs:
     def _capture(self, key, per_layer, tree_rows, padded: int):
         start = time.perf_counter()
         drafter = self.drafter
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
 
         def call():
             # A fresh forest per run: its device rows cache what they compute (inside the graph when capturing).

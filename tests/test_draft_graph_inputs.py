@@ -1,0 +1,69 @@
+"""What a drafter level graph reads, written before each replay (spec_decode/draft_graphs.py): the level's
+query_start_loc, seq_lens and block-table rows over the power-of-two request bucket, and its tree rows (meta and
+bits) as the host bookkeeping packs them or as the device beam builds them. The capture itself needs a GPU; here
+it is a stand-in that snapshots the buffers at every replay."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from vllm.config import CUDAGraphMode
+
+from vllm_bole.spec_decode.device_beam import pack_bits
+from vllm_bole.spec_decode.draft_graphs import DraftGraphs
+from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
+from vllm_bole.worker.forest_context import DeviceTreeRows, TreeRows
+
+
+def _graphs(k=2, depth=3, max_reqs=8):
+    drafter = SimpleNamespace(
+        runner=SimpleNamespace(max_num_reqs=max_reqs, device=torch.device("cpu"), max_model_len=512),
+        bole_config=SimpleNamespace(topk=k, max_depth=depth),
+        _request_tensors=MTPTreeDrafter._request_tensors, _metadata=lambda *args: "per-layer metadata")
+    graphs = DraftGraphs(drafter)
+    snapshots, captures = [], []
+
+    def capture(key, per_layer, tree_rows, padded):
+        captures.append((key, per_layer, padded))
+        buffers = (graphs.query_start_loc, graphs.seq_lens, graphs.block_table, graphs.meta, graphs.bits)
+        outputs = (torch.arange(padded, dtype=torch.float32)[:, None], torch.ones(padded, 2 * k))
+        entry = (SimpleNamespace(replay=lambda: snapshots.append([b.clone() for b in buffers])), outputs)
+        graphs.graphs[key] = entry
+        return entry
+
+    graphs._capture = capture
+    return graphs, snapshots, captures
+
+
+@pytest.mark.parametrize("device_rows", [False, True])
+def test_level_fills_the_graph_buffers(device_rows):
+    k, depth = 2, 3
+    graphs, snapshots, captures = _graphs(k, depth)
+    cm = SimpleNamespace(block_table_tensor=torch.arange(8 * 4, dtype=torch.int32).view(8, 4))
+    reqs, seq_lens, d = [5, 2, 7], [40, 700, 13], 2           # three requests: bucket 4, one empty request
+    chunks = [(r, range(k), None, s, None) for r, s in zip(reqs, seq_lens)]
+    masks = [torch.rand(k, d * k) < 0.5 for _ in reqs]
+    if device_rows:   # as DeviceBeam._run_level builds them
+        c = np.arange(len(reqs), dtype=np.int32)
+        meta = torch.from_numpy(np.stack([c, c * k, np.full(3, k), np.full(3, d * k), c * k], 1).astype(np.int32))
+        rows = (meta, pack_bits(torch.cat(masks), graphs.words))
+    else:             # as MTPTreeDrafter._tree_level packs host rows
+        packed = DeviceTreeRows.pack([TreeRows(req_index=i, row_start=i * k, region_mask=m)
+                                      for i, m in enumerate(masks)], "cpu", words=graphs.words)
+        rows = (packed.meta, packed.bits)
+    n = k * len(reqs)
+    hidden, top = graphs.level(cm, chunks, rows, n, 8, CUDAGraphMode.PIECEWISE)
+    assert hidden.shape[0] == n and top.shape == (n, 2 * k)
+    assert [c[0] for c in captures] == [(8, 4, True)]          # 700 > the inline-prefix threshold
+    qsl, lens, table, meta, bits = snapshots[-1]
+    assert qsl[:5].tolist() == [0, 2, 4, 6, 6]
+    assert lens[:4].tolist() == seq_lens + [0]
+    assert torch.equal(table[:3], cm.block_table_tensor[reqs])
+    assert meta[:3].tolist() == [[i, i * k, k, d * k, i * k] for i in range(3)]
+    assert meta[3].tolist() == [3, 0, 0, 0, 0]                 # the empty request: its own batch index
+    assert torch.equal(bits[:n], pack_bits(torch.cat(masks), graphs.words))
+    # Same key again: replayed, not captured; another request count pads to its own bucket.
+    graphs.level(cm, chunks, rows, n, 8, CUDAGraphMode.PIECEWISE)
+    assert len(captures) == 1 and graphs.replays == 2
+    assert graphs.level(cm, chunks, rows, n, 8, CUDAGraphMode.NONE) is None
