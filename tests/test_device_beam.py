@@ -158,3 +158,62 @@ def test_device_selection_is_select_step(seed):
     assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
     twin = select_step_arrays(tokens, parents, scores, np.broadcast_to(depths, (g, n)), per_request, budget)
     assert [(t.tokens, t.parents) for t in twin] == [(t.tokens, t.parents) for t in want]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("graphs", [True, False])
+def test_device_rows_branch_matches_host_rows_branch(seed, graphs):
+    """The beam's GPU branch (device bits; through the drafter level graphs, or eagerly with device rows), run
+    on CPU with a stand-in capture, grows the trees of its CPU branch (host masks) from the same queries."""
+    from vllm.config import CUDAGraphMode
+
+    from vllm_bole.spec_decode.draft_graphs import DraftGraphs
+
+    k, depth, reqs, roots, synthetic = _case(seed)
+    drafter = _stand_in(k, depth, synthetic)
+    want, want_levels = _grow(drafter, True, reqs, roots, 32, 64)
+
+    forward_written = drafter._forward_written
+    device_rows = []
+
+    def eager(cm, chunks, tree_rows, n, padded, mode, device_rows_=None, **kw):
+        rows = kw.get("device_rows", device_rows_)
+        assert tree_rows == [] and rows is not None
+        device_rows.append((rows.meta.tolist(), rows.bits.tolist()))
+        return forward_written(cm, chunks, [], n, padded, mode)
+
+    drafter._forward_written = eager
+    drafter.graphs = None
+    if graphs:
+        drafter.runner = SimpleNamespace(max_num_reqs=16, device=torch.device("cpu"), max_model_len=4096)
+        drafter._metadata = lambda *args: None
+        level_graphs = DraftGraphs(drafter)
+
+        def capture(key, per_layer, tree_rows, padded):
+            out = (torch.zeros(padded, 1), torch.zeros(padded, 2 * k))
+
+            def replay():   # what the captured level computes, from what the drafter wrote
+                tokens, _, _, hid = drafter._written
+                hidden = forward_written(None, [], [], len(tokens), len(tokens), None)
+                out[0][:len(tokens)] = hidden
+                out[1][:len(tokens)] = drafter._top_rows(hidden)
+                device_rows.append((level_graphs.meta[:len(reqs)].tolist(),
+                                    level_graphs.bits[:len(tokens)].tolist()))
+            entry = (SimpleNamespace(replay=replay), out)
+            level_graphs.graphs[key] = entry
+            return entry
+
+        level_graphs._capture = capture
+        drafter.graphs = level_graphs
+        drafter._write_arrays = (lambda write: lambda *a: (*write(*a)[:2], CUDAGraphMode.PIECEWISE))(
+            drafter._write_arrays)
+    beam = DeviceBeam(drafter)
+    beam.host_rows = lambda hidden: False
+    drafter.levels = []
+    step = DraftStep(req_ids=[], contexts=[], per_request=32, budget=64)
+    cm = SimpleNamespace(block_table_tensor=torch.arange(16 * 8, dtype=torch.int32).view(16, 8))
+    got = beam.grow(step, cm, reqs, roots, torch.tensor([[float(7 + 13 * r)] for r in reqs]))
+    assert [(t.tokens, t.parents) for t in got] == [(t.tokens, t.parents) for t in want]
+    assert len(device_rows) == len(want_levels) and (not graphs or drafter.graphs.replays == len(want_levels))
+    for (meta, bits), level in zip(device_rows, want_levels):   # the bits the host rows pack into
+        assert meta == level["meta"] and bits == [b[:len(bits[0])] for b in level["bits"]]

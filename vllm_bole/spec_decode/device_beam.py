@@ -185,6 +185,11 @@ class DeviceBeam:
         return trees_of_selection(host, g, n)
 
     @staticmethod
+    def host_rows(hidden: torch.Tensor) -> bool:
+        """Whether the attention backend reads tree rows as host masks (CPU) rather than device bits (GPU)."""
+        return hidden.device.type == "cpu"
+
+    @staticmethod
     def _flag(scores: torch.Tensor, front_score: torch.Tensor, step):
         """:func:`selection_alive` now, on its way to the host without draining the queue: (value, event)."""
         alive = selection_alive(scores, front_score, step.per_request, step.budget)
@@ -221,7 +226,7 @@ class DeviceBeam:
         meta = torch.from_numpy(np.stack([c, c * k, np.full(g, k), np.full(g, d * k), c * k], axis=1)
                                 .astype(np.int32))
         visible = anc[:, :, :d * k]
-        if hidden.device.type == "cpu":   # the CPU backend recomputes tree rows from host masks
+        if self.host_rows(hidden):   # the CPU backend recomputes tree rows from host masks
             tree_rows = [TreeRows(req_index=i, row_start=i * k, region_mask=visible[i]) for i in range(g)]
             out = drafter._forward_written(cm, chunks, tree_rows, *written)
             return out, drafter._top_rows(out)
