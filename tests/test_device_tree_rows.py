@@ -20,9 +20,8 @@ def test_forest_masks_match_per_tree_masks():
 
 def test_step_rows_start_at_each_requests_first_row():
     forest = StepForest(req_ids=["a", "b"], tree_req_indices=[0, 2], parent=None, cu_seqlens=None, tokens=[],
-                        tree_parents=[[-1, 0, 0], [-1]], query_starts=[0, 9])
-    forest.build_attention_rows()
-    assert [(r.req_index, r.row_start, tuple(r.region_mask.shape)) for r in forest.attention_rows] == [
+                        tree_parents=[[-1, 0, 0], [-1]], query_starts=[0, 9], attention_rows=None)
+    assert [(r.req_index, r.row_start, tuple(r.region_mask.shape)) for r in forest.rows()] == [
         (0, 0, (3, 3)), (2, 9, (1, 1))]
     assert forest.device_rows("cpu") is forest.device_rows("cpu")
 
@@ -71,17 +70,16 @@ def test_graph_rows_built_on_device_equal_packed_host_rows():
     bound = 40                                                  # any bound on the tree sizes
     forest = StepForest(req_ids=list("abcd"), tree_req_indices=[0, 1, 2, 3], parent=parent, cu_seqlens=cu,
                         tokens=[], tree_parents=trees, max_nodes=bound,
-                        query_starts=cu[:-1].tolist(), graph=object())
+                        query_starts=cu[:-1].tolist(), graph=object(), attention_rows=None)
     with interpreter():
         forest._bits = tv.ancestor_bits(parent, cu, bound)
-    forest.build_attention_rows()
     on_device = forest.device_rows(DEV)
-    host = DeviceTreeRows.pack(forest.attention_rows, "cpu")
+    host = DeviceTreeRows.pack(forest.rows(), "cpu")
     assert torch.equal(on_device.meta.cpu(), host.meta) and on_device.max_rows == bound
     j = torch.arange(max(sizes))
     for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         got = ((on_device.bits.cpu().long()[s:e][:, j[:e - s] // 32] >> (j[:e - s] % 32)) & 1).bool()
-        assert torch.equal(got, forest.attention_rows[b].region_mask)
+        assert torch.equal(got, forest.rows()[b].region_mask)
     seq_lens = torch.tensor([50, 7, 100, 80], dtype=torch.int32, device=DEV)
     assert on_device.prefix_lens(seq_lens).tolist() == [50 - 9, 7 - 1, 100 - 33, 80 - 20]
 
@@ -93,13 +91,13 @@ def test_plain_decodes_become_one_node_trees_in_batch_order():
     parent, cu = forest_tensors([-1, 0, 0, -1, 0], [0, 3, 5])
     forest = StepForest(req_ids=["b", "d"], tree_req_indices=[1, 3], parent=parent, cu_seqlens=cu,
                         tokens=[[-1, 7, 8], [-1, 9]], tree_parents=[[-1, 0, 0], [-1, 0]], max_nodes=3,
-                        query_starts=[1, 5], tree_only=True,
+                        query_starts=[1, 5], tree_only=True, attention_rows=None,
                         plain_decodes=[(0, "a", 0), (2, "c", 4), (4, "e", 7)])
-    assert forest.num_trees == 5
+    assert forest.num_trees == 5 and forest.has_tree_rows
     forest.promote_plain_decodes(forest_tensors)
     assert forest.tree_req_indices == [0, 1, 2, 3, 4] and forest.req_ids == list("abcde")
     assert forest.query_starts == [0, 1, 4, 5, 7] and forest.tokens[0] == [-1] and forest.tokens[1] == [-1, 7, 8]
     assert forest.parent.tolist() == [-1, -1, 0, 0, -1, -1, 0, -1] and forest.cu_seqlens.tolist() == [0, 1, 4, 5, 7, 8]
     assert forest.plain_decodes == [] and forest.num_trees == 5 and forest.max_nodes == 3
-    assert [tuple(r.region_mask.shape) for r in forest.attention_rows] == [(1, 1), (3, 3), (1, 1), (2, 2), (1, 1)]
-    assert [r.row_start for r in forest.attention_rows] == [0, 1, 4, 5, 7]
+    assert [tuple(r.region_mask.shape) for r in forest.rows()] == [(1, 1), (3, 3), (1, 1), (2, 2), (1, 1)]
+    assert [r.row_start for r in forest.rows()] == [0, 1, 4, 5, 7]

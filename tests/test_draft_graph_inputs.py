@@ -55,7 +55,7 @@ def test_level_fills_the_graph_buffers(device_rows):
     n = k * len(reqs)
     hidden, top = graphs.level(cm, chunks, rows, n, 8, CUDAGraphMode.PIECEWISE)
     assert hidden.shape[0] == n and top.shape == (n, 2 * k)
-    assert [c[0] for c in captures] == [(8, 4, True)]          # 700 > the inline-prefix threshold
+    assert [c[0] for c in captures] == [(8, 4, True, k)]       # 700 > the inline-prefix threshold; k rows
     qsl, lens, table, meta, bits = snapshots[-1]
     assert qsl[:5].tolist() == [0, 2, 4, 6, 6]
     assert lens[:4].tolist() == seq_lens + [0]
@@ -67,3 +67,33 @@ def test_level_fills_the_graph_buffers(device_rows):
     graphs.level(cm, chunks, rows, n, 8, CUDAGraphMode.PIECEWISE)
     assert len(captures) == 1 and graphs.replays == 2
     assert graphs.level(cm, chunks, rows, n, 8, CUDAGraphMode.NONE) is None
+
+
+def test_catch_up_runs_short_chunks_as_causal_tree_rows():
+    """The drafter's catch-up forward: accepted paths (at most depth + 1 tokens) through a level graph whose rows
+    are causal; a longer chunk (a prefill) on vLLM's path."""
+    k, depth = 2, 3
+    graphs, snapshots, captures = _graphs(k, depth)
+    drafter = MTPTreeDrafter.__new__(MTPTreeDrafter)
+    drafter.bole_config, drafter.graphs = SimpleNamespace(topk=k, max_depth=depth), graphs
+    graphs.drafter = SimpleNamespace(runner=graphs.drafter.runner, bole_config=drafter.bole_config,
+                                     _request_tensors=MTPTreeDrafter._request_tensors, _metadata=lambda *a: None)
+    drafter._write_arrays = lambda tokens, positions, slots, hidden: (hidden.shape[0], 8, CUDAGraphMode.PIECEWISE)
+    vllm_path = []
+    drafter._forward = lambda cm, chunks, hidden: vllm_path.append(chunks) or hidden
+    cm = SimpleNamespace(block_table_tensor=torch.arange(8 * 4, dtype=torch.int32).view(8, 4))
+    lens = [4, 1, 3]
+    chunks = [(r, list(range(n)), list(range(30, 30 + n)), 30 + n, list(range(n))) for r, n in zip([1, 6, 3], lens)]
+    hidden, top = drafter._catch_up(cm, chunks, torch.zeros(sum(lens), 1))
+    assert not vllm_path and top is not None and hidden.shape[0] == sum(lens)
+    assert [c[0] for c in captures] == [(8, 4, False, depth + 1)]
+    _, _, _, meta, bits = snapshots[-1]
+    starts = [0, 4, 5]
+    assert meta[:3].tolist() == [[i, s, n, n, s] for i, (s, n) in enumerate(zip(starts, lens))]
+    causal = torch.zeros(sum(lens), max(lens), dtype=torch.bool)
+    for s, n in zip(starts, lens):
+        causal[s:s + n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.equal(bits[:sum(lens)], pack_bits(causal, graphs.words))
+    long = [(2, list(range(depth + 2)), list(range(depth + 2)), depth + 2, list(range(depth + 2)))]
+    hidden, top = drafter._catch_up(cm, long, torch.zeros(depth + 2, 1))
+    assert vllm_path == [long] and top is None

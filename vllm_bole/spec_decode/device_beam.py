@@ -119,9 +119,10 @@ class DeviceBeam:
             deepest = min(deepest, budget)
         return max(deepest - 1, 0)
 
-    def grow(self, step, cm, reqs: list[int], roots: list[int], hidden: torch.Tensor) -> list[DraftTree]:
+    def grow(self, step, cm, reqs: list[int], roots: list[int], hidden: torch.Tensor,
+             top: torch.Tensor | None = None) -> list[DraftTree]:
         """The selected trees of batch requests ``reqs`` (root positions ``roots``); ``hidden`` ``[G, H]``: the
-        MTP hidden state that predicts each root's children."""
+        MTP hidden state that predicts each root's children; ``top``: its top children, if already computed."""
         k, g, device = self.k, len(reqs), hidden.device
         if step.budget is not None and step.budget <= 0 or step.per_request is not None and step.per_request <= 0:
             return [DraftTree() for _ in reqs]
@@ -134,7 +135,7 @@ class DeviceBeam:
         scores = torch.zeros(g, m, dtype=torch.float64, device=device)
         depths = np.ones(m, dtype=np.int64)
 
-        top = self.drafter._top_rows(hidden).double()                         # [G, 2k]
+        top = (top if top is not None else self.drafter._top_rows(hidden)).double()   # [G, 2k]
         p = self._child_probs(top[:, :k], 1)
         tokens[:, :k], scores[:, :k] = top[:, k:], p
         order = torch.sort(p, dim=1, descending=True, stable=True).indices   # [G, k]

@@ -1,15 +1,15 @@
 """Full CUDA graphs of the MTP drafter's tree levels (GPU).
 
 A tree level is one MTP forward over the new queries of every growing request, then the LM head and the top-k
-children. With vLLM's piecewise graphs its attention layer, the LM head and the top-k run eagerly, and that
-host work is most of a level's time. A level is instead replayed from a graph of all of it, keyed by (padded
-tokens, requests, attention route) and captured the first time its key occurs (eager warm-up, capture, replay;
-a level only writes its own queries' MTP K/V slots, so running it again is harmless).
+children. With vLLM's piecewise graphs its attention layer, the LM head and the top-k run eagerly, and that host
+work is most of a level's time. A level is instead replayed from a graph of all of it, keyed by (padded tokens,
+requests, attention route, rows per request) and captured the first time its key occurs (eager warm-up, capture,
+replay; a level only writes its own queries' MTP K/V slots, so running it again is harmless). The catch-up
+forward over the tokens a step committed (at most depth + 1 per request) runs the same way, as causal tree rows.
 
 Fixed addresses: the proposer's persistent token / position / hidden-state / slot buffers, and this module's
 query_start_loc, seq_lens, block-table rows and tree-row buffers, refilled before every replay. The attention
-layer reads the graph's bounds (``GraphStep``) instead of the level's host values. The catch-up forward over
-the committed tokens stays on vLLM's path (its causal attention uses per-step FlashAttention metadata).
+layer reads the graph's bounds (``GraphStep``) instead of the level's host values.
 """
 
 import time
@@ -35,24 +35,27 @@ class DraftGraphs:
         self.query_start_loc = torch.zeros(reqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=dev)
         self.block_table = None                      # [reqs, blocks] once the KV cache exists
-        # Tree rows: a level has at most topk queries per request, over at most depth * topk + 1 region keys.
-        self.words = -(-(drafter.bole_config.max_depth * topk + 1) // 32)
+        # Tree rows: a level has at most topk queries per request, over at most depth * topk + 1 region keys; the
+        # catch-up forward at most depth + 1 rows per request (the accepted path and the bonus token).
+        depth = drafter.bole_config.max_depth
+        self.words = -(-(depth * topk + 1) // 32)
+        self.catch_up_rows = depth + 1
         self.meta = torch.zeros(reqs, 5, dtype=torch.int32, device=dev)
-        self.bits = torch.zeros(reqs * topk, self.words, dtype=torch.int32, device=dev)
+        self.bits = torch.zeros(reqs * max(topk, self.catch_up_rows), self.words, dtype=torch.int32, device=dev)
         self.pool = None   # at the first capture; not shared with the verification graphs' pool
         self.graphs: dict[tuple, tuple] = {}
         self.replays = 0
         self.disabled = False
         self._full_logged = False
 
-    def level(self, cm, chunks, rows, n: int, padded: int, mode, tree_rows=()):
+    def level(self, cm, chunks, rows, n: int, padded: int, mode, tree_rows=(), max_rows: int | None = None):
         """(MTP hidden ``[n, H]``, top children ``[n, 2k]``) of one tree level whose inputs the drafter has
         written (``_write_inputs``: ``n`` tokens padded to ``padded``, vLLM's graph ``mode`` for that size),
         from its graph; None when the level cannot run from one (more tokens than vLLM captures for the
         drafter, too many graphs, a capture failed). ``rows``: the level's tree rows as (meta ``[reqs, 5]`` on
         the host, bits ``[rows, words]`` on the host or the device), the layout of ``DeviceTreeRows``;
         ``tree_rows``: the same rows on the host, if the drafter has them (the forest's ``attention_rows``; the
-        graph reads ``rows``)."""
+        graph reads ``rows``); ``max_rows``: the bound on any request's rows (default topk: a tree level)."""
         drafter = self.drafter
         if self.disabled or mode != CUDAGraphMode.PIECEWISE:
             return None
@@ -60,7 +63,8 @@ class DraftGraphs:
         # the pruned levels' request counts vary.
         reqs = len(chunks)
         bucket = min(1 << (reqs - 1).bit_length(), self.seq_lens.numel())
-        key = (padded, bucket, max(c[3] for c in chunks) > INLINE_PREFIX_MAX_SEQ)
+        key = (padded, bucket, max(c[3] for c in chunks) > INLINE_PREFIX_MAX_SEQ,
+               max_rows or drafter.bole_config.topk)
         entry = self.graphs.get(key)
         if entry is None and len(self.graphs) >= MAX_GRAPHS:
             if not self._full_logged:
@@ -97,15 +101,14 @@ class DraftGraphs:
         return hidden_out[:n], top[:n]
 
     def _forest(self, key, tree_rows) -> StepForest:
-        padded, reqs, long_prefix = key
-        topk = self.drafter.bole_config.topk
+        padded, reqs, long_prefix, max_rows = key
         forest = StepForest(req_ids=[], tree_req_indices=[], parent=None, cu_seqlens=None, tokens=[],
                             attention_rows=list(tree_rows), graph=GraphStep(
-                                num_tokens=padded, num_reqs=reqs, max_nodes=topk, long_prefix=long_prefix,
+                                num_tokens=padded, num_reqs=reqs, max_nodes=max_rows, long_prefix=long_prefix,
                                 max_model_len=self.drafter.runner.max_model_len, block_tables={},
                                 scratch_storage={}))
-        forest._device_rows = DeviceTreeRows(meta=self.meta[:reqs], bits=self.bits[:reqs * topk],
-                                             num_rows=padded, max_rows=topk)   # reqs: the key's bucket
+        forest._device_rows = DeviceTreeRows(meta=self.meta[:reqs], bits=self.bits[:reqs * max_rows],
+                                             num_rows=padded, max_rows=max_rows)   # reqs: the key's bucket
         return forest
 
     def _capture(self, key, per_layer, tree_rows, padded: int):

@@ -10,6 +10,7 @@ best ones within the per-request and per-step budgets. The levels grow on the de
 (:meth:`MTPTreeDrafter._grow_on_host`, which also skips nodes the selection cannot keep).
 """
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -36,6 +37,12 @@ def _children_lists(top: torch.Tensor, k: int) -> tuple[list[list[float]], list[
     """Host lists (probabilities, token ids) per row of a ``[rows, 2k]`` top-children tensor."""
     rows = top.tolist()
     return [r[:k] for r in rows], [[int(t) for t in r[k:]] for r in rows]
+
+
+@functools.cache
+def _causal(n: int) -> torch.Tensor:
+    """``[n, n]`` causal region mask: row j sees region keys 0..j."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
 
 
 @dataclass
@@ -174,13 +181,14 @@ class MTPTreeDrafter(TreeDrafter):
         # A replayed graph writes its output buffer again on the next forward.
         return out[:n].clone()
 
-    def _tree_level(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows):
+    def _tree_level(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows, max_rows=None):
         """One tree level: (MTP hidden states ``[n, H]``, top children ``[n, 2k]`` as :meth:`_top_rows`),
         replayed from a full CUDA graph of the level when there is one (``spec_decode/draft_graphs.py``)."""
         written = self._write_inputs(chunks, hidden)
         if self.graphs is not None:
             packed = DeviceTreeRows.pack(tree_rows, "cpu", words=self.graphs.words)
-            out = self.graphs.level(cm, chunks, (packed.meta, packed.bits), *written, tree_rows=tree_rows)
+            out = self.graphs.level(cm, chunks, (packed.meta, packed.bits), *written, tree_rows=tree_rows,
+                                    max_rows=max_rows)
             if out is not None:
                 return out
         out = self._forward_written(cm, chunks, tree_rows, *written)
@@ -195,8 +203,18 @@ class MTPTreeDrafter(TreeDrafter):
         p = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
         return torch.cat([p, tok.float()], dim=1)
 
-    def _top_children(self, hidden_rows: torch.Tensor):
-        return _children_lists(self._top_rows(hidden_rows), self.bole_config.topk)
+    def _catch_up(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor):
+        """The MTP forward over the tokens the step committed: (hidden states ``[rows, H]``, their top children
+        ``[rows, 2k]`` or None). With drafter graphs, when every chunk is short (an accepted path and its bonus
+        token, or a decode) it runs as a tree level whose rows are causal, from a graph; otherwise (prefill
+        chunks, no graphs) on vLLM's path, with the top children left to the caller."""
+        graphs = self.graphs
+        if graphs is None or graphs.disabled or max(len(c[1]) for c in chunks) > graphs.catch_up_rows:
+            return self._forward(cm, chunks, hidden), None
+        starts = np.cumsum([0] + [len(c[1]) for c in chunks[:-1]]).tolist()
+        tree_rows = [TreeRows(req_index=i, row_start=start, region_mask=_causal(len(c[1])))
+                     for i, (start, c) in enumerate(zip(starts, chunks))]
+        return self._tree_level(cm, chunks, hidden, tree_rows, max_rows=graphs.catch_up_rows)
 
     def _slots(self, r, positions) -> np.ndarray:
         """KV slots of batch request ``r`` at ``positions`` (or of requests ``r`` ``[G, 1]`` at ``[G, n]``
@@ -225,35 +243,38 @@ class MTPTreeDrafter(TreeDrafter):
         out = [DraftTree() for _ in step.req_ids]
         if not chunks:
             return out
-        mtp_hidden = self._forward(cm, chunks, rows_of(hidden_rows, step.hidden_states))
+        mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states))
         if not growing:
             return out
         # 2. Grow the trees from the hidden state that predicts each root's children.
         reqs, roots = [r for r, _ in growing], [chunks[c][2][-1] + 1 for _, c in growing]
-        prev = rows_of([last_rows[c] for _, c in growing], mtp_hidden)
+        roots_rows = [last_rows[c] for _, c in growing]
+        prev = rows_of(roots_rows, mtp_hidden)
+        top = rows_of(roots_rows, top) if top is not None else None
         grown = None
         if self.beam is not None:
             try:
-                grown = self.beam.grow(step, cm, reqs, roots, prev)
+                grown = self.beam.grow(step, cm, reqs, roots, prev, top)
             except Exception as e:  # drafts only: the host bookkeeping grows this step's trees instead
                 logger.warning("Bole's device-grown draft levels are off: a level failed (%s: %s); growing them "
                                "on the host", type(e).__name__, e)
                 self.beam = None
         if grown is None:
-            grown = self._grow_on_host(step, cm, reqs, roots, prev)
+            grown = self._grow_on_host(step, cm, reqs, roots, prev, top)
             if step.per_request is not None:
                 grown = select_step(grown, step.per_request, step.budget)
         for r, tree in zip(reqs, grown):
             out[r] = tree
         return out
 
-    def _grow_on_host(self, step: DraftStep, cm, reqs: list[int], roots: list[int], prev: torch.Tensor):
+    def _grow_on_host(self, step: DraftStep, cm, reqs: list[int], roots: list[int], prev: torch.Tensor,
+                      top: torch.Tensor | None = None):
         """Trees of batch requests ``reqs`` (root positions ``roots``) grown with host bookkeeping, one MTP
         forward per level and a copy of its top children to the host. A node is expanded only while its children
         could still be kept by the runner's selection (their scores are at most its own): beyond the budget,
-        levels cost nothing."""
+        levels cost nothing. ``top``: the roots' top children (:meth:`_top_rows` of ``prev``), if known."""
         trees = {}
-        probs, toks = self._top_children(prev)
+        probs, toks = _children_lists(top if top is not None else self._top_rows(prev), self.bole_config.topk)
         for k, (r, root, p_row, t_row) in enumerate(zip(reqs, roots, probs, toks)):
             g = _Growing(req_index=r, next_pos=root)
             g.add_children(-1, self._child_scores(p_row, 1), t_row)

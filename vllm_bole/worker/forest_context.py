@@ -94,7 +94,9 @@ class StepForest:
     tokens: list[list[int]]              # per request, node tokens (root first)
     tree_parents: list[list[int]] = field(default_factory=list)  # per request, local parents (host copy)
     max_nodes: int = 0                   # largest tree of the step (host int: kernels need no sync for it)
-    attention_rows: list[TreeRows] = field(default_factory=list)
+    # None: the verified trees' rows, built from the forest on first use (:meth:`rows`); a graph-mode forward
+    # builds them on the device instead and never needs the host ones
+    attention_rows: list[TreeRows] | None = field(default_factory=list)
     # The GDN layers' step-wide buffers (factors, conv inputs, slots; see attention/gdn.py) for the commit
     gdn_scratch: object = None
     accepted_paths: list[list[int]] | None = None  # per tree request, accepted local nodes, root first
@@ -117,14 +119,24 @@ class StepForest:
         mode from the device forest, since nothing may come from the host inside a graph)."""
         if self._device_rows is None:
             self._device_rows = (DeviceTreeRows.of_verified_forest(self) if self.graph is not None
-                                 else DeviceTreeRows.pack(self.attention_rows, device))
+                                 else DeviceTreeRows.pack(self.rows(), device))
         return self._device_rows
 
     @property
     def has_tree_rows(self) -> bool:
         """Whether attention layers have tree rows to run: host rows, or rows already on the device (the MTP
         drafter's device-grown levels give only those)."""
+        if self.attention_rows is None:
+            return bool(self.tree_req_indices)
         return bool(self.attention_rows) or self._device_rows is not None
+
+    def rows(self) -> list[TreeRows]:
+        """The host tree rows (``attention_rows``), built from the trees on first use."""
+        if self.attention_rows is None:
+            masks = ancestor_masks([self.parents_of(i) for i in range(len(self.tree_req_indices))])
+            self.attention_rows = [TreeRows(req_index=r, row_start=self.query_starts[i], region_mask=m)
+                                   for i, (r, m) in enumerate(zip(self.tree_req_indices, masks))]
+        return self.attention_rows
 
     def device_bits(self) -> torch.Tensor | None:
         """The forest's ancestor bitmask (:func:`kernels.tree_gdn.triton_verify.ancestor_bits`), built once for
@@ -155,7 +167,7 @@ class StepForest:
         self.max_nodes = max(len(p) for p in self.tree_parents)
         self.plain_decodes = []
         self.reset_device_cache()
-        self.build_attention_rows()
+        self.attention_rows = None   # rebuilt on use: the graph that runs a promoted forest needs none
 
     def reset_device_cache(self) -> None:
         """Forget the device rows and bits (a graph capture must build its own, inside the graph)."""
@@ -172,11 +184,6 @@ class StepForest:
             return self.tree_parents[i]
         s, e = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])
         return self.parent[s:e].tolist()
-
-    def build_attention_rows(self) -> None:
-        masks = ancestor_masks([self.parents_of(i) for i in range(len(self.tree_req_indices))])
-        self.attention_rows = [TreeRows(req_index=r, row_start=self.query_starts[i], region_mask=m)
-                               for i, (r, m) in enumerate(zip(self.tree_req_indices, masks))]
 
 
 def flat_forest(tree_parents: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -161,14 +161,13 @@ class BoleModelRunnerMixin:
             tree_only=(len(forest_req) + len(plain) == len(req_ids)
                        and n + len(plain) == int(num_scheduled_tokens.sum())),
             max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
-            plain_decodes=[(r, req_ids[r], row) for r, row in plain])
+            plain_decodes=[(r, req_ids[r], row) for r, row in plain], attention_rows=None)
         if fix_rows:
             rows = torch.tensor(fix_rows, dtype=torch.long).to(self.device, non_blocking=True)
             shift = torch.tensor(fix_shift, dtype=torch.int64).to(self.device, non_blocking=True)
             self.positions[rows] -= shift
             if self.uses_mrope:
                 self.mrope_positions.gpu[:, rows] -= shift
-        forest.build_attention_rows()
         return forest
 
     # ---- verification -------------------------------------------------------------------------------------

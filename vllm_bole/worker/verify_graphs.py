@@ -90,7 +90,7 @@ class VerifyGraphs:
         self.graphs: dict[tuple, _Graph] = {}
         self.scratch: dict[int, object] = {}   # padded token count -> GDNStepScratch (views of the storage)
         self.scratch_storage: dict[int, object] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None   # at the first capture
         self.capacity = runner.max_num_tokens
         self.forest_buf = torch.zeros(self.capacity + runner.max_num_reqs + 1, dtype=torch.int32,
                                       device=runner.device)
@@ -193,6 +193,8 @@ class VerifyGraphs:
             self.scratch[key[0]] = forest.gdn_scratch
             torch.cuda.synchronize()
             self._enter(key, forest)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
             graph, output = capture(call, self.pool)
         finally:
             context.cudagraph_runtime_mode = mode

@@ -1,0 +1,117 @@
+"""How a verification step runs from Bole's graphs (worker/verify_graphs.py), on CPU with a stand-in capture:
+the key, the promotion of plain decodes, the forest buffer the graph reads, the bounds the layers see, and what
+the commit gets back after a replay."""
+
+from types import SimpleNamespace
+
+import torch
+from vllm.config import CUDAGraphMode
+
+from vllm_bole.worker import verify_graphs
+from vllm_bole.worker.forest_context import StepForest
+
+
+class _Scratch:
+    def __init__(self):
+        self.layers, self.slots, self.resets = [], [], 0
+
+    def reset(self):
+        self.resets += 1
+        self.layers.clear()
+        self.slots.clear()
+
+
+def _setup(monkeypatch, mode=CUDAGraphMode.PIECEWISE):
+    table = torch.arange(8 * 3, dtype=torch.int32).view(8, 3)
+    runner = SimpleNamespace(
+        max_num_tokens=64, max_num_reqs=8, device=torch.device("cpu"), max_model_len=512,
+        bole_config=SimpleNamespace(max_nodes_per_request=6),
+        query_start_loc=SimpleNamespace(gpu=torch.zeros(9, dtype=torch.int32)), seq_lens=torch.zeros(8, dtype=torch.int32),
+        input_batch=SimpleNamespace(block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=table))]),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["gdn.0", "attn.1"])]))
+    context = SimpleNamespace(cudagraph_runtime_mode=mode)
+    monkeypatch.setattr(verify_graphs, "get_forward_context", lambda: context)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    seen = []   # what each run of the layers saw: (graph bounds, parents, cu_seqlens, mode)
+
+    def capture(call, pool):
+        output = call()
+        return SimpleNamespace(replay=lambda: seen.append(("replay",) + _view(current[0]))), output
+
+    monkeypatch.setattr(verify_graphs, "capture", capture)
+    current = [None]
+    return verify_graphs.VerifyGraphs(runner), runner, context, seen, current
+
+
+def _view(forest):
+    g = forest.graph
+    return ((g.num_tokens, g.num_reqs, g.max_nodes, g.long_prefix), forest.parent.tolist(),
+            forest.cu_seqlens.tolist())
+
+
+def _forest(graphs, parents, plain, starts, tree_reqs, max_seq_len=40):
+    parent, cu = graphs.forest_tensors([p for t in parents for p in t], [0] + torch.tensor(
+        [len(t) for t in parents]).cumsum(0).tolist())
+    return StepForest(req_ids=[f"r{r}" for r in tree_reqs], tree_req_indices=tree_reqs, parent=parent,
+                      cu_seqlens=cu, tokens=[[-1] + [5] * (len(t) - 1) for t in parents], tree_parents=parents,
+                      max_nodes=max(len(t) for t in parents), query_starts=starts, tree_only=True,
+                      max_seq_len=max_seq_len, plain_decodes=plain, attention_rows=None)
+
+
+def test_step_captures_then_replays_with_the_graphs_bounds(monkeypatch):
+    graphs, runner, context, seen, current = _setup(monkeypatch)
+    scratch = _Scratch()
+    ids = torch.zeros(8, dtype=torch.long)   # vLLM's persistent input buffer
+
+    def step(forest, rows, ids=ids):
+        current[0] = forest
+
+        def call():   # the layers: they read the forest and bounds, and register in the GDN scratch
+            if forest.graph is None:   # vLLM's own path
+                seen.append(("vllm",))
+                return "vllm"
+            seen.append((context.cudagraph_runtime_mode,) + _view(forest))
+            forest.gdn_scratch = scratch
+            scratch.layers.append("gdn.0")
+            scratch.slots.append(forest.graph.state_slots("gdn.0"))
+            return torch.zeros(rows, 4)
+
+        return graphs.forward(forest, call, (ids[:rows], None, None, None, ()))
+
+    # Request 1 has a 3-node tree; requests 0 and 2 are plain decodes: five rows padded to 8, three requests to 4.
+    forest = _forest(graphs, [[-1, 0, 0]], [(0, "a", 0), (2, "c", 4)], [1], [1])
+    out = step(forest, 8)
+    assert out.shape == (8, 4)
+    bounds, parents, cu = (8, 4, 6 + 1, False), [-1, -1, 0, 0, -1, 0, 0, 0], [0, 1, 4, 5, 5, 5]
+    assert seen == [(CUDAGraphMode.NONE, bounds, parents, cu[:5])] * 2 + [("replay", bounds, parents, cu[:5])]
+    assert context.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE
+    # After the replay the commit sees the step's own three trees, the capture's GDN layers and slots.
+    assert forest.tree_req_indices == [0, 1, 2] and forest.cu_seqlens.tolist() == [0, 1, 4, 5]
+    assert forest.gdn_scratch is scratch and scratch.layers == ["gdn.0"]
+    assert scratch.slots[0].tolist() == [0, 3, 6, 9]     # block-table column 0 of the bucket's requests
+    assert forest.has_tree_rows and forest.attention_rows is None   # host rows never built in graph mode
+
+    # Another step of the same key replays without a capture; a long prefix is another key.
+    seen.clear()
+    step(_forest(graphs, [[-1], [-1, 0]], [(2, "c", 3)], [0, 1], [0, 1]), 8)
+    assert [s[0] for s in seen] == ["replay"] and len(graphs.graphs) == 1 and graphs.replays == 2
+    seen.clear()
+    step(_forest(graphs, [[-1], [-1, 0]], [], [0, 1], [0, 1], max_seq_len=4000), 8)
+    assert [s[0] for s in seen] == [CUDAGraphMode.NONE, CUDAGraphMode.NONE, "replay"] and len(graphs.graphs) == 2
+    # vLLM moved its input buffer: the graph would read stale memory, so the step runs as vLLM does.
+    seen.clear()
+    moved = torch.zeros(8, dtype=torch.long)
+    assert step(_forest(graphs, [[-1], [-1, 0]], [(2, "c", 3)], [0, 1], [0, 1]), 8, ids=moved) == "vllm"
+    assert seen == [("vllm",)]
+
+
+def test_steps_that_cannot_replay_run_as_vllm_does(monkeypatch):
+    graphs, runner, context, seen, current = _setup(monkeypatch, mode=CUDAGraphMode.NONE)
+    forest = _forest(graphs, [[-1, 0]], [(0, "a", 0)], [1], [1])
+    calls = []
+    out = graphs.forward(forest, lambda: calls.append(1) or "vllm", (torch.zeros(3), None, None, None, ()))
+    assert out == "vllm" and calls == [1] and not graphs.graphs
+    assert forest.plain_decodes == [(0, "a", 0)] and forest.graph is None     # not promoted
+    context.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+    forest.tree_only = False                                                   # a prefill beside the trees
+    assert graphs.forward(forest, lambda: "vllm", (torch.zeros(3), None, None, None, ())) == "vllm"
