@@ -26,7 +26,8 @@ def _setup(monkeypatch, mode=CUDAGraphMode.PIECEWISE):
     runner = SimpleNamespace(
         max_num_tokens=64, max_num_reqs=8, device=torch.device("cpu"), max_model_len=512,
         bole_config=SimpleNamespace(max_nodes_per_request=6),
-        query_start_loc=SimpleNamespace(gpu=torch.zeros(9, dtype=torch.int32)), seq_lens=torch.zeros(8, dtype=torch.int32),
+        query_start_loc=SimpleNamespace(gpu=torch.zeros(9, dtype=torch.int32)),
+        seq_lens=torch.zeros(8, dtype=torch.int32),
         input_batch=SimpleNamespace(block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=table))]),
         kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["gdn.0", "attn.1"])]))
     context = SimpleNamespace(cudagraph_runtime_mode=mode)

@@ -220,8 +220,8 @@ class MTPTreeDrafter(TreeDrafter):
         """KV slots of batch request ``r`` at ``positions`` (or of requests ``r`` ``[G, 1]`` at ``[G, n]``
         positions), from the host copy of the MTP group's block table: no device round trip."""
         table = self.runner.input_batch.block_table[self.proposer.kv_cache_gid]
-        pos = np.asarray(positions, dtype=np.int64)
-        return table.block_table.np[r, pos // table.block_size].astype(np.int64) * table.block_size + pos % table.block_size
+        pos, size = np.asarray(positions, dtype=np.int64), table.block_size
+        return table.block_table.np[r, pos // size].astype(np.int64) * size + pos % size
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
         cm = step.common_attn_metadata
