@@ -271,9 +271,10 @@ def profile_bole(llm, runner, args, run_dir: Path, rng) -> dict:
     b, vocab = args.profile_batch, runner.model_config.get_vocab_size()
     prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(args.prompt_len)]} for _ in range(b)]
     params = SamplingParams(max_tokens=min(args.new_tokens, 96), ignore_eos=True, temperature=0.0, detokenize=False)
-    runner._bole_profiler = profiler = StepProfiler(8)
+    runner._bole_profiler = profiler = StepProfiler(1 << 30)   # one mean over the whole pass
     llm.generate(prompts, params, use_tqdm=False)
     runner._bole_profiler = None
+    phases = profiler.means()
     prof = cProfile.Profile()
     prof.enable()
     llm.generate(prompts, params, use_tqdm=False)
@@ -283,8 +284,8 @@ def profile_bole(llm, runner, args, run_dir: Path, rng) -> dict:
     stats.sort_stats("cumulative").print_stats(90)
     stats.sort_stats("tottime").print_stats(60)
     (run_dir / f"host_B{b}.txt").write_text(text.getvalue())
-    print(f"[bole] profile B={b}: {profiler.report}", flush=True)
-    return {"batch_size": b, "phases_ms": {k: round(v, 3) for k, v in profiler.report.items()}}
+    print(f"[bole] profile B={b} ({profiler.steps} tree steps): {phases}", flush=True)
+    return {"batch_size": b, "tree_steps": profiler.steps, "phases_ms": {k: round(v, 3) for k, v in phases.items()}}
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------

@@ -46,6 +46,11 @@ class StepProfiler:
             self._sync()
             self.current[name] += time.perf_counter() - start
 
+    def means(self) -> dict[str, float]:
+        """Mean ms per tree step of each phase over the steps not yet logged."""
+        pending = self.steps % self.every
+        return {k: v * 1e3 / pending for k, v in self.total.items()} if pending else {}
+
     def end_step(self, tree_step: bool) -> None:
         """Count a step (only steps that verified trees are reported) and log every ``every`` of them."""
         current, self.current = self.current, defaultdict(float)
