@@ -221,10 +221,16 @@ class BoleModelRunnerMixin:
         else:
             paths = [walk_tree(forest.parents_of(tree_of[r]), forest.tokens[tree_of[r]], targets[r])
                      if r in targets else [0] for r in range(len(self.input_batch.req_ids))]
-        final_rows = [row_start[r] + path[-1] for r, path in enumerate(paths)]
-        final = self.sampler(logits=logits[torch.tensor(final_rows, device=logits.device)],
-                             sampling_metadata=metadata)
-        bonus = final.sampled_token_ids[:, 0].tolist()
+        final = None
+        if len(greedy) == len(paths) and rows_supported and not (wants_logprobs and not own_logprobs):
+            # Every request is a plain greedy tree: its bonus token is the argmax at the walk's last node, which
+            # the walk already read (what vLLM's sampler would return for that row, without another sync).
+            bonus = [targets[r][path[-1]] for r, path in enumerate(paths)]
+        else:
+            final_rows = [row_start[r] + path[-1] for r, path in enumerate(paths)]
+            final = self.sampler(logits=logits[torch.tensor(final_rows, device=logits.device)],
+                                 sampling_metadata=metadata)
+            bonus = final.sampled_token_ids[:, 0].tolist()
         for r in drawn:  # the draw at the walk's last node is the bonus token
             bonus[r] = targets[r][paths[r][-1]]
         outputs = []
