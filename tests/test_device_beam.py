@@ -14,7 +14,7 @@ from vllm_bole.spec_decode.device_beam import DeviceBeam, pack_bits, selected_ma
 from vllm_bole.spec_decode.drafter import DraftStep
 from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
-from vllm_bole.spec_decode.tree import DraftTree, select_step, select_step_arrays, selection_floors
+from vllm_bole.spec_decode.tree import DraftTree, select_step, selection_floors
 from vllm_bole.worker.forest_context import DeviceTreeRows
 
 PROBS = np.array([0.5, 0.25, 0.125, 0.0625])
@@ -156,8 +156,6 @@ def test_device_selection_is_select_step(seed):
     trees = [DraftTree(tokens[j].tolist(), parents[j].tolist(), scores[j].tolist()) for j in range(g)]
     want = select_step(trees, 10**9 if per_request is None else per_request, 10**9 if budget is None else budget)
     assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
-    twin = select_step_arrays(tokens, parents, scores, np.broadcast_to(depths, (g, n)), per_request, budget)
-    assert [(t.tokens, t.parents) for t in twin] == [(t.tokens, t.parents) for t in want]
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -8,8 +8,7 @@ from vllm_bole.spec_decode.tree import DraftTree, select_global
 from vllm_bole.spec_decode.tree_sampler import walk_tree
 
 
-def _random_tree(rng, n, ties=False):
-    """``ties``: child probabilities from {1, 1/2, 1/4}, so equal scores occur across nodes and requests."""
+def _random_tree(rng, n):
     t = DraftTree()
     for i in range(n):
         p = -1 if i == 0 or rng.random() < 0.2 else rng.randrange(i)
@@ -17,8 +16,7 @@ def _random_tree(rng, n, ties=False):
         t.tokens.append(rng.randrange(1000))
         t.parents.append(p)
         # Exact ties with the parent happen (probability 1.0 children) and must keep the parent.
-        t.scores.append(parent_score * (rng.choice([0.5, 0.25, 1.0]) if ties
-                                        else 1.0 if rng.random() < 0.1 else rng.random()))
+        t.scores.append(parent_score * (1.0 if rng.random() < 0.1 else rng.random()))
     return t
 
 
@@ -124,21 +122,3 @@ def test_pruned_growth_selects_what_full_growth_selects(n_reqs, depth, topk, per
     if n_reqs * per_request > budget or depth * topk > per_request:
         assert pruned_cost < full_cost, "the selection floors never cut an expansion"
 
-
-@pytest.mark.parametrize("seed", range(40))
-def test_vectorized_selection_is_select_step(seed):
-    """tree.select_step_arrays (the device drafter's selection) picks select_step's nodes, ties included."""
-    import numpy as np
-
-    from vllm_bole.spec_decode.tree import select_step, select_step_arrays
-
-    rng = random.Random(seed)
-    g, m = rng.randint(1, 6), rng.randint(1, 40)
-    trees = [_random_tree(rng, m, ties=seed % 2 == 1) for _ in range(g)]
-    arrays = [np.array([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "scores")]
-    depths = np.array([t.depths() for t in trees])
-    per_request = rng.choice([None, rng.randint(0, 40)])
-    budget = rng.choice([None, rng.randint(0, 100)])
-    want = select_step(trees, 10**9 if per_request is None else per_request, 10**9 if budget is None else budget)
-    got = select_step_arrays(*arrays, depths, per_request, budget)
-    assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]

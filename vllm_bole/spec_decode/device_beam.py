@@ -55,7 +55,7 @@ def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int |
     """``[G, n]`` bool: the nodes :func:`tree.select_step` keeps of ``G`` candidate trees with ``[G, n]`` scores
     and ``[n]`` depths (the same in every tree), on the scores' device: each request's ``per_request`` best by
     (score, shallower, lower index), then the ``budget`` best of those by (score, shallower, lower request, lower
-    index); stable sorts, least significant key first. ``tree.select_step_arrays`` is its host twin."""
+    index); stable sorts, least significant key first."""
     g, n = scores.shape
     by_depth = torch.sort(depths, stable=True).indices
     order = by_depth[torch.sort(scores[:, by_depth], dim=1, descending=True, stable=True).indices]

@@ -103,32 +103,3 @@ def selection_floors(scores: list[list[float]], per_request: int, budget: int | 
             floors = [max(f, cut) for f in floors]
     return floors
 
-
-def select_step_arrays(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, depths: np.ndarray,
-                       per_request: int | None, budget: int | None) -> list[DraftTree]:
-    """:func:`select_step` over ``G`` candidate trees of ``M`` nodes each, given as ``[G, M]`` arrays (local
-    parents, -1 = child of the root, parents before children): the same nodes in a few vectorized sorts
-    instead of one Python sort of every candidate (the device drafter's trees have thousands at large batch).
-    Ranking as :func:`select_global`: higher score, then shallower, then lower request, then lower index."""
-    g, m = scores.shape
-    index = np.broadcast_to(np.arange(m), (g, m))
-    # Per request: the ``per_request`` best by (-score, depth, index); np.lexsort sorts by its last key first.
-    order = np.lexsort((index, depths, -scores), axis=-1)
-    keep = order[:, :m if per_request is None else max(min(per_request, m), 0)]
-    rows = np.broadcast_to(np.arange(g)[:, None], keep.shape).ravel()
-    kept = keep.ravel()
-    s, d = scores[rows, kept], depths[rows, kept]
-    best = np.lexsort((kept, rows, d, -s))
-    if budget is not None:
-        best = best[:max(budget, 0)]
-    chosen = np.zeros((g, m), dtype=bool)
-    chosen[rows[best], kept[best]] = True
-    out = []
-    for r in range(g):
-        nodes = np.flatnonzero(chosen[r])
-        new_index = np.full(m, -1, dtype=np.int64)
-        new_index[nodes] = np.arange(len(nodes))
-        par = parents[r, nodes]
-        out.append(DraftTree(tokens[r, nodes].tolist(), np.where(par >= 0, new_index[np.maximum(par, 0)], -1).tolist(),
-                             scores[r, nodes].tolist()))
-    return out

@@ -23,7 +23,6 @@ class StepProfiler:
         self.total: dict[str, float] = defaultdict(float)
         self.current: dict[str, float] = defaultdict(float)
         self.steps = 0
-        self.report: dict[str, float] = {}   # the last logged means (ms)
         self._last_end: float | None = None
 
     @classmethod
@@ -64,8 +63,7 @@ class StepProfiler:
             self.total[k] += v
         self.steps += 1
         if self.steps % self.every == 0:
-            self.report = {k: v * 1e3 / self.every for k, v in self.total.items()}
-            phases = ", ".join(f"{k} {v:.2f} ms" for k, v in self.report.items())
+            phases = ", ".join(f"{k} {v * 1e3 / self.every:.2f} ms" for k, v in self.total.items())
             logger.info("Bole step profile (mean of %d tree steps): %s", self.every, phases)
             self.total.clear()
 

@@ -25,7 +25,6 @@ from unittest.mock import patch
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
-from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
 from ..logger import init_logger
