@@ -14,6 +14,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, is_conv_state_dim_first
 from vllm.platforms import current_platform
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from .. import kernels
@@ -178,7 +179,7 @@ class GDNStepScratch:
             if graph is None:
                 forest.gdn_scratch = cls(BoleQwenGDN.num_layers, layer, x)
             else:  # graph mode: one allocation per power-of-two row capacity, shared by the graphs within it
-                capacity = 1 << (x.shape[0] - 1).bit_length()
+                capacity = next_power_of_2(x.shape[0])
                 if capacity not in graph.scratch_storage:
                     graph.scratch_storage[capacity] = cls(BoleQwenGDN.num_layers, layer, x, rows=capacity)
                 forest.gdn_scratch = graph.scratch_storage[capacity].rows_view(x.shape[0])

@@ -17,9 +17,16 @@ selection never keeps them.
 
 import numpy as np
 import torch
+from vllm.utils.math_utils import cdiv
 
 from ..worker.forest_context import DeviceTreeRows, TreeRows
 from .tree import DraftTree
+
+
+def region_words(max_depth: int, topk: int) -> int:
+    """Bit words of a drafter level's region (a request's queries so far, at most depth * topk keys), with the
+    width of the drafter level graphs' bit buffer."""
+    return cdiv(max_depth * topk + 1, 32)
 
 
 def pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
@@ -94,8 +101,7 @@ class DeviceBeam:
         self.drafter = drafter
         cfg = drafter.bole_config
         self.k, self.max_depth = cfg.topk, cfg.max_depth
-        # Bit words of a level's region (its request's queries so far): the drafter graphs' buffers' width.
-        self.words = -(-(self.max_depth * self.k + 1) // 32)
+        self.words = region_words(self.max_depth, self.k)
         self._rates: torch.Tensor | None = None
         self.levels_run = 0   # expansion levels grown so far (all steps)
 
@@ -223,14 +229,14 @@ class DeviceBeam:
         # What the metadata reads of a chunk: batch request, query count, sequence length.
         chunks = [(r, range(k), None, int(s), None) for r, s in zip(reqs, seq_lens)]
         written = drafter._write_arrays(tokens.long(), positions, slots, hidden)
-        c = np.arange(g, dtype=np.int32)
-        meta = torch.from_numpy(np.stack([c, c * k, np.full(g, k), np.full(g, d * k), c * k], axis=1)
-                                .astype(np.int32))
         visible = anc[:, :, :d * k]
         if self.host_rows(hidden):   # the CPU backend recomputes tree rows from host masks
             tree_rows = [TreeRows(req_index=i, row_start=i * k, region_mask=visible[i]) for i in range(g)]
             out = drafter._forward_written(cm, chunks, tree_rows, *written)
             return out, drafter._top_rows(out)
+        c = np.arange(g, dtype=np.int32)
+        meta = torch.from_numpy(np.stack([c, c * k, np.full(g, k), np.full(g, d * k), c * k], axis=1)
+                                .astype(np.int32))
         bits = pack_bits(visible.reshape(rows, d * k), self.words)
         if drafter.graphs is not None:
             out = drafter.graphs.level(cm, chunks, (meta, bits), *written)

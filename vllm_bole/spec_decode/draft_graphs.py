@@ -16,11 +16,13 @@ import time
 
 import torch
 from vllm.config import CUDAGraphMode
+from vllm.utils.math_utils import next_power_of_2
 
 from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest
 from ..worker.verify_graphs import GraphStep, capture
+from .device_beam import region_words
 
 logger = init_logger(__name__)
 
@@ -38,7 +40,7 @@ class DraftGraphs:
         # Tree rows: a level has at most topk queries per request, over at most depth * topk + 1 region keys; the
         # catch-up forward at most depth + 1 rows per request (the accepted path and the bonus token).
         depth = drafter.bole_config.max_depth
-        self.words = -(-(depth * topk + 1) // 32)
+        self.words = region_words(depth, topk)
         self.catch_up_rows = depth + 1
         self.meta = torch.zeros(reqs, 5, dtype=torch.int32, device=dev)
         self.bits = torch.zeros(reqs * max(topk, self.catch_up_rows), self.words, dtype=torch.int32, device=dev)
@@ -62,7 +64,7 @@ class DraftGraphs:
         # Requests padded to a power of two with empty ones (no queries, no keys): fewer keys to capture as
         # the pruned levels' request counts vary.
         reqs = len(chunks)
-        bucket = min(1 << (reqs - 1).bit_length(), self.seq_lens.numel())
+        bucket = min(next_power_of_2(reqs), self.seq_lens.numel())
         key = (padded, bucket, max(c[3] for c in chunks) > INLINE_PREFIX_MAX_SEQ,
                max_rows or drafter.bole_config.topk)
         entry = self.graphs.get(key)

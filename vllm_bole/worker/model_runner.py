@@ -9,6 +9,7 @@ slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and appli
 
 import numpy as np
 import torch
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.outputs import SamplerOutput
 
 from ..attention.gdn import commit_step
@@ -74,7 +75,7 @@ class BoleModelRunnerMixin:
             conv_dim = 2 * hk * layer.head_k_dim + hv * layer.head_v_dim
             per_token = len(gdn) * ((hk * layer.head_k_dim + hv * layer.head_v_dim + hv) * 4
                                     + conv_dim * self.model_config.dtype.itemsize)
-            capacity = 1 << (max(self.compilation_config.max_cudagraph_capture_size or 1, 1) - 1).bit_length()
+            capacity = next_power_of_2(self.compilation_config.max_cudagraph_capture_size or 1)
             estimate += 2 * capacity * per_token
         logger.info("Bole reserves %.2f GiB for its full CUDA graphs and GDN step buffers (vLLM's graphs: %.2f GiB)",
                     (estimate - vllm_graphs) / 2**30, vllm_graphs / 2**30)

@@ -25,6 +25,7 @@ from unittest.mock import patch
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
+from vllm.utils.math_utils import next_power_of_2
 
 from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
 from ..logger import init_logger
@@ -131,7 +132,7 @@ class VerifyGraphs:
             return None   # eager configurations, or more tokens than vLLM captures
         rows = input_ids if input_ids is not None else inputs_embeds
         # Requests padded to a power of two with empty ones: fewer keys as requests come and go.
-        bucket = min(1 << (forest.num_trees - 1).bit_length(), self.runner.max_num_reqs)
+        bucket = min(next_power_of_2(forest.num_trees), self.runner.max_num_reqs)
         return rows.shape[0], bucket, forest.max_seq_len > INLINE_PREFIX_MAX_SEQ
 
     def forward(self, forest, call, inputs):
