@@ -251,10 +251,14 @@ def run_worker(args) -> None:
 
 
 def _bole_graph_counts(runner) -> tuple[int, int]:
-    """(verification graphs, drafter level graphs) a Bole runner holds; zeros for other engines."""
+    """(verification graphs, drafter graphs: level and whole-level) a Bole runner holds; zeros for other
+    engines."""
     verify = getattr(runner, "_bole_graphs", None)
-    draft = getattr(getattr(runner, "bole_drafter", None), "graphs", None)
-    return (len(verify.graphs) if verify is not None else 0, len(draft.graphs) if draft is not None else 0)
+    drafter = getattr(runner, "bole_drafter", None)
+    draft = getattr(drafter, "graphs", None)
+    beam = getattr(getattr(drafter, "beam", None), "graphs", None)
+    return (len(verify.graphs) if verify is not None else 0,
+            (len(draft.graphs) if draft is not None else 0) + (len(beam.graphs) if beam is not None else 0))
 
 
 def profile_bole(llm, runner, args, run_dir: Path, rng) -> dict:

@@ -13,7 +13,8 @@ TIE_TOL = 0.125
 
 def assert_graphs_used(out: dict, drafter: bool = False) -> None:
     """With ``VLLM_BOLE_TEST_CUDA_GRAPHS=1`` on a GPU, the run must have replayed verification CUDA graphs (so
-    its lossless check covered them), and with ``drafter`` the MTP drafter's level graphs too."""
+    its lossless check covered them), and with ``drafter`` the MTP drafter's level graphs too (and the whole-level
+    graphs of its device-grown levels, when those are on)."""
     if os.environ.get("VLLM_BOLE_TEST_CUDA_GRAPHS") != "1":
         return
     import torch
@@ -22,6 +23,8 @@ def assert_graphs_used(out: dict, drafter: bool = False) -> None:
         graphs = out.get("bole_graphs")
         assert graphs and graphs["replays"] > 0, f"no verification step ran from a CUDA graph: {graphs}"
         assert not drafter or graphs.get("draft_replays", 0) > 0, f"no drafter level ran from a CUDA graph: {graphs}"
+        if drafter and "beam_replays" in graphs:   # device-grown levels: whole levels replayed
+            assert graphs["beam_replays"] > 0, f"no device-grown level ran from a CUDA graph: {graphs}"
 
 
 def run_engine(tmp_path, name: str, spec: dict, timeout: int = 900) -> dict:

@@ -140,3 +140,35 @@ def tiny_model_path():
     from vllm_bole.testing.tiny_models import tiny_model_dir
 
     return tiny_model_dir("qwen3_5")
+
+
+def _aligned_cache(spec):
+    """(attention block size, padded GDN page bytes, num_speculative_tokens after) of the 9B-shaped model's
+    engine config once vLLM aligns its hybrid page sizes (CPU attention's alignment)."""
+    from pathlib import Path
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from vllm_bole import plugin
+
+    plugin.register()
+    model = Path(__file__).parent.parent / "benchmarks" / "models" / "qwen3.5-9b-shape"
+    cfg = EngineArgs(model=str(model), skip_tokenizer_init=True, load_format="dummy", max_model_len=2048,
+                     language_model_only=True, speculative_config=spec,
+                     enable_prefix_caching=False).create_engine_config()
+    Platform._align_hybrid_block_size(cfg, CPUAttentionBackend)
+    spec_tokens = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config else None
+    return cfg.cache_config.block_size, cfg.cache_config.mamba_page_size_padded, spec_tokens
+
+
+def test_bole_pages_are_sized_like_no_speculation():
+    """Bole's GDN layers hold one state per request with a 3-column conv window; the KV page and the attention
+    block size must follow that (as without speculation), not a conv window widened by every tree node."""
+    plain_block, plain_page, _ = _aligned_cache(None)
+    bole_block, bole_page, spec_tokens = _aligned_cache({"method": "bole"})
+    assert (bole_block, bole_page) == (plain_block, plain_page)
+    assert spec_tokens == 32     # the speculative config is back after the alignment
+    chain_block, chain_page, _ = _aligned_cache({"method": "mtp", "num_speculative_tokens": 32})
+    assert chain_page > plain_page   # what the unwrapped alignment sizes for 32 speculative tokens

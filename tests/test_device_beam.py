@@ -206,6 +206,7 @@ def test_device_rows_branch_matches_host_rows_branch(seed, graphs):
         drafter._write_arrays = (lambda write: lambda *a: (*write(*a)[:2], CUDAGraphMode.PIECEWISE))(
             drafter._write_arrays)
     beam = DeviceBeam(drafter)
+    beam.graphs = None   # the drafter's level graphs or the eager route (whole-level graphs: test_beam_graphs.py)
     beam.host_rows = lambda hidden: False
     drafter.levels = []
     step = DraftStep(req_ids=[], contexts=[], per_request=32, budget=64)

@@ -8,6 +8,12 @@ Patches:
    async scheduling and selects Bole's scheduler and worker (see :func:`vllm_bole.plugin.apply_bole_engine_args`).
 2. :func:`runner_class_override` swaps the model-runner class that a worker's ``init_device`` builds: vLLM
    constructs its runner from a module-level name with no hook.
+3. ``Platform._align_hybrid_block_size`` is wrapped so that, for a Bole engine, it sizes the GDN state page
+   without speculative conv columns: the model class's ``get_mamba_state_shape_from_config`` adds
+   ``num_speculative_tokens`` columns to the conv state (vLLM's chain drafts roll the conv window), which
+   Bole's GDN layers never allocate (``attention/gdn.py``: one state per request). Without it the attention
+   block size and the padded page follow a conv state 35 columns wide instead of 3, and the KV cache holds
+   about a fifth fewer blocks.
 """
 
 import contextlib
@@ -55,3 +61,29 @@ def runner_class_override(module_name: str, attr: str, cls):
         yield
     finally:
         setattr(module, attr, original)
+
+
+def wrap_align_hybrid_block_size(is_bole) -> None:
+    """Make ``Platform._align_hybrid_block_size`` see no speculative config when ``is_bole(vllm_config)``.
+
+    Idempotent: a second call does nothing.
+    """
+    from vllm.platforms.interface import Platform
+
+    original = Platform.__dict__["_align_hybrid_block_size"].__func__
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    def _align_hybrid_block_size(cls, vllm_config, backend_cls):
+        if not is_bole(vllm_config):
+            return original(cls, vllm_config, backend_cls)
+        speculative_config = vllm_config.speculative_config
+        vllm_config.speculative_config = None   # only the GDN state shape reads it here
+        try:
+            return original(cls, vllm_config, backend_cls)
+        finally:
+            vllm_config.speculative_config = speculative_config
+
+    setattr(_align_hybrid_block_size, _PATCHED_ATTR, True)
+    _align_hybrid_block_size.__doc__ = original.__doc__
+    Platform._align_hybrid_block_size = classmethod(_align_hybrid_block_size)

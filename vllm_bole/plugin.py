@@ -74,4 +74,10 @@ def register() -> None:
     from . import _vllm_compat
 
     _vllm_compat.wrap_create_speculative_config(apply_bole_engine_args)
+    _vllm_compat.wrap_align_hybrid_block_size(is_bole_engine)
     _REGISTERED = True
+
+
+def is_bole_engine(vllm_config) -> bool:
+    """Whether ``vllm_config`` is a Bole engine's (its translated settings ride in ``additional_config``)."""
+    return ADDITIONAL_CONFIG_KEY in (vllm_config.additional_config or {})

@@ -15,6 +15,8 @@ Frontier nodes below their floor still expand within a level that runs; their ch
 selection never keeps them.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from vllm.utils.math_utils import cdiv
@@ -96,6 +98,61 @@ def trees_of_selection(host: np.ndarray, g: int, n: int) -> list[DraftTree]:
             for t, p, s in zip(np.split(tokens, bounds), np.split(par, bounds), np.split(scores, bounds))]
 
 
+@dataclass
+class BeamState:
+    """One step's growing trees, ``G`` requests of ``m`` candidate slots each, updated in place level by level
+    (a level replayed from a graph reads and writes these same tensors: ``spec_decode/beam_graphs.py``).
+    Candidates: token ids, local parents (-1: the root) and cumulative scores, in float64: the products (and so
+    the ties) of the host bookkeeping, and one copy to the host for all three."""
+
+    tokens: torch.Tensor        # [G, m] float64
+    parents: torch.Tensor       # [G, m] float64
+    scores: torch.Tensor        # [G, m] float64
+    front: torch.Tensor         # [G, k] int64: the frontier's candidate indices
+    front_tok: torch.Tensor     # [G, k] float64
+    front_score: torch.Tensor   # [G, k] float64
+    front_slot: torch.Tensor    # [G, k] int64: each frontier node's parent among the last level's queries
+    front_row: torch.Tensor     # [G, k] int64: row of ``prev`` that predicted each frontier node
+    anc: torch.Tensor           # [G, k, depth * k] bool: region keys the frontier's queries see
+    prev: torch.Tensor          # [G * k, H]: the last level's MTP hidden states (level 0: the roots' in rows 0..G-1)
+
+    @classmethod
+    def empty(cls, g: int, m: int, k: int, depth: int, hidden: torch.Tensor) -> "BeamState":
+        f64 = dict(dtype=torch.float64, device=hidden.device)
+        i64 = dict(dtype=torch.long, device=hidden.device)
+        return cls(tokens=torch.zeros(g, m, **f64), parents=torch.full((g, m), -1.0, **f64),
+                   scores=torch.zeros(g, m, **f64), front=torch.zeros(g, k, **i64), front_tok=torch.zeros(g, k, **f64),
+                   front_score=torch.zeros(g, k, **f64), front_slot=torch.zeros(g, k, **i64),
+                   front_row=torch.zeros(g, k, **i64),
+                   anc=torch.zeros(g, k, depth * k, dtype=torch.bool, device=hidden.device),
+                   prev=torch.zeros(g * k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device))
+
+
+@dataclass
+class LevelPlan:
+    """The host side of a step's levels, from the roots alone: level d's query c*k + j (request c) sits at
+    position root + d - 1 with its KV at position root + (d-1)k + j; the request's region is its d*k queries."""
+
+    positions: np.ndarray   # [L, G*k] int64
+    slots: np.ndarray       # [L, G*k] int64 KV slots
+    seq_lens: np.ndarray    # [L, G] int64
+    meta: np.ndarray        # [L, G, 5] int32 tree-row metadata (DeviceTreeRows.meta)
+
+    @classmethod
+    def of(cls, drafter, reqs: list[int], roots: np.ndarray, levels: int, k: int) -> "LevelPlan":
+        g = len(reqs)
+        d = np.arange(1, levels + 1)[:, None]                                        # [L, 1]
+        positions = np.repeat(roots[None, :] + d - 1, k, axis=1)                     # [L, G*k]
+        kv_pos = (roots[None, :, None] + (d[:, :, None] - 1) * k + np.arange(k)).reshape(levels, g * k)
+        slots = drafter._slots(np.repeat(np.asarray(reqs, dtype=np.int64), k)[None, :], kv_pos)
+        c = np.arange(g, dtype=np.int32)
+        meta = np.zeros((levels, g, 5), dtype=np.int32)
+        meta[:, :, 0], meta[:, :, 1], meta[:, :, 2], meta[:, :, 4] = c, c * k, k, c * k
+        meta[:, :, 3] = d * k
+        return cls(positions=positions, slots=np.asarray(slots, dtype=np.int64).reshape(levels, g * k),
+                   seq_lens=roots[None, :] + d * k, meta=meta)
+
+
 class DeviceBeam:
     def __init__(self, drafter):
         self.drafter = drafter
@@ -104,6 +161,11 @@ class DeviceBeam:
         self.words = region_words(self.max_depth, self.k)
         self._rates: torch.Tensor | None = None
         self.levels_run = 0   # expansion levels grown so far (all steps)
+        self.graphs = None    # full CUDA graphs of whole levels (GPU): spec_decode/beam_graphs.py
+        if getattr(drafter, "graphs", None) is not None:
+            from .beam_graphs import BeamGraphs
+
+            self.graphs = BeamGraphs(self)
 
     def _child_probs(self, p: torch.Tensor, depth: int) -> torch.Tensor:
         """Scores of children at ``depth`` relative to their parent, rank order: the drafter's probabilities,
@@ -134,62 +196,80 @@ class DeviceBeam:
             return [DraftTree() for _ in reqs]
         levels = self.levels(step.per_request, step.budget)
         m = k + levels * k * k
-        # Candidates: token ids, local parents (-1: the root) and cumulative scores, in float64: the products
-        # (and so the ties) of the host bookkeeping, and one copy to the host for all three.
-        tokens = torch.zeros(g, m, dtype=torch.float64, device=device)
-        parents = torch.full((g, m), -1.0, dtype=torch.float64, device=device)
-        scores = torch.zeros(g, m, dtype=torch.float64, device=device)
-        depths = np.ones(m, dtype=np.int64)
-
         top = (top if top is not None else self.drafter._top_rows(hidden)).double()   # [G, 2k]
-        p = self._child_probs(top[:, :k], 1)
-        tokens[:, :k], scores[:, :k] = top[:, k:], p
-        order = torch.sort(p, dim=1, descending=True, stable=True).indices   # [G, k]
-        front = order
-        front_tok, front_score = top[:, k:].gather(1, order), p.gather(1, order)
-        front_row = torch.arange(g, device=device)[:, None].expand(g, k)    # row of ``prev`` per query
-        front_slot = None                     # each frontier node's parent among the last level's queries
-        prev, anc, n = hidden, None, k
-        roots_np = np.asarray(roots, dtype=np.int64)
-        cols = torch.arange(k, device=device)
+        plan = LevelPlan.of(self.drafter, reqs, np.asarray(roots, dtype=np.int64), levels, k) if levels else None
+        graphs = self.graphs if levels and not self.host_rows(hidden) else None
+        state = graphs.start(cm, reqs, plan, hidden, top) if graphs is not None else None
+        if state is None:
+            graphs, state = None, BeamState.empty(g, m, k, self.max_depth, hidden)
+            self.start(state, hidden, top)
+        depths = np.ones(m, dtype=np.int64)
+        n = k
         # flags[j]: whether a frontier node beat its floor once level j's nodes existed. Level d reads flags[d-2]
         # (no frontier node beat it after level d-2: level d-1's nodes and all deeper ones are below it, and
         # floors only rise), so the read waits for work the GPU finished while level d-1 was queued.
         check = step.per_request is not None
-        flags = [self._flag(scores[:, :n], front_score, step)] if check else []
+        flags = [self._flag(state.scores[:g, :n], state.front_score[:g], step)] if check else []
         for d in range(1, levels + 1):
             if check and d >= 2 and not self._read(flags[d - 2]):
                 break
-            # The level's queries see their parent query's region and themselves (key (d-1)k + j).
-            if anc is None:
-                anc = torch.zeros(g, k, self.max_depth * k, dtype=torch.bool, device=device)
-            else:
-                anc = anc.gather(1, front_slot[:, :, None].expand(-1, -1, anc.shape[2]))
-            anc[:, cols, (d - 1) * k + cols] = True
-            hid = prev[(front_row.reshape(-1)).long()]
-            prev, top = self._run_level(cm, reqs, roots_np, d, front_tok.reshape(-1), hid, anc)
+            if graphs is None or not graphs.run(state, d, cm, reqs, plan):
+                self.level(state, d, lambda tok, hid, visible, d=d: self._eager_forward(cm, reqs, plan, d, tok, hid,
+                                                                                         visible))
             self.levels_run += 1
-            top = top.double()
-            p = self._child_probs(top[:, :k], d + 1).reshape(g, k, k)
-            child_tok = top[:, k:].reshape(g, k * k)
-            child_score = (front_score[:, :, None] * p).reshape(g, k * k)
-            tokens[:, n:n + k * k] = child_tok
-            scores[:, n:n + k * k] = child_score
-            parents[:, n:n + k * k] = front.double().repeat_interleave(k, dim=1)
             depths[n:n + k * k] = d + 1
-            order = torch.sort(child_score, dim=1, descending=True, stable=True).indices[:, :k]
-            front = n + order
-            front_tok, front_score = child_tok.gather(1, order), child_score.gather(1, order)
-            front_slot = order // k
-            front_row = torch.arange(g, device=device)[:, None] * k + front_slot
             n += k * k
             if check:
-                flags.append(self._flag(scores[:, :n], front_score, step))
-        chosen = selected_mask(scores[:, :n], torch.from_numpy(depths[:n]).to(device), step.per_request,
+                flags.append(self._flag(state.scores[:g, :n], state.front_score[:g], step))
+        s = state
+        chosen = selected_mask(s.scores[:g, :n], torch.from_numpy(depths[:n]).to(device), step.per_request,
                                step.budget)
         r, i = chosen.nonzero(as_tuple=True)       # by request, then node: parents before children
-        host = torch.stack([r.double(), i.double(), tokens[r, i], parents[r, i], scores[r, i]]).cpu().numpy()
+        host = torch.stack([r.double(), i.double(), s.tokens[r, i], s.parents[r, i], s.scores[r, i]]).cpu().numpy()
         return trees_of_selection(host, g, n)
+
+    def start(self, s: BeamState, hidden: torch.Tensor, top: torch.Tensor) -> None:
+        """The root's children as candidates and frontier (``hidden``, ``top``: one row per request of ``s``)."""
+        k, g = self.k, s.front.shape[0]
+        s.prev[:hidden.shape[0]].copy_(hidden)
+        p = self._child_probs(top[:, :k], 1)
+        s.tokens[:, :k], s.scores[:, :k], s.parents[:, :k] = top[:, k:], p, -1.0
+        order = torch.sort(p, dim=1, descending=True, stable=True).indices   # [G, k]
+        s.front.copy_(order)
+        s.front_tok.copy_(top[:, k:].gather(1, order))
+        s.front_score.copy_(p.gather(1, order))
+        s.front_row.copy_(torch.arange(g, device=order.device)[:, None].expand(g, k))
+
+    def level(self, s: BeamState, d: int, forward) -> None:
+        """Level ``d``: the frontier's queries through ``forward(tokens [G*k], hidden [G*k, H], visible region
+        keys [G, k, d*k]) -> (MTP hidden [G*k, H], top children [G*k, 2k])``, then each query's ``topk``
+        children as candidates and the ``topk`` best of them (ties to the earlier) as the next frontier. Device
+        work only, in place on ``s``: the same code runs eagerly and inside a level's CUDA graph."""
+        k, g = self.k, s.front.shape[0]
+        # The level's queries see their parent query's region and themselves (key (d-1)k + j). No host scalar
+        # goes into a device tensor here: inside a graph capture that would be a host-to-device copy.
+        if d == 1:
+            s.anc.zero_()
+        else:
+            s.anc.copy_(s.anc.gather(1, s.front_slot[:, :, None].expand(-1, -1, s.anc.shape[2])))
+        s.anc[:, :, (d - 1) * k:d * k] |= torch.eye(k, dtype=torch.bool, device=s.anc.device)
+        hid = s.prev[s.front_row.reshape(-1)]
+        out, top = forward(s.front_tok.reshape(-1).long(), hid, s.anc[:, :, :d * k])
+        s.prev[:out.shape[0]].copy_(out)
+        top = top.double()
+        n = k + (d - 1) * k * k
+        p = self._child_probs(top[:, :k], d + 1).reshape(g, k, k)
+        child_tok = top[:, k:].reshape(g, k * k)
+        child_score = (s.front_score[:, :, None] * p).reshape(g, k * k)
+        s.tokens[:, n:n + k * k] = child_tok
+        s.scores[:, n:n + k * k] = child_score
+        s.parents[:, n:n + k * k] = s.front.double()[:, :, None].expand(g, k, k).reshape(g, k * k)
+        order = torch.sort(child_score, dim=1, descending=True, stable=True).indices[:, :k]
+        s.front.copy_(n + order)
+        s.front_tok.copy_(child_tok.gather(1, order))
+        s.front_score.copy_(child_score.gather(1, order))
+        s.front_slot.copy_(order // k)
+        s.front_row.copy_(torch.arange(g, device=order.device)[:, None] * k + s.front_slot)
 
     @staticmethod
     def host_rows(hidden: torch.Tensor) -> bool:
@@ -215,28 +295,32 @@ class DeviceBeam:
             event.synchronize()
         return bool(value)
 
-    def _run_level(self, cm, reqs: list[int], roots: np.ndarray, d: int, tokens: torch.Tensor,
-                   hidden: torch.Tensor, anc: torch.Tensor):
-        """One level's MTP forward: (hidden ``[G*k, H]``, top children ``[G*k, 2k]``). Query j of request c
-        is row c*k + j at position root + d - 1, its KV at position root + (d-1)k + j; the request's region is
-        its d*k queries so far."""
+    def _eager_forward(self, cm, reqs: list[int], plan: LevelPlan, d: int, tokens: torch.Tensor,
+                       hidden: torch.Tensor, visible: torch.Tensor):
+        """Level ``d``'s MTP forward outside the beam graphs: (hidden ``[G*k, H]``, top children ``[G*k, 2k]``).
+        Rows past the step's requests (a graph state's padding, if the graphs went off within a step) get
+        zeros."""
+        rows = len(reqs) * self.k
+        out, top = self._run_level(cm, reqs, plan, d, tokens[:rows], hidden[:rows], visible[:len(reqs)])
+        if hidden.shape[0] > rows:
+            out = torch.cat([out, out.new_zeros(hidden.shape[0] - rows, out.shape[1])])
+            top = torch.cat([top, top.new_zeros(hidden.shape[0] - rows, top.shape[1])])
+        return out, top
+
+    def _run_level(self, cm, reqs: list[int], plan: LevelPlan, d: int, tokens: torch.Tensor, hidden: torch.Tensor,
+                   visible: torch.Tensor):
+        """One level's MTP forward (the rows of ``plan``'s level ``d``): (hidden ``[G*k, H]``, top children
+        ``[G*k, 2k]``)."""
         drafter, k, g = self.drafter, self.k, len(reqs)
         rows = g * k
-        positions = np.repeat(roots + d - 1, k)
-        kv_pos = roots[:, None] + (d - 1) * k + np.arange(k)
-        slots = drafter._slots(np.asarray(reqs)[:, None], kv_pos).ravel()
-        seq_lens = roots + d * k
         # What the metadata reads of a chunk: batch request, query count, sequence length.
-        chunks = [(r, range(k), None, int(s), None) for r, s in zip(reqs, seq_lens)]
-        written = drafter._write_arrays(tokens.long(), positions, slots, hidden)
-        visible = anc[:, :, :d * k]
+        chunks = [(r, range(k), None, int(s), None) for r, s in zip(reqs, plan.seq_lens[d - 1])]
+        written = drafter._write_arrays(tokens, plan.positions[d - 1], plan.slots[d - 1], hidden)
         if self.host_rows(hidden):   # the CPU backend recomputes tree rows from host masks
             tree_rows = [TreeRows(req_index=i, row_start=i * k, region_mask=visible[i]) for i in range(g)]
             out = drafter._forward_written(cm, chunks, tree_rows, *written)
             return out, drafter._top_rows(out)
-        c = np.arange(g, dtype=np.int32)
-        meta = torch.from_numpy(np.stack([c, c * k, np.full(g, k), np.full(g, d * k), c * k], axis=1)
-                                .astype(np.int32))
+        meta = torch.from_numpy(plan.meta[d - 1])
         bits = pack_bits(visible.reshape(rows, d * k), self.words)
         if drafter.graphs is not None:
             out = drafter.graphs.level(cm, chunks, (meta, bits), *written)

@@ -22,7 +22,8 @@ def _runner(llm):
 
 
 def _graph_summary(llm) -> dict | None:
-    """Bole's full CUDA graphs (GPU): verification graphs and drafter level graphs captured, and replays."""
+    """Bole's full CUDA graphs (GPU): verification graphs, drafter level graphs and the device-grown levels'
+    whole-level graphs captured, and replays."""
     runner = _runner(llm)
     graphs = getattr(runner, "_bole_graphs", None)
     if graphs is None:
@@ -31,6 +32,9 @@ def _graph_summary(llm) -> dict | None:
     draft = getattr(getattr(runner, "bole_drafter", None), "graphs", None)
     if draft is not None:
         summary |= {"draft_graphs": len(draft.graphs), "draft_replays": draft.replays}
+    beam = getattr(getattr(getattr(runner, "bole_drafter", None), "beam", None), "graphs", None)
+    if beam is not None:
+        summary |= {"beam_graphs": len(beam.graphs), "beam_replays": beam.replays}
     return summary
 
 
