@@ -36,19 +36,39 @@ def _generate(llm, batch: int, prompt_len: int, new_tokens: int, seed: int):
     return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
 
 
-def _torch_profile(llm, batch: int, args, out_dir: Path) -> None:
-    """Op tables (device time and host time) of one generate call under torch.profiler."""
+def _gpu_busy_ms(prof) -> float:
+    """Time some kernel ran on the GPU (the union of device event intervals), in ms."""
+    import torch
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e3
+
+
+def _torch_profile(llm, batch: int, args, out_dir: Path) -> dict:
+    """Op tables (device time and host time) of one generate call under torch.profiler, and how much of its
+    wall time the GPU was busy (low: the step waits on the host)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _generate(llm, batch, args.prompt_len, 32, seed=batch + 1)
+        _, elapsed = _generate(llm, batch, args.prompt_len, 64, seed=batch + 1)
+    torch.cuda.synchronize()
+    busy = _gpu_busy_ms(prof)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = prof.key_averages()
-    text = (table.table(sort_by="self_cuda_time_total", row_limit=40) + "\n\n"
+    head = (f"B={batch}: 64 new tokens, wall {elapsed * 1e3:.1f} ms under the profiler, GPU busy {busy:.1f} ms "
+            f"({100 * busy / (elapsed * 1e3):.0f}%)\n\n")
+    text = (head + table.table(sort_by="self_cuda_time_total", row_limit=50) + "\n\n"
             + table.table(sort_by="self_cpu_time_total", row_limit=40))
     (out_dir / f"ops_B{batch}.txt").write_text(text)
-    torch.cuda.synchronize()
+    print(head.strip(), flush=True)
+    return {"profiled_wall_ms": round(elapsed * 1e3, 1), "profiled_gpu_busy_ms": round(busy, 1)}
 
 
 def _host_profile(llm, batch: int, args, out_dir: Path) -> None:
@@ -123,7 +143,7 @@ def main() -> None:
             row["draft_tokens_per_step"] = (after["num_draft_tokens"] - before["num_draft_tokens"]) / max(drafts, 1)
         rows.append(row)
         if args.torch_profile:
-            _torch_profile(llm, batch, args, Path(args.torch_profile))
+            row |= _torch_profile(llm, batch, args, Path(args.torch_profile))
         if args.host_profile:
             _host_profile(llm, batch, args, Path(args.host_profile))
         print(f"B={batch}: {row['tok_s']:.1f} tok/s" + (
