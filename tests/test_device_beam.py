@@ -116,6 +116,17 @@ def test_selection_alive_matches_host_floors(seed):
     got = selection_alive(torch.tensor(scores, dtype=torch.float64), torch.tensor(front, dtype=torch.float64),
                           per_request, budget)
     assert bool(got) == want
+    # As a beam graph computes it: the budget as a device scalar, and padding requests (any scores, even NaN,
+    # and frontier nodes far above every floor) that must not count.
+    pad = int(rng.integers(0, 4))
+    padded = np.concatenate([scores, rng.random((pad, n)) * 10])
+    padded_front = np.concatenate([front, np.full((pad, k), 100.0)])
+    if pad:
+        padded[-1, 0] = np.nan
+    real = torch.arange(g + pad) < g
+    got = selection_alive(torch.tensor(padded, dtype=torch.float64), torch.tensor(padded_front, dtype=torch.float64),
+                          per_request, torch.tensor(budget), real)
+    assert bool(got) == want
 
 
 @pytest.mark.parametrize("cols,words", [(1, 1), (5, 1), (31, 1), (32, 1), (33, 2), (64, 3)])

@@ -13,8 +13,8 @@ launches and the level's metadata cost the host more than the GPU spends on the 
   hidden states zeroed), so a graph serves every request count up to its bucket.
 
 On first use a level runs eagerly (it is this step's level; Triton compiles there) and is then captured; the
-capture does not run it again. The early stop (``selection_alive``) stays outside the graphs: it is a few
-ops on the state, read one level late.
+capture does not run it again. A level's graph also computes its early-stop flag (``selection_alive``, with the
+step's budget as data and the padding requests left out); the host copies it out and reads it one level late.
 """
 
 import time
@@ -29,7 +29,7 @@ from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest
 from ..worker.verify_graphs import GraphStep, capture
-from .device_beam import BeamState, LevelPlan, pack_bits
+from .device_beam import BeamState, LevelPlan, pack_bits, selection_alive
 
 logger = init_logger(__name__)
 
@@ -50,6 +50,9 @@ class BeamGraphs:
         self.positions = torch.zeros(self.levels_max, rows, dtype=torch.long, device=dev)
         self.slots = torch.full((self.levels_max, rows), PADDING_SLOT_ID, dtype=torch.long, device=dev)
         self.block_table = None     # [max_reqs, blocks] once the KV cache exists
+        self.budget = torch.zeros((), dtype=torch.long, device=dev)           # the step's node budget
+        self.flags = torch.zeros(self.levels_max, dtype=torch.bool, device=dev)   # per level: selection_alive
+        self._flags_host = self._events = None
         self.state: BeamState | None = None   # [max_reqs] rows, at the first step (hidden size and dtype)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
@@ -57,7 +60,8 @@ class BeamGraphs:
         self._full_logged = False
         self._step = None           # (request bucket, padded rows) of the step being grown
 
-    def start(self, cm, reqs: list[int], plan: LevelPlan, hidden: torch.Tensor, top: torch.Tensor):
+    def start(self, cm, reqs: list[int], plan: LevelPlan, hidden: torch.Tensor, top: torch.Tensor,
+              budget: int | None = None):
         """The step's inputs into the fixed buffers and the root's children into the fixed state; returns that
         state (``bucket`` rows) or None when the step's levels cannot run from graphs."""
         k, g = self.k, len(reqs)
@@ -88,6 +92,7 @@ class BeamGraphs:
         self.query_start_loc[:bucket + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
         self.seq_lens[:levels, :bucket].copy_(torch.from_numpy(seq_lens), non_blocking=True)
         self.meta[:levels, :bucket].copy_(torch.from_numpy(meta), non_blocking=True)
+        self.budget.fill_(budget if budget is not None else 1 << 40)
         pos_slots = torch.from_numpy(pos_slots).to(dev, non_blocking=True)
         self.positions[:levels, :bucket * k].copy_(pos_slots[0])
         self.slots[:levels, :bucket * k].copy_(pos_slots[1])
@@ -108,14 +113,15 @@ class BeamGraphs:
                          front_slot=s.front_slot[:bucket], front_row=s.front_row[:bucket], anc=s.anc[:bucket],
                          prev=s.prev[:rows])
 
-    def run(self, state: BeamState, d: int, cm, reqs: list[int], plan: LevelPlan) -> bool:
+    def run(self, state: BeamState, d: int, cm, reqs: list[int], plan: LevelPlan, per_request: int | None) -> bool:
         """Level ``d`` of the step :meth:`start` set up, from its graph (captured now if new: the eager warm-up
-        is this step's level). False when it did not run (too many graphs, graphs off): the caller runs it."""
+        is this step's level), and its early-stop flag (:meth:`flag`) unless ``per_request`` is None. False
+        when it did not run (too many graphs, graphs off): the caller runs it."""
         if self.disabled:
             return False
         bucket, padded = self._step
         long_prefix = bool(plan.seq_lens[d - 1].max() > INLINE_PREFIX_MAX_SEQ)
-        key = (bucket, d, long_prefix)
+        key = (bucket, d, long_prefix, per_request)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -135,6 +141,11 @@ class BeamGraphs:
         def call():
             self.beam.level(state, d, lambda tok, hid, visible: self._forward(bucket, d, padded, long_prefix,
                                                                               per_layer, tok, hid, visible))
+            if per_request is not None:
+                real = torch.arange(bucket, device=self.flags.device) * k < self.query_start_loc[bucket]
+                n = k + d * k * k
+                self.flags[d - 1].copy_(selection_alive(state.scores[:, :n], state.front_score, per_request,
+                                                        self.budget, real))
 
         call()    # this step's level, eagerly
         drafter_graphs = self.drafter.graphs
@@ -154,6 +165,18 @@ class BeamGraphs:
             logger.info("Bole grows draft trees from full CUDA graphs of whole levels (captured per request "
                         "bucket, level and prefix route on first use)")
         return True
+
+    def flag(self, d: int):
+        """Level ``d``'s early-stop flag on its way to the host: (value, event), as ``DeviceBeam._flag``."""
+        if not self.flags.is_cuda:
+            return self.flags[d - 1].clone(), None
+        if self._flags_host is None:
+            self._flags_host = torch.zeros(self.levels_max, dtype=torch.bool, pin_memory=True)
+            self._events = [torch.cuda.Event() for _ in range(self.levels_max)]
+        host, event = self._flags_host[d - 1], self._events[d - 1]
+        host.copy_(self.flags[d - 1], non_blocking=True)
+        event.record()
+        return host, event
 
     def _forward(self, bucket: int, d: int, padded: int, long_prefix: bool, per_layer, tokens: torch.Tensor,
                  hidden: torch.Tensor, visible: torch.Tensor):

@@ -43,9 +43,11 @@ def pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
 
 
 def selection_alive(scores: torch.Tensor, frontier_scores: torch.Tensor, per_request: int | None,
-                    budget: int | None) -> torch.Tensor:
+                    budget: "int | torch.Tensor | None", real: torch.Tensor | None = None) -> torch.Tensor:
     """0-dim bool on the device: whether some request's frontier node beats its selection floor (the device twin
-    of ``tree.selection_floors`` over ``[G, n]`` candidate scores, every request holding ``n``)."""
+    of ``tree.selection_floors`` over ``[G, n]`` candidate scores, every request holding ``n``). ``budget``: an
+    int, or a 0-dim device tensor (inside a graph, where it is data); ``real``: ``[G]`` bool, the requests that
+    count (the others are a graph's padding)."""
     g, n = scores.shape
     floor = torch.full((g,), -torch.inf, dtype=scores.dtype, device=scores.device)
     if per_request is not None:
@@ -53,10 +55,21 @@ def selection_alive(scores: torch.Tensor, frontier_scores: torch.Tensor, per_req
         best = scores.topk(keep, dim=1).values                          # [G, keep], descending
         if n >= per_request:
             floor = best[:, -1]
-        if budget is not None and best.numel() >= budget:
+        if real is not None:
+            best = torch.where(real[:, None], best, -torch.inf)
+        if isinstance(budget, torch.Tensor):
+            # The budget-th best of the real requests' kept scores (padding sorts last), if they hold that many.
+            flat = best.flatten().sort(descending=True).values
+            held = (real.sum() if real is not None else g) * keep
+            cut = flat.gather(0, (budget - 1).clamp(0, flat.numel() - 1).reshape(1))[0]   # no host read
+            floor = torch.where(budget <= held, torch.maximum(floor, cut), floor)
+        elif budget is not None and best.numel() >= budget:
             cut = best.flatten().topk(budget).values[-1]
             floor = torch.maximum(floor, cut)
-    return (frontier_scores > floor[:, None]).any()
+    alive = frontier_scores > floor[:, None]
+    if real is not None:
+        alive = alive & real[:, None]
+    return alive.any()
 
 
 def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int | None,
@@ -161,6 +174,7 @@ class DeviceBeam:
         self.words = region_words(self.max_depth, self.k)
         self._rates: torch.Tensor | None = None
         self.levels_run = 0   # expansion levels grown so far (all steps)
+        self._pinned: torch.Tensor | None = None   # early-stop flags on their way to the host (GPU)
         self.graphs = None    # full CUDA graphs of whole levels (GPU): spec_decode/beam_graphs.py
         if getattr(drafter, "graphs", None) is not None:
             from .beam_graphs import BeamGraphs
@@ -199,7 +213,7 @@ class DeviceBeam:
         top = (top if top is not None else self.drafter._top_rows(hidden)).double()   # [G, 2k]
         plan = LevelPlan.of(self.drafter, reqs, np.asarray(roots, dtype=np.int64), levels, k) if levels else None
         graphs = self.graphs if levels and not self.host_rows(hidden) else None
-        state = graphs.start(cm, reqs, plan, hidden, top) if graphs is not None else None
+        state = graphs.start(cm, reqs, plan, hidden, top, step.budget) if graphs is not None else None
         if state is None:
             graphs, state = None, BeamState.empty(g, m, k, self.max_depth, hidden)
             self.start(state, hidden, top)
@@ -209,18 +223,21 @@ class DeviceBeam:
         # (no frontier node beat it after level d-2: level d-1's nodes and all deeper ones are below it, and
         # floors only rise), so the read waits for work the GPU finished while level d-1 was queued.
         check = step.per_request is not None
-        flags = [self._flag(state.scores[:g, :n], state.front_score[:g], step)] if check else []
+        flags = [self._flag(state.scores[:g, :n], state.front_score[:g], step, 0)] if check else []
         for d in range(1, levels + 1):
             if check and d >= 2 and not self._read(flags[d - 2]):
                 break
-            if graphs is None or not graphs.run(state, d, cm, reqs, plan):
+            # A graph's level also computes its early-stop flag (graphs.flag); an eager level's comes after it.
+            ran = graphs is not None and graphs.run(state, d, cm, reqs, plan, step.per_request)
+            if not ran:
                 self.level(state, d, lambda tok, hid, visible, d=d: self._eager_forward(cm, reqs, plan, d, tok, hid,
                                                                                          visible))
             self.levels_run += 1
             depths[n:n + k * k] = d + 1
             n += k * k
             if check:
-                flags.append(self._flag(state.scores[:g, :n], state.front_score[:g], step))
+                flags.append(graphs.flag(d) if ran else
+                             self._flag(state.scores[:g, :n], state.front_score[:g], step, d))
         s = state
         chosen = selected_mask(s.scores[:g, :n], torch.from_numpy(depths[:n]).to(device), step.per_request,
                                step.budget)
@@ -276,13 +293,15 @@ class DeviceBeam:
         """Whether the attention backend reads tree rows as host masks (CPU) rather than device bits (GPU)."""
         return hidden.device.type == "cpu"
 
-    @staticmethod
-    def _flag(scores: torch.Tensor, front_score: torch.Tensor, step):
-        """:func:`selection_alive` now, on its way to the host without draining the queue: (value, event)."""
+    def _flag(self, scores: torch.Tensor, front_score: torch.Tensor, step, slot: int):
+        """:func:`selection_alive` now, on its way to the host without draining the queue: (value, event). Each
+        level of a step has its own pinned slot (a step reads its flags before the next step writes them)."""
         alive = selection_alive(scores, front_score, step.per_request, step.budget)
         if not alive.is_cuda:
             return alive, None
-        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        if self._pinned is None:
+            self._pinned = torch.zeros(self.max_depth + 1, dtype=torch.bool, pin_memory=True)
+        host = self._pinned[slot]
         host.copy_(alive, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
