@@ -212,7 +212,9 @@ def tree_attention_paged_reference(q, kv_cache, block_table, seq_lens, tree_rows
 # ---------------------------------------------------------------------------------------------------------
 # KV compaction
 # ---------------------------------------------------------------------------------------------------------
-@triton.jit
+# Runs eagerly every step with that step's number of moves; the source and destination slots are views of one
+# tensor at an offset that varies: no specialization on either, so no recompilation mid-run.
+@triton.jit(do_not_specialize=["idx_layer_stride", "M"], do_not_specialize_on_alignment=["src", "dst"])
 def _compact_kernel(ptrs, ref, src, dst, idx_layer_stride, M, s0, s1, s2, s3,
                     BS: tl.constexpr, TWO_D: tl.constexpr, BD: tl.constexpr, BMC: tl.constexpr,
                     ALIGNED: tl.constexpr):

@@ -74,7 +74,9 @@ def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activati
     return out
 
 
-@triton.jit
+# Runs eagerly every step (see triton_commit._commit_kernel): no specialization on per-step sizes.
+@triton.jit(do_not_specialize=["idx_layer_stride", "stride_x_layer", "stride_x"],
+            do_not_specialize_on_alignment=["state_indices", "x", "accepted", "parent", "cu_seqlens"])
 def _commit_conv_kernel(
     src_ptrs, dst_ptrs, strides, ref, state_indices, idx_layer_stride, x, accepted, parent, cu_seqlens,
     stride_x_layer,

@@ -31,7 +31,10 @@ def device_table(rows, device) -> torch.Tensor:
     return table
 
 
-@triton.jit
+# The commit runs eagerly every step with that step's node count and batch: without specializing on them (or
+# on the alignment of the per-step index tensors) a new count never recompiles the kernel mid-run.
+@triton.jit(do_not_specialize=["idx_layer_stride", "N"],
+            do_not_specialize_on_alignment=["state_indices", "accepted", "parent", "cu_seqlens"])
 def _commit_kernel(
     src_ptrs, dst_ptrs, ref, state_indices, idx_layer_stride, k, u, g_cum, accepted, parent, cu_seqlens, N,
     src_slot, src_head, src_v, dst_slot, dst_head, dst_v,
