@@ -175,6 +175,8 @@ class DeviceBeam:
         self._rates: torch.Tensor | None = None
         self.levels_run = 0   # expansion levels grown so far (all steps)
         self._pinned: torch.Tensor | None = None   # early-stop flags on their way to the host (GPU)
+        # The step's candidates on their way to the host (GPU); a step's are read before the next step's copy.
+        self._fields: torch.Tensor | None = None
         self.graphs = None    # full CUDA graphs of whole levels (GPU): spec_decode/beam_graphs.py
         if getattr(drafter, "graphs", None) is not None:
             from .beam_graphs import BeamGraphs
@@ -205,9 +207,15 @@ class DeviceBeam:
              top: torch.Tensor | None = None) -> list[DraftTree]:
         """The selected trees of batch requests ``reqs`` (root positions ``roots``); ``hidden`` ``[G, H]``: the
         MTP hidden state that predicts each root's children; ``top``: its top children, if already computed."""
+        return self.grow_deferred(step, cm, reqs, roots, hidden, top)()
+
+    def grow_deferred(self, step, cm, reqs: list[int], roots: list[int], hidden: torch.Tensor,
+                      top: torch.Tensor | None = None):
+        """:meth:`grow` with every level and the selection queued on the device: returns ``finish()``, which
+        waits for the selection's copy to the host and builds the trees (meanwhile the host may do other work)."""
         k, g, device = self.k, len(reqs), hidden.device
         if step.budget is not None and step.budget <= 0 or step.per_request is not None and step.per_request <= 0:
-            return [DraftTree() for _ in reqs]
+            return lambda: [DraftTree() for _ in reqs]
         levels = self.levels(step.per_request, step.budget)
         m = k + levels * k * k
         top = (top if top is not None else self.drafter._top_rows(hidden)).double()   # [G, 2k]
@@ -241,9 +249,25 @@ class DeviceBeam:
         s = state
         chosen = selected_mask(s.scores[:g, :n], torch.from_numpy(depths[:n]).to(device), step.per_request,
                                step.budget)
-        r, i = chosen.nonzero(as_tuple=True)       # by request, then node: parents before children
-        host = torch.stack([r.double(), i.double(), s.tokens[r, i], s.parents[r, i], s.scores[r, i]]).cpu().numpy()
-        return trees_of_selection(host, g, n)
+        # Every candidate and the selection mask in one fixed-size copy (no sync for the selection's size).
+        fields = torch.stack([chosen.double(), s.tokens[:g, :n], s.parents[:g, :n], s.scores[:g, :n]])
+        host, event = fields, None
+        if fields.is_cuda:
+            if self._fields is None or self._fields.numel() < fields.numel():
+                self._fields = torch.empty(fields.numel(), dtype=torch.float64, pin_memory=True)
+            host = self._fields[:fields.numel()].view(fields.shape)
+            host.copy_(fields, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+
+        def finish() -> list[DraftTree]:
+            if event is not None:
+                event.synchronize()
+            a = host.numpy()
+            r, i = np.nonzero(a[0])                 # by request, then node: parents before children
+            return trees_of_selection(np.stack([r, i, a[1][r, i], a[2][r, i], a[3][r, i]]), g, n)
+
+        return finish
 
     def start(self, s: BeamState, hidden: torch.Tensor, top: torch.Tensor) -> None:
         """The root's children as candidates and frontier (``hidden``, ``top``: one row per request of ``s``)."""

@@ -44,6 +44,13 @@ class TreeDrafter:
     def propose(self, step: DraftStep) -> list[DraftTree]:
         raise NotImplementedError
 
+    def propose_deferred(self, step: DraftStep):
+        """``finish()`` that returns :meth:`propose`'s trees. A drafter whose work runs on the device may return
+        before it is done (the runner calls ``finish`` once vLLM asks for the drafts, after its output
+        processing); by default the trees are made now."""
+        trees = self.propose(step)
+        return lambda: trees
+
 
 def make_drafter(runner, bole_config) -> TreeDrafter:
     if bole_config.drafter == "mtp":

@@ -224,6 +224,10 @@ class MTPTreeDrafter(TreeDrafter):
         return table.block_table.np[r, pos // size].astype(np.int64) * size + pos % size
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
+        return self.propose_deferred(step)()
+
+    def propose_deferred(self, step: DraftStep):
+        """The levels are queued on the device; ``finish()`` waits for the selection only (device beam)."""
         cm = step.common_attn_metadata
 
         def rows_of(values, hidden):  # rows of a hidden-state tensor, in one gather
@@ -242,30 +246,35 @@ class MTPTreeDrafter(TreeDrafter):
                 growing.append((r, len(chunks) - 1))
         out = [DraftTree() for _ in step.req_ids]
         if not chunks:
-            return out
+            return lambda: out
         mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states))
         if not growing:
-            return out
+            return lambda: out
         # 2. Grow the trees from the hidden state that predicts each root's children.
         reqs, roots = [r for r, _ in growing], [chunks[c][2][-1] + 1 for _, c in growing]
         roots_rows = [last_rows[c] for _, c in growing]
         prev = rows_of(roots_rows, mtp_hidden)
         top = rows_of(roots_rows, top) if top is not None else None
-        grown = None
+        finish = None
         if self.beam is not None:
             try:
-                grown = self.beam.grow(step, cm, reqs, roots, prev, top)
+                finish = self.beam.grow_deferred(step, cm, reqs, roots, prev, top)
             except Exception as e:  # drafts only: the host bookkeeping grows this step's trees instead
                 logger.warning("Bole's device-grown draft levels are off: a level failed (%s: %s); growing them "
                                "on the host", type(e).__name__, e)
                 self.beam = None
-        if grown is None:
+        if finish is None:
             grown = self._grow_on_host(step, cm, reqs, roots, prev, top)
             if step.per_request is not None:
                 grown = select_step(grown, step.per_request, step.budget)
-        for r, tree in zip(reqs, grown):
-            out[r] = tree
-        return out
+            finish = lambda: grown  # noqa: E731
+
+        def trees() -> list[DraftTree]:
+            for r, tree in zip(reqs, finish()):
+                out[r] = tree
+            return out
+
+        return trees
 
     def _grow_on_host(self, step: DraftStep, cm, reqs: list[int], roots: list[int], prev: torch.Tensor,
                       top: torch.Tensor | None = None):

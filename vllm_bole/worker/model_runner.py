@@ -41,6 +41,7 @@ class BoleModelRunnerMixin:
         self.bole_drafter = None
         self._bole_profiler = StepProfiler.from_env()
         self._bole_graphs = None
+        self._bole_pending = None   # (DraftStep, finish) of drafts queued on the device, not yet taken
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -94,6 +95,9 @@ class BoleModelRunnerMixin:
 
     # ---- verification inputs ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        # Drafts vLLM did not take (tensor-parallel ranks other than the output rank) finish before the step
+        # that verifies them.
+        self._finish_drafts()
         try:
             with profiled(self._bole_profiler, "forward"):
                 return super().execute_model(scheduler_output, intermediate_tensors)
@@ -272,6 +276,7 @@ class BoleModelRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
+        self._finish_drafts()
         with profiled(self._bole_profiler, "draft"):
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             num_reqs = len(step.req_ids)
@@ -279,13 +284,31 @@ class BoleModelRunnerMixin:
             step.per_request = self.speculative_config.num_speculative_tokens
             step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
                                       context_len=int(context.mean()) if num_reqs else None)
-            trees = self.bole_drafter.propose(step)
+            self._bole_pending = (step, self.bole_drafter.propose_deferred(step))
+        if self._bole_profiler is not None:   # phases stay synchronous
+            self._finish_drafts()
+        # vLLM keeps this as the step's drafts; they are filled in when it takes them (take_draft_token_ids),
+        # so its output processing runs while the device finishes the drafter's last levels.
+        return []
+
+    def _finish_drafts(self) -> None:
+        """The pending drafts' trees (waits for the drafter's selection), as vLLM's draft token ids."""
+        pending, self._bole_pending = self._bole_pending, None
+        if pending is None:
+            return
+        step, finish = pending
+        with profiled(self._bole_profiler, "draft"):
+            trees = finish()
             if not self.bole_drafter.selects:
                 trees = select_step(trees, step.per_request, step.budget)
         self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
+        self._draft_token_ids = [t.tokens for t in trees]
         if self._bole_profiler is not None:
             self._bole_profiler.end_step(tree_step=self._bole_forest is not None)
-        return [t.tokens for t in trees]
+
+    def take_draft_token_ids(self):
+        self._finish_drafts()
+        return super().take_draft_token_ids()
 
     def _draft_step(self, scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata) -> DraftStep:
         req_ids = list(self.input_batch.req_ids)
