@@ -7,7 +7,8 @@
 Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain of k drafts with
 ``rejection_sample_method: "synthetic"``), ``bole`` (tree speculation with ``synthetic_acceptance`` and
 ``budget: "auto"``; ``--calibrate`` first runs the budget calibration in the same engine and merges it into
-``--budget-table``). Each configuration runs in its own process that starts its engine once and then runs every
+``--budget-table``), ``bole_step`` (the same with ``budget_rule: "step"``: the budget also weighs the step's
+measured time besides its target forward; rows gain ``bole_step_*`` fields and a second table). Each configuration runs in its own process that starts its engine once and then runs every
 batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
 ``--kv-cache-gib``, so concurrent start-ups cannot skew each other's memory profile); the timed phases then run
 strictly one engine at a time (the others sit idle, waiting for their turn). Results are merged by configuration
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
-CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole")
+CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", "bole_step")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
 POLL_S = 0.5
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--warmup-tokens", type=int, default=None, help="warm-up generate length (default: --new-tokens)")
+    p.add_argument("--warmup-passes", type=int, default=2,
+                   help="warm-up generates per batch size before its timed one (Bole's lazy graph captures: the "
+                        "timed rows still report the captures they ran)")
     p.add_argument("--max-model-len", type=int, default=2048, help="also the request length of the concurrency")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=18.0, help="fixed KV cache per engine")
@@ -143,11 +147,13 @@ def engine_kwargs(args, name: str) -> dict:
             kw["speculative_config"] |= {"rejection_sample_method": "synthetic",
                                          "synthetic_acceptance_rates": args.rates[:k]}
         sizes = {b * (k + 1) for b in args.batch_sizes} | set(args.batch_sizes)
-    elif name == "bole":
+    elif name.startswith("bole"):
         kw["speculative_config"] = {
             "method": "bole", "num_speculative_tokens": args.depth, "topk": args.topk, "budget": "auto",
             "budget_table": args.budget_table,
             "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}
+        if name == "bole_step":
+            kw["speculative_config"]["budget_rule"] = "step"
         # Tree steps carry B + (up to the budget) tokens: capture sizes over that whole range.
         sizes = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 32)}
     else:
@@ -193,8 +199,8 @@ def run_worker(args) -> None:
               "kv_cache_gib": args.kv_cache_gib, "gpu_memory_utilization": kwargs.get("gpu_memory_utilization"),
               "kv_cache_blocks": runner.kv_cache_config.num_blocks,
               "speculative_config": kwargs.get("speculative_config"),
-              "settings": {k: getattr(args, k) for k in ("prompt_len", "new_tokens", "warmup_tokens", "rates",
-                                                        "sibling_rates", "model")}}
+              "settings": {k: getattr(args, k) for k in ("prompt_len", "new_tokens", "warmup_tokens", "warmup_passes",
+                                                        "rates", "sibling_rates", "model")}}
     _write_json(run_dir / f"{name}.ready", {"startup_s": result["startup_s"]})
     _wait_for(run_dir / f"{name}.go")
 
@@ -219,7 +225,8 @@ def run_worker(args) -> None:
                    for _ in range(b)]
         warm = SamplingParams(max_tokens=args.warmup_tokens or args.new_tokens, ignore_eos=True, temperature=0.0,
                               detokenize=False)
-        llm.generate(prompts, warm, use_tqdm=False)
+        for _ in range(args.warmup_passes):   # Bole captures its graphs on first use of each shape
+            llm.generate(prompts, warm, use_tqdm=False)
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         before = spec_decode_counters(llm.get_metrics())
         graphs_before = _bole_graph_counts(runner)
@@ -235,17 +242,19 @@ def run_worker(args) -> None:
                "mean_accepted": round(1 + accepted / drafts, 3) if drafts else None,
                "draft_tokens_per_step": round((after["num_draft_tokens"] - before["num_draft_tokens"]) / drafts, 2)
                if drafts else None}
-        if name == "bole":
+        if name.startswith("bole"):
             from vllm_bole.spec_decode.budget import node_budget
 
-            row["budget"] = node_budget(runner.bole_config, b, None, runner.model_config)
+            # the budget of the batch's next step (the step rule's from its latest measurement)
+            row["budget"] = node_budget(runner.bole_config, b, None, runner.model_config,
+                                        rest_ms=runner._bole_clock.rest_ms(b))
             # Bole captures its full graphs lazily: captures inside the timed run are part of its wall time.
             row["graphs_captured_in_timed_run"] = [a - b for a, b in zip(graphs_after, graphs_before)]
             row["graphs_held"] = list(graphs_after)
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
     result["batches"] = per_batch
-    if name == "bole" and args.profile_batch:
+    if name.startswith("bole") and args.profile_batch:
         result["profile"] = profile_bole(llm, runner, args, run_dir, rng)
     _write_json(run_dir / f"{name}.json", result)
 
@@ -373,6 +382,11 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
                                        for n, c in sorted(configs.items()) if n.startswith("mtp")},
             "bole_budget": bole.get("budget"),
             "bole_draft_tokens_per_step": bole.get("draft_tokens_per_step")})
+        step = configs.get("bole_step", {}).get("batches", {}).get(str(b))
+        if step:   # budget_rule "step" beside the calibrated budget
+            rows[-1] |= {"bole_step_tok_s": step.get("tok_s"), "bole_step_mean_accepted": step.get("mean_accepted"),
+                         "bole_step_budget": step.get("budget"),
+                         "bole_step_speedup_vs_mtp": ratio(step.get("tok_s"), mtp.get(best_k))}
     return rows
 
 
@@ -386,6 +400,12 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['B']} | {f(r['ar_tok_s'])} | {f(r['mtp_best_tok_s'])} (k={r['mtp_best_k'] or '–'}) | "
                      f"{f(r['bole_tok_s'])} | {f(r['bole_mean_accepted'], '.2f')} | {r['bole_budget'] or '–'} | "
                      f"{f(r['speedup_vs_mtp'], '.2f')}× | {f(r['speedup_vs_ar'], '.2f')}× |")
+    if any("bole_step_tok_s" in r for r in rows):
+        lines += ["", "Bole with budget_rule \"step\":", "| B | tok/s | tokens/step | budget (last) | vs MTP |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['B']} | {f(r.get('bole_step_tok_s'))} | {f(r.get('bole_step_mean_accepted'), '.2f')} | "
+                  f"{r.get('bole_step_budget') or '–'} | {f(r.get('bole_step_speedup_vs_mtp'), '.2f')}× |"
+                  for r in rows]
     if rows:
         r = rows[0]
         lines.append(f"Max concurrency (requests of the concurrency length): AR {r['concurrency_ar']}, "

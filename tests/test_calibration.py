@@ -98,6 +98,42 @@ def test_auto_budget_reads_the_table(tmp_path, fresh_tables):
     assert budget_mod.node_budget(fixed, 1) == 40
 
 
+def test_step_rule_weighs_the_rest_of_the_step(tmp_path, fresh_tables):
+    """budget_rule "step": N may cost eps of the whole plain step (T_dec + the rest) more than T_dec; with no
+    rest measured yet, or a rest of 0, it is the calibrated B_ver."""
+    path = tmp_path / "t.json"
+    write_table(path, [_entry(16, 256, [(64, 10.0), (128, 10.8), (256, 12.0), (512, 16.0)])])
+    cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(path), "budget_rule": "step"})
+    assert budget_mod.node_budget(cfg, 16, 300, _model()) == 128                 # no measurement: B_ver
+    assert budget_mod.node_budget(cfg, 16, 300, _model(), rest_ms=0.0) == 128
+    assert budget_mod.node_budget(cfg, 16, 300, _model(), rest_ms=10.0) == 256   # 12.0 <= 11 + 0.1 * 10
+    assert budget_mod.node_budget(cfg, 16, 300, _model(), rest_ms=50.0) == 512   # 16.0 <= 11 + 0.1 * 50
+    decode, _ = parse_bole_config({"method": "bole", "budget_table": str(path)})
+    assert budget_mod.node_budget(decode, 16, 300, _model(), rest_ms=50.0) == 128  # the default rule ignores it
+    # The calibrated forward between and beyond the points (N = 0: the plain decode step).
+    assert budget_mod.verify_ms(cfg, 16, 0, 300, _model()) == pytest.approx(10.0)
+    assert budget_mod.verify_ms(cfg, 16, 96, 300, _model()) == pytest.approx(10.4)
+    assert budget_mod.verify_ms(cfg, 16, 32, 300, _model()) == pytest.approx(10.0)
+    assert budget_mod.verify_ms(cfg, 16, 768, 300, _model()) == pytest.approx(20.0)
+    fixed, _ = parse_bole_config({"method": "bole", "budget": 40})
+    assert budget_mod.verify_ms(fixed, 16, 96) is None
+
+
+def test_step_clock_averages_the_rest_of_tree_steps():
+    clock = budget_mod.StepClock()
+    clock.tick(1.000, 4, True, 5.0)                 # the first tick only starts the clock
+    assert clock.rest_ms(4) is None
+    clock.tick(1.020, 4, True, 5.0)                 # 20 ms step, 5 of them the target forward
+    assert clock.rest_ms(4) == pytest.approx(15.0)
+    clock.tick(1.050, 4, False, 5.0)                # a step with a prefill in it: not counted
+    clock.tick(1.060, 4, True, 5.0)                 # 10 ms: the average moves a fifth of the way
+    assert clock.rest_ms(4) == pytest.approx(15.0 + 0.2 * (5.0 - 15.0))
+    clock.tick(1.100, 8, True, 5.0)                 # the batch changed: that period is not one step of 8
+    assert clock.rest_ms(8) is None and clock.rest_ms(4) == pytest.approx(13.0)
+    clock.tick(1.130, 8, True, None)                # no calibrated forward: nothing to subtract from
+    assert clock.rest_ms(8) is None
+
+
 def test_missing_table_uses_the_default_with_one_warning(tmp_path, fresh_tables, caplog):
     cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(tmp_path / "none.json")})
     with caplog.at_level(logging.INFO, logger="vllm_bole.spec_decode.budget"):
@@ -185,3 +221,11 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
     c = out["counters"]
     assert c["num_accepted_tokens"] == 0 and c["num_drafts"] > 0
     assert c["num_draft_tokens"] == b_ver * c["num_drafts"] // 2
+
+    # budget_rule "step" serves from the same table; with epsilon 1000 every N fits under either rule, so the
+    # runner's step clock and the step rule's lookup run without changing the budget.
+    engine["speculative_config"]["budget_rule"] = "step"
+    out = run_engine(tmp_path, "step", {"model": model, "engine": engine,
+                                        "requests": random_requests(vocab, [12, 20], max_tokens=12)})
+    c = out["counters"]
+    assert c["num_drafts"] > 0 and c["num_draft_tokens"] == b_ver * c["num_drafts"] // 2

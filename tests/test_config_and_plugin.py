@@ -33,12 +33,21 @@ def test_values_and_dashes():
     ("budget_table", "", "budget_table"),
     ("cuda_graphs", "yes", "cuda_graphs"),
     ("cuda_graphs", 1, "cuda_graphs"),
+    ("budget_rule", "fast", "budget_rule"),
     ("tree", [[0]], "unknown key"),
 ])
 def test_bad_values_name_the_field(key, value, field):
     with pytest.raises(BoleConfigError, match=field) as e:
         parse_bole_config({"method": "bole", key: value})
     assert "\n" not in str(e.value)
+
+
+def test_budget_rule():
+    cfg, _ = parse_bole_config({"method": "bole", "budget-rule": "step"})
+    assert (cfg.budget, cfg.budget_rule) == ("auto", "step")
+    assert parse_bole_config({"method": "bole"})[0].budget_rule == "decode"
+    with pytest.raises(BoleConfigError, match="budget_rule applies only with budget 'auto'"):
+        parse_bole_config({"method": "bole", "budget": 64, "budget_rule": "step"})
 
 
 def test_budget_table_path():

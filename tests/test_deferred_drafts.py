@@ -26,7 +26,7 @@ class _Runner(BoleModelRunnerMixin, _Base):
 def _runner():
     runner = _Runner.__new__(_Runner)
     runner._bole_pending, runner._bole_profiler, runner._bole_forest = None, None, None
-    runner._bole_trees, runner._draft_token_ids = {}, None
+    runner._bole_trees, runner._draft_token_ids, runner._bole_last_nodes = {}, None, 0
     runner.bole_drafter = SimpleNamespace(selects=True)
     return runner
 

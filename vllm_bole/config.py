@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 BOLE_METHOD = "bole"
+BUDGET_RULES = ("decode", "step")
 ADDITIONAL_CONFIG_KEY = "bole"
 # Keys vLLM's SpeculativeConfig accepts next to a Bole method and that Bole passes through unchanged.
 _PASSTHROUGH_KEYS = {"draft_tensor_parallel_size", "max_model_len", "disable_by_batch_size"}
@@ -29,6 +30,9 @@ class BoleConfig:
     budget: int | str = "auto"
     # Calibration table that "auto" reads (None: $VLLM_BOLE_BUDGET_TABLE, else ~/.cache/vllm-bole/budget_table.json).
     budget_table: str | None = None
+    # How "auto" reads the table: "decode", the calibrated B_ver (T_ver(N) <= (1+eps) T_dec); "step", the largest
+    # N whose extra verification costs at most eps of the measured step (spec_decode/budget.py).
+    budget_rule: str = "decode"
     # "mtp" (the model's own MTP head) or "module.path:ClassName" of a tree drafter.
     drafter: str = "mtp"
     # Free-form arguments handed to a custom drafter.
@@ -61,8 +65,8 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     """Split a ``{"method": "bole", ...}`` dict into (BoleConfig, remaining vLLM keys)."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
-    known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "drafter", "drafter_args",
-             "synthetic_acceptance", "cuda_graphs"} | _PASSTHROUGH_KEYS
+    known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "budget_rule", "drafter",
+             "drafter_args", "synthetic_acceptance", "cuda_graphs"} | _PASSTHROUGH_KEYS
     unknown = sorted(set(spec) - known)
     if unknown:
         raise BoleConfigError(
@@ -80,6 +84,13 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
         if budget != "auto":
             raise BoleConfigError(
                 f"speculative_config.budget_table applies only with budget 'auto', got budget={budget!r}")
+    budget_rule = spec.get("budget_rule", "decode")
+    if budget_rule not in BUDGET_RULES:
+        raise BoleConfigError(
+            f"speculative_config.budget_rule must be one of {list(BUDGET_RULES)}, got {budget_rule!r}")
+    if budget_rule != "decode" and budget != "auto":
+        raise BoleConfigError(
+            f"speculative_config.budget_rule applies only with budget 'auto', got budget={budget!r}")
     drafter = spec.get("drafter", "mtp")
     if not isinstance(drafter, str) or (drafter != "mtp" and ":" not in drafter):
         raise BoleConfigError(
@@ -94,8 +105,9 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     cuda_graphs = spec.get("cuda_graphs", True)
     if not isinstance(cuda_graphs, bool):
         raise BoleConfigError(f"speculative_config.cuda_graphs must be true or false, got {cuda_graphs!r}")
-    return BoleConfig(max_depth=depth, topk=topk, budget=budget, budget_table=budget_table, drafter=drafter,
-                      drafter_args=drafter_args, synthetic_acceptance=synthetic, cuda_graphs=cuda_graphs), rest
+    return BoleConfig(max_depth=depth, topk=topk, budget=budget, budget_table=budget_table, budget_rule=budget_rule,
+                      drafter=drafter, drafter_args=drafter_args, synthetic_acceptance=synthetic,
+                      cuda_graphs=cuda_graphs), rest
 
 
 def bole_config_from_vllm(vllm_config) -> BoleConfig | None:

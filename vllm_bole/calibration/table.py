@@ -27,7 +27,8 @@ vocabulary, dtype), so a table measured with dummy weights serves the real check
 
 Lookup (``budget "auto"``): the smallest calibrated batch size >= the step's (the largest one beyond), then the
 smallest calibrated KV length >= the context length (the largest beyond); without a context length, the smallest
-budget over that batch size's KV lengths.
+budget over that batch size's KV lengths. With ``budget_rule "step"`` the same entry's points give the largest N
+with T_ver(N) <= (1 + epsilon) T_dec + epsilon * (the step's measured time besides its target forward).
 """
 
 import bisect
@@ -64,10 +65,13 @@ def device_name() -> str:
     return current_platform.get_device_name()
 
 
-def budget_from_curve(points: list[dict], t_dec_ms: float, epsilon: float) -> tuple[int, bool]:
+def budget_from_curve(points: list[dict], t_dec_ms: float, epsilon: float,
+                      fixed_ms: float = 0.0) -> tuple[int, bool]:
     """(B_ver, limited_by_grid): the largest measured N with t_ver <= (1 + epsilon) t_dec (0 if none), and
-    whether that N is the largest one measured."""
-    limit = (1.0 + epsilon) * t_dec_ms
+    whether that N is the largest one measured. ``fixed_ms``: the rest of a step besides its target forward
+    (the "step" rule): N may cost up to epsilon of the whole plain step more, t_ver <= t_dec + epsilon (t_dec +
+    fixed_ms); 0 is the calibrated B_ver."""
+    limit = (1.0 + epsilon) * t_dec_ms + epsilon * fixed_ms
     fitting = [p["nodes"] for p in points if p["t_ver_ms"] <= limit]
     if not fitting:
         return 0, False
@@ -124,28 +128,54 @@ class ModelBudgets:
     batch_sizes: list[int]
     kv_lens: dict[int, list[int]]             # batch size -> sorted KV lengths
     b_ver: dict[tuple[int, int], int]         # (batch size, kv length) -> budget
+    curves: dict[tuple[int, int], tuple[float, float, list[dict]]] = field(default_factory=dict)  # t_dec, eps, pts
     _memo: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_entries(cls, entries: list[dict]) -> "ModelBudgets":
         b_ver = {(int(e["batch_size"]), int(e["kv_len"])): int(e["b_ver"]) for e in entries}
+        curves = {(int(e["batch_size"]), int(e["kv_len"])): (float(e["t_dec_ms"]), float(e["epsilon"]),
+                                                             sorted(e["points"], key=lambda p: p["nodes"]))
+                  for e in entries if e.get("points")}
         batch_sizes = sorted({b for b, _ in b_ver})
         kv_lens = {b: sorted(kv for bb, kv in b_ver if bb == b) for b in batch_sizes}
-        return cls(entries[0]["fingerprint"], entries[0]["gpu"], batch_sizes, kv_lens, b_ver)
+        return cls(entries[0]["fingerprint"], entries[0]["gpu"], batch_sizes, kv_lens, b_ver, curves)
+
+    def _keys(self, batch_size: int, context_len: int | None) -> list[tuple[int, int]]:
+        """The calibrated buckets a step falls in (all KV lengths of its batch size when the context is unknown)."""
+        b = self.batch_sizes[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
+        kvs = self.kv_lens[b]
+        if context_len is None:
+            return [(b, kv) for kv in kvs]
+        return [(b, kvs[min(bisect.bisect_left(kvs, context_len), len(kvs) - 1)])]
 
     def lookup(self, batch_size: int, context_len: int | None = None) -> int:
         key = (batch_size, context_len)
         if key not in self._memo:
-            b = self.batch_sizes[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
-            kvs = self.kv_lens[b]
-            if context_len is None:
-                budget = min(self.b_ver[(b, kv)] for kv in kvs)
-            else:
-                budget = self.b_ver[(b, kvs[min(bisect.bisect_left(kvs, context_len), len(kvs) - 1)])]
+            budget = min(self.b_ver[k] for k in self._keys(batch_size, context_len))
             if len(self._memo) > 65536:
                 self._memo.clear()
             self._memo[key] = budget
         return self._memo[key]
+
+    def lookup_step(self, batch_size: int, context_len: int | None, fixed_ms: float) -> int:
+        """The "step" rule: :func:`budget_from_curve` with the step's time outside its target forward (B_ver
+        for a bucket without its curve)."""
+        return min(budget_from_curve(self.curves[k][2], self.curves[k][0], self.curves[k][1], fixed_ms)[0]
+                   if k in self.curves else self.b_ver[k] for k in self._keys(batch_size, context_len))
+
+    def t_ver_ms(self, batch_size: int, context_len: int | None, nodes: int) -> float | None:
+        """The calibrated target forward of a step verifying ``nodes`` nodes: linear between the measured
+        points (N = 0 is the plain decode step), along the last segment beyond them; None without a curve."""
+        key = self._keys(batch_size, context_len)[0]
+        if key not in self.curves:
+            return None
+        t_dec, _, points = self.curves[key]
+        xs = [0] + [p["nodes"] for p in points]
+        ys = [t_dec] + [p["t_ver_ms"] for p in points]
+        i = min(max(bisect.bisect_left(xs, nodes), 1), len(xs) - 1)
+        slope = (ys[i] - ys[i - 1]) / max(xs[i] - xs[i - 1], 1)
+        return ys[i - 1] + slope * (nodes - xs[i - 1])
 
 
 def select_model(entries: list[dict], gpu: str, fingerprint: str | None) -> tuple[ModelBudgets | None, str]:

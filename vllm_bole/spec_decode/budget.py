@@ -5,6 +5,12 @@ knows it) context length, read once per process from the table written by ``vllm
 ``budget_table`` in the speculative config, else ``$VLLM_BOLE_BUDGET_TABLE``, else
 ``~/.cache/vllm-bole/budget_table.json``; see :mod:`vllm_bole.calibration.table`). Without a usable table it
 logs one warning saying why and uses :data:`DEFAULT_AUTO_BUDGET`.
+
+``budget_rule``: ``"decode"`` (default) uses the table's B_ver, the largest N with T_ver(N) <= (1+eps) T_dec:
+right when a step is mostly its target forward. ``"step"`` also counts what the step spends besides the target
+forward (drafting, sampling, scheduling: :class:`StepClock` measures it per batch size), and allows N to cost up
+to eps of that whole plain step more: T_ver(N) <= T_dec + eps * (T_dec + T_rest). With T_rest = 0 both agree;
+until the clock has a measurement the step rule uses B_ver.
 """
 
 import functools
@@ -49,14 +55,53 @@ def reload_budget_tables() -> None:
     _auto_budgets.cache_clear()
 
 
-def node_budget(bole_config, batch_size: int, context_len: int | None = None, model_config=None) -> int:
+def _budgets(bole_config, model_config):
+    fingerprint = model_fingerprint(model_config) if model_config is not None else None
+    return _auto_budgets(table_path(bole_config), fingerprint)
+
+
+def node_budget(bole_config, batch_size: int, context_len: int | None = None, model_config=None,
+                rest_ms: float | None = None) -> int:
     """Nodes to verify this step. ``context_len``: the batch's mean context length, if known (picks the KV
     bucket); ``model_config``: vLLM's ModelConfig (picks the model; without it, the only model calibrated on
-    this GPU)."""
+    this GPU); ``rest_ms``: the step's measured time besides its target forward (``budget_rule "step"``)."""
     if bole_config.budget != "auto":
         return int(bole_config.budget)
-    fingerprint = model_fingerprint(model_config) if model_config is not None else None
-    budgets = _auto_budgets(table_path(bole_config), fingerprint)
+    budgets = _budgets(bole_config, model_config)
     if budgets is None:
         return DEFAULT_AUTO_BUDGET
+    if getattr(bole_config, "budget_rule", "decode") == "step" and rest_ms is not None:
+        return budgets.lookup_step(batch_size, context_len, rest_ms)
     return budgets.lookup(batch_size, context_len)
+
+
+def verify_ms(bole_config, batch_size: int, nodes: int, context_len: int | None = None,
+              model_config=None) -> float | None:
+    """The calibrated target forward of a step verifying ``nodes`` nodes (None without a table)."""
+    budgets = _budgets(bole_config, model_config) if bole_config.budget == "auto" else None
+    return None if budgets is None else budgets.t_ver_ms(batch_size, context_len, nodes)
+
+
+class StepClock:
+    """Per batch size, the mean time a step spends besides its target forward (exponential average over steps
+    that verified trees only): the measured step period minus the calibrated T_ver of the nodes it verified."""
+
+    ALPHA = 0.2
+
+    def __init__(self):
+        self._rest: dict[int, float] = {}
+        self._last: tuple[float, int] | None = None   # (time, batch size) of the last tick
+
+    def rest_ms(self, batch_size: int) -> float | None:
+        return self._rest.get(batch_size)
+
+    def tick(self, now: float, batch_size: int, tree_only: bool, t_ver_ms: float | None) -> None:
+        """Once per step at the same point (the runner: when drafting starts). The period since the last tick is
+        one step; it counts when the batch size did not change and the step verified trees alone (no prefill),
+        whose calibrated target forward was ``t_ver_ms``."""
+        last, self._last = self._last, (now, batch_size)
+        if last is None or last[1] != batch_size or not tree_only or t_ver_ms is None:
+            return
+        rest = max((now - last[0]) * 1e3 - t_ver_ms, 0.0)
+        old = self._rest.get(batch_size)
+        self._rest[batch_size] = rest if old is None else old + self.ALPHA * (rest - old)

@@ -7,6 +7,8 @@ sampled token), rewrites RoPE positions to prefix length + depth and publishes t
 slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and applies the per-step node budget.
 """
 
+import time
+
 import numpy as np
 import torch
 from vllm.utils.math_utils import next_power_of_2
@@ -15,7 +17,7 @@ from vllm.v1.outputs import SamplerOutput
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
-from ..spec_decode.budget import node_budget
+from ..spec_decode.budget import StepClock, node_budget, verify_ms
 from ..spec_decode.drafter import DraftStep, make_drafter
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
@@ -42,6 +44,8 @@ class BoleModelRunnerMixin:
         self._bole_profiler = StepProfiler.from_env()
         self._bole_graphs = None
         self._bole_pending = None   # (DraftStep, finish) of drafts queued on the device, not yet taken
+        self._bole_clock = StepClock()   # budget_rule "step": the step time besides the target forward
+        self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -281,9 +285,17 @@ class BoleModelRunnerMixin:
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             num_reqs = len(step.req_ids)
             context = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+            context_len = int(context.mean()) if num_reqs else None
             step.per_request = self.speculative_config.num_speculative_tokens
+            rest_ms = None
+            if self.bole_config.budget_rule == "step":   # the step just run verified the last drafts
+                forest = self._bole_forest
+                self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
+                                      verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
+                                                self.model_config))
+                rest_ms = self._bole_clock.rest_ms(num_reqs)
             step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
-                                      context_len=int(context.mean()) if num_reqs else None)
+                                      context_len=context_len, rest_ms=rest_ms)
             self._bole_pending = (step, self.bole_drafter.propose_deferred(step))
         if self._bole_profiler is not None:   # phases stay synchronous
             self._finish_drafts()
@@ -302,6 +314,7 @@ class BoleModelRunnerMixin:
             if not self.bole_drafter.selects:
                 trees = select_step(trees, step.per_request, step.budget)
         self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
+        self._bole_last_nodes = sum(len(t) for t in trees)
         self._draft_token_ids = [t.tokens for t in trees]
         if self._bole_profiler is not None:
             self._bole_profiler.end_step(tree_step=self._bole_forest is not None)
