@@ -120,6 +120,7 @@ def test_step_rule_weighs_the_rest_of_the_step(tmp_path, fresh_tables):
 
 
 def test_step_clock_averages_the_rest_of_tree_steps():
+    """Per power-of-two batch bucket; a period counts when it is one step of one batch size, of trees only."""
     clock = budget_mod.StepClock()
     clock.tick(1.000, 4, True, 5.0)                 # the first tick only starts the clock
     assert clock.rest_ms(4) is None
@@ -132,6 +133,9 @@ def test_step_clock_averages_the_rest_of_tree_steps():
     assert clock.rest_ms(8) is None and clock.rest_ms(4) == pytest.approx(13.0)
     clock.tick(1.130, 8, True, None)                # no calibrated forward: nothing to subtract from
     assert clock.rest_ms(8) is None
+    clock.tick(1.150, 6, True, 5.0)                 # batch 6 shares the bucket of 8 (the change: no sample)
+    clock.tick(1.175, 6, True, 5.0)
+    assert clock.rest_ms(8) == pytest.approx(20.0) and clock.rest_ms(5) == pytest.approx(20.0)
 
 
 def test_missing_table_uses_the_default_with_one_warning(tmp_path, fresh_tables, caplog):

@@ -16,6 +16,8 @@ until the clock has a measurement the step rule uses B_ver.
 import functools
 from pathlib import Path
 
+from vllm.utils.math_utils import next_power_of_2
+
 from ..logger import init_logger
 
 from ..calibration.table import default_table_path, device_name, model_fingerprint, read_table, select_model
@@ -83,8 +85,9 @@ def verify_ms(bole_config, batch_size: int, nodes: int, context_len: int | None 
 
 
 class StepClock:
-    """Per batch size, the mean time a step spends besides its target forward (exponential average over steps
-    that verified trees only): the measured step period minus the calibrated T_ver of the nodes it verified."""
+    """Per batch size (power-of-two buckets), the mean time a step spends besides its target forward
+    (exponential average over steps that verified trees only): the measured step period minus the calibrated
+    T_ver of the nodes it verified."""
 
     ALPHA = 0.2
 
@@ -93,7 +96,7 @@ class StepClock:
         self._last: tuple[float, int] | None = None   # (time, batch size) of the last tick
 
     def rest_ms(self, batch_size: int) -> float | None:
-        return self._rest.get(batch_size)
+        return self._rest.get(next_power_of_2(batch_size))
 
     def tick(self, now: float, batch_size: int, tree_only: bool, t_ver_ms: float | None) -> None:
         """Once per step at the same point (the runner: when drafting starts). The period since the last tick is
@@ -103,5 +106,6 @@ class StepClock:
         if last is None or last[1] != batch_size or not tree_only or t_ver_ms is None:
             return
         rest = max((now - last[0]) * 1e3 - t_ver_ms, 0.0)
-        old = self._rest.get(batch_size)
-        self._rest[batch_size] = rest if old is None else old + self.ALPHA * (rest - old)
+        key = next_power_of_2(batch_size)
+        old = self._rest.get(key)
+        self._rest[key] = rest if old is None else old + self.ALPHA * (rest - old)
