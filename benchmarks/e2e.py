@@ -8,7 +8,9 @@ Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain 
 ``rejection_sample_method: "synthetic"``), ``bole`` (tree speculation with ``synthetic_acceptance`` and
 ``budget: "auto"``; ``--calibrate`` first runs the budget calibration in the same engine and merges it into
 ``--budget-table``), ``bole_step`` (the same with ``budget_rule: "step"``: the budget also weighs the step's
-measured time besides its target forward; rows gain ``bole_step_*`` fields and a second table). Each configuration runs in its own process that starts its engine once and then runs every
+measured time besides its target forward; rows gain ``bole_step_*`` fields and a second table),
+``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole runs: rows gain
+``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
 batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
 ``--kv-cache-gib``, so concurrent start-ups cannot skew each other's memory profile); the timed phases then run
 strictly one engine at a time (the others sit idle, waiting for their turn). Results are merged by configuration
@@ -47,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
-CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", "bole_step")
+CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", "bole_step", "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
 POLL_S = 0.5
@@ -139,7 +141,9 @@ def engine_kwargs(args, name: str) -> dict:
         if torch.cuda.is_available():
             kw["additional_config"] = {"gdn_prefill_backend": "triton"}
     if name.startswith("mtp"):
-        k = int(name[3:])
+        k = int(name[3:].removesuffix("_sync"))
+        if name.endswith("_sync"):   # how much of the chain's speed is vLLM's async scheduling
+            kw["async_scheduling"] = False
         if len(args.rates) < k:
             raise SystemExit(f"--rates: {name} needs {k} rates, got {len(args.rates)}")
         kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
@@ -365,7 +369,8 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
 
     rows = []
     for b in batch_sizes:
-        mtp = {int(n[3:]): tok_s(n, b) for n in configs if n.startswith("mtp") and tok_s(n, b)}
+        chains = [n for n in configs if n.startswith("mtp") and not n.endswith("_sync")]
+        mtp = {int(n[3:]): tok_s(n, b) for n in chains if tok_s(n, b)}
         best_k = max(mtp, key=mtp.get) if mtp else None
         bole = configs.get("bole", {}).get("batches", {}).get(str(b), {})
         gpu = next((c["gpu"] for c in configs.values()), None)
@@ -378,10 +383,13 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
             "concurrency_mtp": configs[f"mtp{best_k}"]["concurrency"] if best_k else None,
             "concurrency_bole": configs.get("bole", {}).get("concurrency"), "gpu": gpu,
             "mtp_tok_s_by_k": {str(k): v for k, v in sorted(mtp.items())},
-            "mtp_mean_accepted_by_k": {n[3:]: c["batches"].get(str(b), {}).get("mean_accepted")
-                                       for n, c in sorted(configs.items()) if n.startswith("mtp")},
+            "mtp_mean_accepted_by_k": {n[3:]: configs[n]["batches"].get(str(b), {}).get("mean_accepted")
+                                       for n in sorted(chains)},
             "bole_budget": bole.get("budget"),
             "bole_draft_tokens_per_step": bole.get("draft_tokens_per_step")})
+        sync = {n: tok_s(n, b) for n in configs if n.endswith("_sync") and tok_s(n, b)}
+        if sync:   # the chain without async scheduling (Bole schedules synchronously)
+            rows[-1]["mtp_sync_tok_s_by_k"] = {n[3:].removesuffix("_sync"): v for n, v in sorted(sync.items())}
         step = configs.get("bole_step", {}).get("batches", {}).get(str(b))
         if step:   # budget_rule "step" beside the calibrated budget
             rows[-1] |= {"bole_step_tok_s": step.get("tok_s"), "bole_step_mean_accepted": step.get("mean_accepted"),
@@ -400,6 +408,10 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['B']} | {f(r['ar_tok_s'])} | {f(r['mtp_best_tok_s'])} (k={r['mtp_best_k'] or '–'}) | "
                      f"{f(r['bole_tok_s'])} | {f(r['bole_mean_accepted'], '.2f')} | {r['bole_budget'] or '–'} | "
                      f"{f(r['speedup_vs_mtp'], '.2f')}× | {f(r['speedup_vs_ar'], '.2f')}× |")
+    if any("mtp_sync_tok_s_by_k" in r for r in rows):
+        lines += ["", "vLLM MTP with async_scheduling false (tok/s by k): " + "; ".join(
+            f"B={r['B']}: " + ", ".join(f"k={k} {v:.0f}" for k, v in r.get("mtp_sync_tok_s_by_k", {}).items())
+            for r in rows)]
     if any("bole_step_tok_s" in r for r in rows):
         lines += ["", "Bole with budget_rule \"step\":", "| B | tok/s | tokens/step | budget (last) | vs MTP |",
                   "|---|---|---|---|---|"]
