@@ -1,0 +1,43 @@
+"""benchmarks/e2e.py's rows and table: the best chain is picked among the async-scheduled MTP chains only, the
+synchronous chains and Bole's step-rule configuration are reported beside it."""
+
+import importlib.util
+from pathlib import Path
+
+
+def _e2e():
+    path = Path(__file__).parent.parent / "benchmarks" / "e2e.py"
+    spec = importlib.util.spec_from_file_location("bole_e2e_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config(tok_s, concurrency=10.0, **batch):
+    return {"gpu": "G", "concurrency": concurrency, "batches": {"4": {"tok_s": tok_s, **batch}}}
+
+
+def test_rows_pick_the_best_async_chain_and_report_the_rest():
+    e2e = _e2e()
+    configs = {"ar": _config(100.0, 160.0), "mtp3": _config(300.0, 60.0, mean_accepted=3.4),
+               "mtp4": _config(280.0, 50.0, mean_accepted=3.9), "mtp4_sync": _config(900.0, 50.0),
+               "bole": _config(330.0, 140.0, mean_accepted=5.5, budget=64, draft_tokens_per_step=16.0),
+               "bole_step": _config(450.0, 140.0, mean_accepted=6.1, budget=96)}
+    [row] = e2e.build_rows(configs)
+    assert (row["mtp_best_k"], row["mtp_best_tok_s"], row["concurrency_mtp"]) == (3, 300.0, 60.0)
+    assert row["mtp_tok_s_by_k"] == {"3": 300.0, "4": 280.0} and row["mtp_mean_accepted_by_k"] == {"3": 3.4, "4": 3.9}
+    assert row["mtp_sync_tok_s_by_k"] == {"4": 900.0}
+    assert (row["speedup_vs_mtp"], row["speedup_vs_ar"]) == (1.1, 3.3)
+    assert (row["bole_step_tok_s"], row["bole_step_budget"], row["bole_step_speedup_vs_mtp"]) == (450.0, 96, 1.5)
+    table = e2e.markdown([row])
+    assert "| 4 | 100 | 300 (k=3) | 330 | 5.50 | 64 | 1.10× | 3.30× |" in table
+    assert "B=4: k=4 900" in table and "| 4 | 450 | 6.10 | 96 | 1.50× |" in table
+
+
+def test_rows_without_the_extra_configs_keep_the_issue_schema():
+    e2e = _e2e()
+    [row] = e2e.build_rows({"ar": _config(100.0), "mtp1": _config(150.0), "bole": _config(120.0, budget=8)})
+    assert {"B", "ar_tok_s", "mtp_best_k", "mtp_best_tok_s", "bole_tok_s", "bole_mean_accepted", "speedup_vs_mtp",
+            "speedup_vs_ar", "concurrency_ar", "concurrency_mtp", "concurrency_bole", "gpu"} <= set(row)
+    assert not any(k.startswith(("bole_step", "mtp_sync")) for k in row)
+    assert "budget_rule" not in e2e.markdown([row]) and "async" not in e2e.markdown([row])
