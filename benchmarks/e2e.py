@@ -259,7 +259,7 @@ def run_worker(args) -> None:
         print(f"[{name}] B={b}: {row}", flush=True)
     result["batches"] = per_batch
     if name.startswith("bole") and args.profile_batch:
-        result["profile"] = profile_bole(llm, runner, args, run_dir, rng)
+        result["profile"] = profile_bole(llm, runner, args, run_dir, rng, name)
     _write_json(run_dir / f"{name}.json", result)
 
 
@@ -274,9 +274,10 @@ def _bole_graph_counts(runner) -> tuple[int, int]:
             (len(draft.graphs) if draft is not None else 0) + (len(beam.graphs) if beam is not None else 0))
 
 
-def profile_bole(llm, runner, args, run_dir: Path, rng) -> dict:
+def profile_bole(llm, runner, args, run_dir: Path, rng, name: str = "bole") -> dict:
     """Phase means of ``--profile-batch`` requests (``vllm_bole/worker/step_profile.py``; synchronizing, so
-    slower than the timed runs), then the same under cProfile: ``host_B<b>.txt`` in the run's log directory."""
+    slower than the timed runs), then the same under cProfile: ``host_<config>_B<b>.txt`` in the run's log
+    directory."""
     import cProfile
     import io
     import pstats
@@ -300,7 +301,7 @@ def profile_bole(llm, runner, args, run_dir: Path, rng) -> dict:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("cumulative").print_stats(90)
     stats.sort_stats("tottime").print_stats(60)
-    (run_dir / f"host_B{b}.txt").write_text(text.getvalue())
+    (run_dir / f"host_{name}_B{b}.txt").write_text(text.getvalue())
     print(f"[bole] profile B={b} ({profiler.steps} tree steps): {phases}", flush=True)
     return {"batch_size": b, "tree_steps": profiler.steps, "phases_ms": {k: round(v, 3) for k, v in phases.items()}}
 
