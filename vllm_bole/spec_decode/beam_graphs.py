@@ -52,7 +52,6 @@ class BeamGraphs:
         self.block_table = None     # [max_reqs, blocks] once the KV cache exists
         self.budget = torch.zeros((), dtype=torch.long, device=dev)           # the step's node budget
         self.flags = torch.zeros(self.levels_max, dtype=torch.bool, device=dev)   # per level: selection_alive
-        self._flags_host = self._events = None
         self.state: BeamState | None = None   # [max_reqs] rows, at the first step (hidden size and dtype)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
@@ -167,16 +166,8 @@ class BeamGraphs:
         return True
 
     def flag(self, d: int):
-        """Level ``d``'s early-stop flag on its way to the host: (value, event), as ``DeviceBeam._flag``."""
-        if not self.flags.is_cuda:
-            return self.flags[d - 1].clone(), None
-        if self._flags_host is None:
-            self._flags_host = torch.zeros(self.levels_max, dtype=torch.bool, pin_memory=True)
-            self._events = [torch.cuda.Event() for _ in range(self.levels_max)]
-        host, event = self._flags_host[d - 1], self._events[d - 1]
-        host.copy_(self.flags[d - 1], non_blocking=True)
-        event.record()
-        return host, event
+        """Level ``d``'s early-stop flag, computed in its graph, on its way to the host (``DeviceBeam.send_flag``)."""
+        return self.beam.send_flag(self.flags[d - 1], d)
 
     def _forward(self, bucket: int, d: int, padded: int, long_prefix: bool, per_layer, tokens: torch.Tensor,
                  hidden: torch.Tensor, visible: torch.Tensor):

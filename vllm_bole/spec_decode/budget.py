@@ -8,7 +8,7 @@ logs one warning saying why and uses :data:`DEFAULT_AUTO_BUDGET`.
 
 ``budget_rule``: ``"decode"`` (default) uses the table's B_ver, the largest N with T_ver(N) <= (1+eps) T_dec:
 right when a step is mostly its target forward. ``"step"`` also counts what the step spends besides the target
-forward (drafting, sampling, scheduling: :class:`StepClock` measures it per batch size), and allows N to cost up
+forward (drafting, sampling, scheduling: :class:`StepClock` measures it per batch bucket), and allows N to cost up
 to eps of that whole plain step more: T_ver(N) <= T_dec + eps * (T_dec + T_rest). With T_rest = 0 both agree;
 until the clock has a measurement the step rule uses B_ver.
 """
@@ -72,7 +72,7 @@ def node_budget(bole_config, batch_size: int, context_len: int | None = None, mo
     budgets = _budgets(bole_config, model_config)
     if budgets is None:
         return DEFAULT_AUTO_BUDGET
-    if getattr(bole_config, "budget_rule", "decode") == "step" and rest_ms is not None:
+    if bole_config.budget_rule == "step" and rest_ms is not None:
         return budgets.lookup_step(batch_size, context_len, rest_ms)
     return budgets.lookup(batch_size, context_len)
 

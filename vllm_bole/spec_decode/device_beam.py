@@ -175,6 +175,7 @@ class DeviceBeam:
         self._rates: torch.Tensor | None = None
         self.levels_run = 0   # expansion levels grown so far (all steps)
         self._pinned: torch.Tensor | None = None   # early-stop flags on their way to the host (GPU)
+        self._events: list | None = None
         # The step's candidates on their way to the host (GPU); a step's are read before the next step's copy.
         self._fields: torch.Tensor | None = None
         self.graphs = None    # full CUDA graphs of whole levels (GPU): spec_decode/beam_graphs.py
@@ -318,16 +319,19 @@ class DeviceBeam:
         return hidden.device.type == "cpu"
 
     def _flag(self, scores: torch.Tensor, front_score: torch.Tensor, step, slot: int):
-        """:func:`selection_alive` now, on its way to the host without draining the queue: (value, event). Each
-        level of a step has its own pinned slot (a step reads its flags before the next step writes them)."""
-        alive = selection_alive(scores, front_score, step.per_request, step.budget)
+        """:func:`selection_alive` now, on its way to the host (:meth:`send_flag`)."""
+        return self.send_flag(selection_alive(scores, front_score, step.per_request, step.budget), slot)
+
+    def send_flag(self, alive: torch.Tensor, slot: int):
+        """A 0-dim device bool on its way to the host without draining the queue: (value, event). Each level of
+        a step has its own pinned slot and event (a step reads its flags before the next step writes them)."""
         if not alive.is_cuda:
-            return alive, None
+            return alive.clone(), None
         if self._pinned is None:
             self._pinned = torch.zeros(self.max_depth + 1, dtype=torch.bool, pin_memory=True)
-        host = self._pinned[slot]
+            self._events = [torch.cuda.Event() for _ in range(self.max_depth + 1)]
+        host, event = self._pinned[slot], self._events[slot]
         host.copy_(alive, non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
         return host, event
 

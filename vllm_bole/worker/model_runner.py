@@ -280,7 +280,7 @@ class BoleModelRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
-        self._finish_drafts()
+        # (The last step's drafts were finished when this step's execute_model began.)
         with profiled(self._bole_profiler, "draft"):
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             num_reqs = len(step.req_ids)
