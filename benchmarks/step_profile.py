@@ -68,7 +68,45 @@ def _torch_profile(llm, batch: int, args, out_dir: Path) -> dict:
             + table.table(sort_by="self_cpu_time_total", row_limit=40))
     (out_dir / f"ops_B{batch}.txt").write_text(text)
     print(head.strip(), flush=True)
+    if args.trace:   # the timeline, and where the GPU waited on the host (benchmarks/trace_gaps.py)
+        import gzip
+        import shutil
+
+        import trace_gaps
+
+        raw = out_dir / f"trace_B{batch}.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+        gaps = trace_gaps.report(trace_gaps.analyze(trace_gaps.load(Path(f"{raw}.gz"))), f"B={batch}: ")
+        (out_dir / f"gaps_B{batch}.txt").write_text(gaps + "\n")
+        print(gaps, flush=True)
     return {"profiled_wall_ms": round(elapsed * 1e3, 1), "profiled_gpu_busy_ms": round(busy, 1)}
+
+
+def _scope_engine(llm) -> None:
+    """Profiling scopes around the in-process engine's own steps (schedule, execute, output processing), so the
+    trace shows the whole loop and not only the runner's phases."""
+    from torch.profiler import record_function
+
+    core = llm.llm_engine.engine_core.engine_core
+
+    def wrap(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def scoped(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+
+        setattr(obj, name, scoped)
+
+    wrap(core.scheduler, "schedule", "engine: schedule")
+    wrap(core.scheduler, "update_from_output", "engine: update_from_output")
+    wrap(core.model_executor, "execute_model", "engine: execute_model")
+    wrap(core.model_executor, "sample_tokens", "engine: sample_tokens")
+    wrap(core.model_executor, "take_draft_token_ids", "engine: take_draft_token_ids")
+    wrap(llm.llm_engine.output_processor, "process_outputs", "frontend: process_outputs")
 
 
 def _host_profile(llm, batch: int, args, out_dir: Path) -> None:
@@ -101,12 +139,19 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--torch-profile", metavar="DIR",
                         help="also run each batch under torch.profiler and write op tables to DIR")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --torch-profile: also write the chrome trace (trace_B<b>.json.gz) with vLLM's and "
+                             "Bole's profiling scopes, and the GPU's idle time by host scope (gaps_B<b>.txt)")
     parser.add_argument("--host-profile", metavar="DIR",
                         help="also run each batch under cProfile and write the host call tables to DIR")
     args = parser.parse_args()
     spec = None if args.spec == "none" else json.loads(args.spec)
     bole = spec is not None and spec.get("method") == "bole"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner is reached in-process
+    if args.trace:
+        if not args.torch_profile:
+            parser.error("--trace needs --torch-profile DIR")
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"   # vLLM's runner scopes (and Bole's) in the trace
 
     from vllm import LLM
 
@@ -125,6 +170,8 @@ def main() -> None:
     for batch in args.batch:  # warm-up: every batch size once, so Triton's compilations stay out of the numbers
         _generate(llm, batch, args.prompt_len, 32, seed=0)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    if args.trace:
+        _scope_engine(llm)
     rows = []
     for batch in args.batch:
         if bole:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.utils import record_function_or_nullcontext
 
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
@@ -247,7 +248,8 @@ class MTPTreeDrafter(TreeDrafter):
         out = [DraftTree() for _ in step.req_ids]
         if not chunks:
             return lambda: out
-        mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states))
+        with record_function_or_nullcontext("bole: catch_up"):
+            mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states))
         if not growing:
             return lambda: out
         # 2. Grow the trees from the hidden state that predicts each root's children.
@@ -258,7 +260,8 @@ class MTPTreeDrafter(TreeDrafter):
         finish = None
         if self.beam is not None:
             try:
-                finish = self.beam.grow_deferred(step, cm, reqs, roots, prev, top)
+                with record_function_or_nullcontext("bole: levels"):
+                    finish = self.beam.grow_deferred(step, cm, reqs, roots, prev, top)
             except Exception as e:  # drafts only: the host bookkeeping grows this step's trees instead
                 logger.warning("Bole's device-grown draft levels are off: a level failed (%s: %s); growing them "
                                "on the host", type(e).__name__, e)

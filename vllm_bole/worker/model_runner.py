@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.utils import record_function_or_nullcontext
 
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
@@ -112,7 +113,8 @@ class BoleModelRunnerMixin:
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._bole_forest = None
         if spec_meta is not None or self._plain_decode_step(num_scheduled_tokens):
-            self._bole_forest = self._build_forest(scheduler_output, num_scheduled_tokens)
+            with record_function_or_nullcontext("bole: build_forest"):
+                self._bole_forest = self._build_forest(scheduler_output, num_scheduled_tokens)
             set_current_forest(self._bole_forest)
         return logits_indices, spec_meta
 
@@ -309,7 +311,7 @@ class BoleModelRunnerMixin:
         if pending is None:
             return
         step, finish = pending
-        with profiled(self._bole_profiler, "draft"):
+        with profiled(self._bole_profiler, "draft"), record_function_or_nullcontext("bole: finish_drafts"):
             trees = finish()
             if not self.bole_drafter.selects:
                 trees = select_step(trees, step.per_request, step.budget)

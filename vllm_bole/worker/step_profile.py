@@ -12,6 +12,8 @@ import time
 from collections import defaultdict
 
 import torch
+from vllm.v1.utils import record_function_or_nullcontext
+
 from ..logger import init_logger
 
 logger = init_logger(__name__)
@@ -68,6 +70,10 @@ class StepProfiler:
             self.total.clear()
 
 
+@contextlib.contextmanager
 def profiled(profiler: "StepProfiler | None", name: str):
-    """``profiler.phase(name)``, or nothing when profiling is off."""
-    return profiler.phase(name) if profiler is not None else contextlib.nullcontext()
+    """``profiler.phase(name)`` (when the step profiler is on), inside vLLM's profiling scope ``bole: <name>``
+    (a torch.profiler range when ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``, as vLLM's own runner phases)."""
+    with record_function_or_nullcontext(f"bole: {name}"):
+        with profiler.phase(name) if profiler is not None else contextlib.nullcontext():
+            yield
