@@ -8,7 +8,9 @@ Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain 
 ``rejection_sample_method: "synthetic"``), ``bole`` (tree speculation with ``synthetic_acceptance`` and
 ``budget: "auto"``; ``--calibrate`` first runs the budget calibration in the same engine and merges it into
 ``--budget-table``), ``bole_step`` (the same with ``budget_rule: "step"``: the budget also weighs the step's
-measured time besides its target forward; rows gain ``bole_step_*`` fields and a second table),
+measured time besides its target forward), ``bole_pr`` (``selection: "per_request"``: even per-request shares, so
+the next step is scheduled while the device drafts), ``bole_pr_step`` (both); each variant adds ``<name>_*`` fields
+to the rows and a table of its own,
 ``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole runs: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
 batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
@@ -49,7 +51,10 @@ sys.path.insert(0, str(ROOT))
 
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
-CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", "bole_step", "mtp3_sync", "mtp4_sync")
+# Bole's variants beside its default: the speculative_config keys each one changes.
+BOLE_VARIANTS = {"bole_step": {"budget_rule": "step"}, "bole_pr": {"selection": "per_request"},
+                 "bole_pr_step": {"selection": "per_request", "budget_rule": "step"}}
+CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
 POLL_S = 0.5
@@ -156,8 +161,7 @@ def engine_kwargs(args, name: str) -> dict:
             "method": "bole", "num_speculative_tokens": args.depth, "topk": args.topk, "budget": "auto",
             "budget_table": args.budget_table,
             "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}
-        if name == "bole_step":
-            kw["speculative_config"]["budget_rule"] = "step"
+        kw["speculative_config"] |= BOLE_VARIANTS.get(name, {})
         # Tree steps carry B + (up to the budget) tokens: capture sizes over that whole range.
         sizes = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 32)}
     else:
@@ -391,11 +395,12 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
         sync = {n: tok_s(n, b) for n in configs if n.endswith("_sync") and tok_s(n, b)}
         if sync:   # the chain without async scheduling (Bole schedules synchronously)
             rows[-1]["mtp_sync_tok_s_by_k"] = {n[3:].removesuffix("_sync"): v for n, v in sorted(sync.items())}
-        step = configs.get("bole_step", {}).get("batches", {}).get(str(b))
-        if step:   # budget_rule "step" beside the calibrated budget
-            rows[-1] |= {"bole_step_tok_s": step.get("tok_s"), "bole_step_mean_accepted": step.get("mean_accepted"),
-                         "bole_step_budget": step.get("budget"),
-                         "bole_step_speedup_vs_mtp": ratio(step.get("tok_s"), mtp.get(best_k))}
+        for variant in BOLE_VARIANTS:   # e.g. budget_rule "step" beside the calibrated budget
+            v = configs.get(variant, {}).get("batches", {}).get(str(b))
+            if v:
+                rows[-1] |= {f"{variant}_tok_s": v.get("tok_s"), f"{variant}_mean_accepted": v.get("mean_accepted"),
+                             f"{variant}_budget": v.get("budget"),
+                             f"{variant}_speedup_vs_mtp": ratio(v.get("tok_s"), mtp.get(best_k))}
     return rows
 
 
@@ -413,11 +418,14 @@ def markdown(rows: list[dict]) -> str:
         lines += ["", "vLLM MTP with async_scheduling false (tok/s by k): " + "; ".join(
             f"B={r['B']}: " + ", ".join(f"k={k} {v:.0f}" for k, v in r.get("mtp_sync_tok_s_by_k", {}).items())
             for r in rows)]
-    if any("bole_step_tok_s" in r for r in rows):
-        lines += ["", "Bole with budget_rule \"step\":", "| B | tok/s | tokens/step | budget (last) | vs MTP |",
+    for variant, keys in BOLE_VARIANTS.items():
+        if not any(f"{variant}_tok_s" in r for r in rows):
+            continue
+        title = ", ".join(f"{k} {v!r}" for k, v in keys.items()).replace("'", '"')
+        lines += ["", f"Bole with {title} ({variant}):", "| B | tok/s | tokens/step | budget (last) | vs MTP |",
                   "|---|---|---|---|---|"]
-        lines += [f"| {r['B']} | {f(r.get('bole_step_tok_s'))} | {f(r.get('bole_step_mean_accepted'), '.2f')} | "
-                  f"{r.get('bole_step_budget') or '–'} | {f(r.get('bole_step_speedup_vs_mtp'), '.2f')}× |"
+        lines += [f"| {r['B']} | {f(r.get(f'{variant}_tok_s'))} | {f(r.get(f'{variant}_mean_accepted'), '.2f')} | "
+                  f"{r.get(f'{variant}_budget') or '–'} | {f(r.get(f'{variant}_speedup_vs_mtp'), '.2f')}× |"
                   for r in rows]
     if rows:
         r = rows[0]

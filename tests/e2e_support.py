@@ -89,9 +89,11 @@ def write_oracle(tmp_path, requests, ref: dict):
     return path
 
 
-def bole_engine(tmp_path, name, depth, topk, budget, drafter="planted", **engine) -> dict:
+def bole_engine(tmp_path, name, depth, topk, budget, drafter="planted", selection=None, **engine) -> dict:
     """LLM kwargs for a Bole run; the planted drafter reads ``oracle.json`` and logs its trees to ``<name>.stats.jsonl``."""
     spec = {"method": "bole", "num_speculative_tokens": depth, "topk": topk, "budget": budget}
+    if selection is not None:
+        spec["selection"] = selection
     if drafter == "planted":
         spec["drafter"] = "vllm_bole.testing.planted_drafter:PlantedDrafter"
         spec["drafter_args"] = {"oracle": str(tmp_path / "oracle.json"), "seed": depth * 10 + topk,

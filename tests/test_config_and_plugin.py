@@ -34,6 +34,7 @@ def test_values_and_dashes():
     ("cuda_graphs", "yes", "cuda_graphs"),
     ("cuda_graphs", 1, "cuda_graphs"),
     ("budget_rule", "fast", "budget_rule"),
+    ("selection", "per-request", r"selection must be one of \['global', 'per_request'\]"),
     ("tree", [[0]], "unknown key"),
 ])
 def test_bad_values_name_the_field(key, value, field):
@@ -48,6 +49,12 @@ def test_budget_rule():
     assert parse_bole_config({"method": "bole"})[0].budget_rule == "decode"
     with pytest.raises(BoleConfigError, match="budget_rule applies only with budget 'auto'"):
         parse_bole_config({"method": "bole", "budget": 64, "budget_rule": "step"})
+
+
+def test_selection():
+    assert parse_bole_config({"method": "bole"})[0].selection == "global"
+    cfg, _ = parse_bole_config({"method": "bole", "selection": "per_request", "budget": 64})
+    assert (cfg.selection, cfg.budget) == ("per_request", 64)
 
 
 def test_budget_table_path():

@@ -60,6 +60,9 @@ PLANTED = {
     "k2_d8": dict(depth=8, topk=2, budget=512, max_num_seqs=16),
     "k4_d3_budget24_seqs3": dict(depth=3, topk=4, budget=24, max_num_seqs=3),
     "k2_d3_batch1": dict(depth=3, topk=2, budget=64, max_num_seqs=1),
+    # Per-request quotas: vLLM schedules placeholder drafts, the step reads the trees from the device.
+    "k2_d8_per_request": dict(depth=8, topk=2, budget=512, max_num_seqs=16, selection="per_request"),
+    "k4_d3_budget24_seqs3_per_request": dict(depth=3, topk=4, budget=24, max_num_seqs=3, selection="per_request"),
 }
 
 
@@ -76,6 +79,8 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
     # One GDN state slot per request, conv window of width-1: no per-draft snapshots.
     assert out["mamba_state"] and all(g["num_speculative_blocks"] == 0 for g in out["mamba_state"])
     assert all(g["runner"].startswith("Bole") for g in out["mamba_state"])
+    # Per-request quotas: the trees reach the step as placeholders and are read from the device.
+    assert (out["queued_trees"] > 0) == (cfg.get("selection") == "per_request"), out["queued_trees"]
     per_pos = out["counters"]["accepted_per_pos"]
     assert per_pos[depth - 1] > 0, f"no request accepted a full depth-{depth} path: {per_pos}"
     assert not any(per_pos[depth:]), f"accepted deeper than depth {depth}: {per_pos}"
@@ -85,18 +90,21 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
         assert any(any(s > 0 for s in d["siblings"]) for d in stats), "truth never under a non-first sibling"
 
 
-def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, reference):
+@pytest.mark.parametrize("selection", ["global", "per_request"])
+def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, reference, selection):
     reqs = [dict(r) for r in requests_]
     reqs.append({"prompt": requests_[3]["prompt"], "max_tokens": 20, "temperature": 0.8, "seed": 7})
-    out = run_engine(tmp, "mtp", {"model": model, "requests": reqs, "logprobs": 2,
-                                  "engine": bole_engine(tmp, "mtp", depth=3, topk=4, budget="auto", drafter="mtp",
-                                                  max_num_seqs=16)})
+    name = f"mtp_{selection}"
+    out = run_engine(tmp, name, {"model": model, "requests": reqs, "logprobs": 2,
+                                 "engine": bole_engine(tmp, name, depth=3, topk=4, budget="auto", drafter="mtp",
+                                                       selection=selection, max_num_seqs=16)})
     sampled = out["outputs"].pop()
     assert len(sampled["tokens"]) == 20
     divs = assert_lossless(reference, out, max_near_ties=2)
     counters = out["counters"]
-    print(f"mtp: near-tie divergences {len(divs)}; counters {counters}; graphs {out['bole_graphs']}")
+    print(f"{name}: near-tie divergences {len(divs)}; counters {counters}; graphs {out['bole_graphs']}")
     assert_graphs_used(out, drafter=True)
+    assert (out["queued_trees"] > 0) == (selection == "per_request"), out["queued_trees"]
     if os.environ.get("VLLM_BOLE_HOST_DRAFT_LEVELS") != "1":
         assert out["device_levels"], "the MTP drafter grew no level on the device"
     assert counters["mean_acceptance_length"] > 1.5, counters

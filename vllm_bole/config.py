@@ -11,6 +11,7 @@ from typing import Any
 
 BOLE_METHOD = "bole"
 BUDGET_RULES = ("decode", "step")
+SELECTIONS = ("global", "per_request")
 ADDITIONAL_CONFIG_KEY = "bole"
 # Keys vLLM's SpeculativeConfig accepts next to a Bole method and that Bole passes through unchanged.
 _PASSTHROUGH_KEYS = {"draft_tensor_parallel_size", "max_model_len", "disable_by_batch_size"}
@@ -33,6 +34,10 @@ class BoleConfig:
     # How "auto" reads the table: "decode", the calibrated B_ver (T_ver(N) <= (1+eps) T_dec); "step", the largest
     # N whose extra verification costs at most eps of the measured step (spec_decode/budget.py).
     budget_rule: str = "decode"
+    # How a step's budget is shared: "global", the best nodes over the whole batch (the scheduler waits for the
+    # drafts); "per_request", an even share per request, so the node counts are known before the drafts and the
+    # next step is scheduled while the device drafts (spec_decode/queued_drafts.py).
+    selection: str = "global"
     # "mtp" (the model's own MTP head) or "module.path:ClassName" of a tree drafter.
     drafter: str = "mtp"
     # Free-form arguments handed to a custom drafter.
@@ -65,8 +70,8 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     """Split a ``{"method": "bole", ...}`` dict into (BoleConfig, remaining vLLM keys)."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
-    known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "budget_rule", "drafter",
-             "drafter_args", "synthetic_acceptance", "cuda_graphs"} | _PASSTHROUGH_KEYS
+    known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "budget_rule", "selection",
+             "drafter", "drafter_args", "synthetic_acceptance", "cuda_graphs"} | _PASSTHROUGH_KEYS
     unknown = sorted(set(spec) - known)
     if unknown:
         raise BoleConfigError(
@@ -91,6 +96,10 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if budget_rule != "decode" and budget != "auto":
         raise BoleConfigError(
             f"speculative_config.budget_rule applies only with budget 'auto', got budget={budget!r}")
+    selection = spec.get("selection", "global")
+    if selection not in SELECTIONS:
+        raise BoleConfigError(
+            f"speculative_config.selection must be one of {list(SELECTIONS)}, got {selection!r}")
     drafter = spec.get("drafter", "mtp")
     if not isinstance(drafter, str) or (drafter != "mtp" and ":" not in drafter):
         raise BoleConfigError(
@@ -106,7 +115,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if not isinstance(cuda_graphs, bool):
         raise BoleConfigError(f"speculative_config.cuda_graphs must be true or false, got {cuda_graphs!r}")
     return BoleConfig(max_depth=depth, topk=topk, budget=budget, budget_table=budget_table, budget_rule=budget_rule,
-                      drafter=drafter, drafter_args=drafter_args, synthetic_acceptance=synthetic,
+                      selection=selection, drafter=drafter, drafter_args=drafter_args, synthetic_acceptance=synthetic,
                       cuda_graphs=cuda_graphs), rest
 
 

@@ -95,6 +95,44 @@ def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int |
     return chosen
 
 
+def quota_mask(scores: torch.Tensor, depths: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[G, n]`` bool: each request's ``counts[g]`` best nodes by (score, shallower, lower index), the order of
+    :func:`selected_mask` (and of ``tree.select_global`` per tree): a connected tree per request."""
+    g, n = scores.shape
+    by_depth = torch.sort(depths, stable=True).indices
+    order = by_depth[torch.sort(scores[:, by_depth], dim=1, descending=True, stable=True).indices]
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(n, device=scores.device).expand(g, n))
+    return rank < counts[:, None]
+
+
+def queued_selection(chosen: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                     req_ids: list[str], counts: list[int]):
+    """The selected nodes of ``[G, n]`` candidates as :class:`~.queued_drafts.QueuedDrafts` on the device: each
+    request's chosen candidates in candidate order (parents first), parents re-indexed among them."""
+    from .queued_drafts import QueuedDrafts
+
+    g, n = chosen.shape
+    width = max(max(counts, default=0), 1)
+    slot = torch.arange(n, device=chosen.device).expand(g, n)
+    picked = torch.where(chosen, slot, n).sort(dim=1).values[:, :width]        # [G, Q]; n pads short rows
+    index = picked.clamp(max=n - 1)
+    local = torch.full((g, n + 1), -1, dtype=torch.long, device=chosen.device)
+    local.scatter_(1, picked, torch.arange(width, device=chosen.device).expand(g, width))
+    parent = parents.gather(1, index).long()
+    parent = torch.where(parent >= 0, local.gather(1, parent.clamp(min=0)), -1)
+    return QueuedDrafts(req_ids=req_ids, counts=counts, tokens=tokens.gather(1, index).long(), parents=parent,
+                        depths=depths[index])
+
+
+def _to_device(values: list[int], device) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the device's queue (pinned, non-blocking)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def trees_of_selection(host: np.ndarray, g: int, n: int) -> list[DraftTree]:
     """The ``g`` trees of selected nodes given as ``[5, S]`` rows (request, node, token, parent node, score),
     sorted by request then node: parents re-indexed within each request's kept nodes."""
@@ -178,6 +216,8 @@ class DeviceBeam:
         self._events: list | None = None
         # The step's candidates on their way to the host (GPU); a step's are read before the next step's copy.
         self._fields: torch.Tensor | None = None
+        self._depths_cache: dict[int, torch.Tensor] = {}
+        self._level_hint: dict[int, int] = {}   # quota -> expansion levels its trees reached last (per_request)
         self.graphs = None    # full CUDA graphs of whole levels (GPU): spec_decode/beam_graphs.py
         if getattr(drafter, "graphs", None) is not None:
             from .beam_graphs import BeamGraphs
@@ -213,11 +253,21 @@ class DeviceBeam:
     def grow_deferred(self, step, cm, reqs: list[int], roots: list[int], hidden: torch.Tensor,
                       top: torch.Tensor | None = None):
         """:meth:`grow` with every level and the selection queued on the device: returns ``finish()``, which
-        waits for the selection's copy to the host and builds the trees (meanwhile the host may do other work)."""
+        waits for the selection's copy to the host and builds the trees (meanwhile the host may do other work).
+        With ``step.quotas`` the selection keeps each request's quota of nodes, no level waits for the host, and
+        ``step.queued`` holds the selected trees on the device (``spec_decode/queued_drafts.py``)."""
         k, g, device = self.k, len(reqs), hidden.device
-        if step.budget is not None and step.budget <= 0 or step.per_request is not None and step.per_request <= 0:
+        quotas = None if step.quotas is None else [step.quotas[r] for r in reqs]
+        if quotas is not None and max(quotas, default=0) <= 0:
+            return self._no_trees(step, reqs, device)
+        if quotas is None and (step.budget is not None and step.budget <= 0
+                               or step.per_request is not None and step.per_request <= 0):
             return lambda: [DraftTree() for _ in reqs]
-        levels = self.levels(step.per_request, step.budget)
+        if quotas is None:
+            levels = self.levels(step.per_request, step.budget)
+        else:   # no early stop (it would wait for the device): as many levels as recent steps' trees used
+            bound = self.levels(max(quotas), None)
+            levels = min(bound, self._level_hint.get(max(quotas), bound))
         m = k + levels * k * k
         top = (top if top is not None else self.drafter._top_rows(hidden)).double()   # [G, 2k]
         plan = LevelPlan.of(self.drafter, reqs, np.asarray(roots, dtype=np.int64), levels, k) if levels else None
@@ -226,12 +276,11 @@ class DeviceBeam:
         if state is None:
             graphs, state = None, BeamState.empty(g, m, k, self.max_depth, hidden)
             self.start(state, hidden, top)
-        depths = np.ones(m, dtype=np.int64)
         n = k
         # flags[j]: whether a frontier node beat its floor once level j's nodes existed. Level d reads flags[d-2]
         # (no frontier node beat it after level d-2: level d-1's nodes and all deeper ones are below it, and
         # floors only rise), so the read waits for work the GPU finished while level d-1 was queued.
-        check = step.per_request is not None
+        check = step.per_request is not None and quotas is None
         flags = [self._flag(state.scores[:g, :n], state.front_score[:g], step, 0)] if check else []
         for d in range(1, levels + 1):
             if check and d >= 2 and not self._read(flags[d - 2]):
@@ -242,14 +291,18 @@ class DeviceBeam:
                 self.level(state, d, lambda tok, hid, visible, d=d: self._eager_forward(cm, reqs, plan, d, tok, hid,
                                                                                          visible))
             self.levels_run += 1
-            depths[n:n + k * k] = d + 1
             n += k * k
             if check:
                 flags.append(graphs.flag(d) if ran else
                              self._flag(state.scores[:g, :n], state.front_score[:g], step, d))
-        s = state
-        chosen = selected_mask(s.scores[:g, :n], torch.from_numpy(depths[:n]).to(device), step.per_request,
-                               step.budget)
+        s, depths = state, self._depths(n, device)
+        if quotas is None:
+            chosen = selected_mask(s.scores[:g, :n], depths, step.per_request, step.budget)
+        else:
+            counts = [min(q, n) for q in quotas]
+            chosen = quota_mask(s.scores[:g, :n], depths, _to_device(counts, device))
+            step.queued = queued_selection(chosen, s.tokens[:g, :n], s.parents[:g, :n], depths,
+                                           [step.req_ids[r] for r in reqs], counts)
         # Every candidate and the selection mask in one fixed-size copy (no sync for the selection's size).
         fields = torch.stack([chosen.double(), s.tokens[:g, :n], s.parents[:g, :n], s.scores[:g, :n]])
         host, event = fields, None
@@ -260,15 +313,43 @@ class DeviceBeam:
             host.copy_(fields, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
+        node_depths = self._host_depths(n)
 
         def finish() -> list[DraftTree]:
             if event is not None:
                 event.synchronize()
             a = host.numpy()
             r, i = np.nonzero(a[0])                 # by request, then node: parents before children
+            if quotas is not None:
+                # The next step runs as many levels as this one's trees reached, and one more if they reached
+                # the deepest level (the bound caps it).
+                deepest = int(node_depths[i].max()) if len(i) else 1
+                self._level_hint[max(quotas)] = levels + 1 if deepest > levels else max(deepest, 1)
             return trees_of_selection(np.stack([r, i, a[1][r, i], a[2][r, i], a[3][r, i]]), g, n)
 
         return finish
+
+    def _no_trees(self, step, reqs: list[int], device):
+        from .queued_drafts import QueuedDrafts
+
+        empty = torch.zeros(len(reqs), 1, dtype=torch.int64, device=device)
+        step.queued = QueuedDrafts(req_ids=[step.req_ids[r] for r in reqs], counts=[0] * len(reqs), tokens=empty,
+                                   parents=empty, depths=empty)
+        return lambda: [DraftTree() for _ in reqs]
+
+    def _host_depths(self, n: int) -> np.ndarray:
+        """``[n]`` depth of every candidate slot (the root's children: 1; level d's: d + 1), the same for every
+        request."""
+        k = self.k
+        return np.concatenate([np.ones(k, dtype=np.int64)]
+                              + [np.full(k * k, d + 1, dtype=np.int64) for d in range(1, (n - k) // (k * k) + 1)])
+
+    def _depths(self, n: int, device) -> torch.Tensor:
+        """:meth:`_host_depths` on ``device``, kept per ``n``: a fresh copy from pageable memory would wait for
+        the levels queued before it."""
+        if n not in self._depths_cache:
+            self._depths_cache[n] = torch.from_numpy(self._host_depths(n)).to(device)
+        return self._depths_cache[n]
 
     def start(self, s: BeamState, hidden: torch.Tensor, top: torch.Tensor) -> None:
         """The root's children as candidates and frontier (``hidden``, ``top``: one row per request of ``s``)."""

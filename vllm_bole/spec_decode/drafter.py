@@ -19,6 +19,10 @@ class DraftStep:
     ran no tokens. common_attn_metadata: vLLM's metadata of this step for the drafter's KV-cache group.
     per_request, budget: the runner keeps each tree's ``per_request`` best nodes and then ``budget`` nodes over
     the batch (``tree.select_step``), so a drafter may stop growing what cannot be kept.
+    quotas (``selection: "per_request"``): per batch request, exactly how many nodes its tree keeps (at most:
+    fewer only if the drafter has fewer candidates); a drafter that keeps its trees on the device then sets
+    ``queued`` (``spec_decode/queued_drafts.py``) before ``propose_deferred`` returns, so that the step can be
+    scheduled before the drafts are done.
     """
 
     req_ids: list[str]
@@ -28,6 +32,8 @@ class DraftStep:
     common_attn_metadata: object = None
     per_request: int | None = None
     budget: int | None = None
+    quotas: list[int] | None = None
+    queued: object = None   # QueuedDrafts, set by a drafter whose trees stay on the device
 
 
 class TreeDrafter:

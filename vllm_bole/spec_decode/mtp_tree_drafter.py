@@ -268,7 +268,7 @@ class MTPTreeDrafter(TreeDrafter):
                 self.beam = None
         if finish is None:
             grown = self._grow_on_host(step, cm, reqs, roots, prev, top)
-            if step.per_request is not None:
+            if step.per_request is not None and step.quotas is None:   # (the runner applies quotas)
                 grown = select_step(grown, step.per_request, step.budget)
             finish = lambda: grown  # noqa: E731
 

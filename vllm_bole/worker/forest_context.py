@@ -110,9 +110,18 @@ class StepForest:
     max_seq_len: int = 0                 # longest sequence of the step, this step's tokens included
     # set while the forward runs from (or is captured into) a full CUDA graph: worker/verify_graphs.py
     graph: object = None
+    # Trees whose nodes the step read from queued drafts on the device have None in ``tokens`` and
+    # ``tree_parents`` until ``on_host(forest)`` fills them in (:meth:`materialize`; the walk calls it).
+    on_host: object = None
 
     _device_rows: DeviceTreeRows | None = field(default=None, init=False, repr=False)
     _bits: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def materialize(self) -> None:
+        """The host copy of every tree (``tokens``, ``tree_parents``), if some are still only on the device."""
+        if self.on_host is not None:
+            fill, self.on_host = self.on_host, None
+            fill(self)
 
     def device_rows(self, device) -> DeviceTreeRows:
         """``attention_rows`` on ``device``, built on first use and shared by every attention layer (in graph
@@ -133,6 +142,7 @@ class StepForest:
     def rows(self) -> list[TreeRows]:
         """The host tree rows (``attention_rows``), built from the trees on first use."""
         if self.attention_rows is None:
+            self.materialize()
             masks = ancestor_masks([self.parents_of(i) for i in range(len(self.tree_req_indices))])
             self.attention_rows = [TreeRows(req_index=r, row_start=self.query_starts[i], region_mask=m)
                                    for i, (r, m) in enumerate(zip(self.tree_req_indices, masks))]
@@ -158,6 +168,7 @@ class StepForest:
         forest. The walk then verifies the root alone and the commit writes the state after it."""
         if not self.plain_decodes:
             return
+        self.materialize()
         trees = list(zip(self.tree_req_indices, self.req_ids, self.tokens, self.tree_parents, self.query_starts))
         trees += [(r, req_id, [-1], [-1], row) for r, req_id, row in self.plain_decodes]
         trees.sort(key=lambda t: t[0])
@@ -180,6 +191,7 @@ class StepForest:
         return None if self.accepted_paths is None else [p[-1] for p in self.accepted_paths]
 
     def parents_of(self, i: int) -> list[int]:
+        self.materialize()
         if self.tree_parents:
             return self.tree_parents[i]
         s, e = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])

@@ -7,6 +7,7 @@ sampled token), rewrites RoPE positions to prefix length + depth and publishes t
 slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and applies the per-step node budget.
 """
 
+import functools
 import time
 
 import numpy as np
@@ -20,11 +21,12 @@ from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import StepClock, node_budget, verify_ms
 from ..spec_decode.drafter import DraftStep, make_drafter
+from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
 from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
                                         tree_rows_supported, walk_tree)
-from .forest_context import StepForest, flat_forest, set_current_forest
+from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 from .step_profile import StepProfiler, profiled
 
@@ -45,6 +47,8 @@ class BoleModelRunnerMixin:
         self._bole_profiler = StepProfiler.from_env()
         self._bole_graphs = None
         self._bole_pending = None   # (DraftStep, finish) of drafts queued on the device, not yet taken
+        self._bole_queued = None    # (QueuedDrafts, finish) of drafts vLLM took as placeholders, not yet verified
+        self.bole_queued_trees = 0  # trees verified from queued drafts (their nodes read on the device)
         self._bole_clock = StepClock()   # budget_rule "step": the step time besides the target forward
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
 
@@ -101,7 +105,7 @@ class BoleModelRunnerMixin:
     # ---- verification inputs ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         # Drafts vLLM did not take (tensor-parallel ranks other than the output rank) finish before the step
-        # that verifies them.
+        # that verifies them (queued drafts only move aside: the step reads them from the device).
         self._finish_drafts()
         try:
             with profiled(self._bole_profiler, "forward"):
@@ -131,9 +135,11 @@ class BoleModelRunnerMixin:
     def _build_forest(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> StepForest:
         req_ids = self.input_batch.req_ids
         starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
+        queued, self._bole_queued = self._bole_queued, None
         forest_req, tree_parents, tokens, q_starts = [], [], [], []
         fix_rows, fix_shift = [], []  # flat rows whose position is prefix + depth, not prefix + index
         plain = []  # (batch index, first row) of decodes without drafts: one-node trees if a graph runs
+        from_device = []  # (tree index, batch index, drafts) of trees whose nodes come from the queued drafts
         decoding = self.input_batch.num_computed_tokens_cpu >= self.input_batch.num_prompt_tokens
         for r, req_id in enumerate(req_ids):
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -141,8 +147,20 @@ class BoleModelRunnerMixin:
                 if not drafts and num_scheduled_tokens[r] == 1 and decoding[r]:
                     plain.append((r, int(starts[r])))
                 continue
+            if drafts[0] == PLACEHOLDER and queued is not None and len(drafts) <= queued[0].count(req_id):
+                from_device.append((len(forest_req), r, len(drafts)))
+                forest_req.append(r)
+                tree_parents.append(None)
+                tokens.append(None)
+                q_starts.append(int(starts[r]))
+                continue
             tree = self._bole_trees.get(req_id)
-            if tree is None or tree.tokens[:len(drafts)] != list(drafts):
+            if drafts[0] == PLACEHOLDER:
+                # Placeholders without queued drafts (the request was not scheduled in the step after its drafts):
+                # a chain of token 0, written below; the walk checks it like any draft.
+                tree = DraftTree([0] * len(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
+                from_device.append((len(forest_req), r, -len(drafts)))
+            elif tree is None or tree.tokens[:len(drafts)] != list(drafts):
                 # Drafts Bole did not propose (e.g. vLLM's placeholders): verify them as a chain.
                 tree = DraftTree(list(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
             tree = tree.truncated(len(drafts))
@@ -155,14 +173,21 @@ class BoleModelRunnerMixin:
                 if j != d:
                     fix_rows.append(int(starts[r]) + j)
                     fix_shift.append(j - d)
-        sizes = [len(p) for p in tree_parents]
-        parents, cu = flat_forest(tree_parents)
-        n = sum(sizes)
+        sizes = [int(num_scheduled_tokens[r]) for r in forest_req]
+        cu = np.cumsum([0] + sizes).tolist()
+        n = cu[-1]
+        if from_device:
+            self.bole_queued_trees += sum(count > 0 for _, _, count in from_device)
+            parent = self._write_queued(queued, from_device, forest_req, tree_parents, tokens, q_starts, cu)
+        else:
+            parent = [p for par in tree_parents for p in par]
         if self._bole_graphs is not None:  # the fixed addresses a verification graph reads
-            parent, cu_seqlens = self._bole_graphs.forest_tensors(parents, cu)
+            parent, cu_seqlens = self._bole_graphs.forest_tensors(parent, cu)
+        elif isinstance(parent, torch.Tensor):
+            parent, cu_seqlens = parent, torch.tensor(cu, dtype=torch.int32).to(self.device, non_blocking=True)
         else:
             # One host-to-device copy for parents and offsets; non-blocking, so the GPU queue is not drained.
-            flat = torch.tensor(parents + cu, dtype=torch.int32).to(self.device, non_blocking=True)
+            flat = torch.tensor(parent + cu, dtype=torch.int32).to(self.device, non_blocking=True)
             parent, cu_seqlens = flat[:n], flat[n:]
         seq_lens = self.input_batch.num_computed_tokens_cpu[:len(req_ids)] + num_scheduled_tokens[:len(req_ids)]
         forest = StepForest(
@@ -173,6 +198,8 @@ class BoleModelRunnerMixin:
                        and n + len(plain) == int(num_scheduled_tokens.sum())),
             max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
             plain_decodes=[(r, req_ids[r], row) for r, row in plain], attention_rows=None)
+        if any(p is None for p in tree_parents):
+            forest.on_host = functools.partial(self._queued_trees, queued, from_device)
         if fix_rows:
             rows = torch.tensor(fix_rows, dtype=torch.long).to(self.device, non_blocking=True)
             shift = torch.tensor(fix_shift, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -181,6 +208,65 @@ class BoleModelRunnerMixin:
                 self.mrope_positions.gpu[:, rows] -= shift
         return forest
 
+    def _write_queued(self, queued, from_device, forest_req, tree_parents, tokens, q_starts, cu) -> torch.Tensor:
+        """The step's inputs of trees whose drafts vLLM holds as placeholders, on the device: each draft row's
+        token and its RoPE position (prefix + depth), and the forest's parents (``[N]`` int32; host trees' from
+        ``tree_parents``). ``from_device``: (tree index, batch index, drafts), drafts < 0 for a host chain whose
+        tokens are in ``tokens``."""
+        rows, nodes, g_idx, j_idx, host_rows, host_tokens = [], [], [], [], [], []
+        for i, r, count in from_device:
+            first = q_starts[i] + 1
+            if count > 0:
+                g = queued[0].row_of[self.input_batch.req_ids[r]]
+                rows += range(first, first + count)
+                nodes += range(cu[i] + 1, cu[i] + 1 + count)
+                g_idx += [g] * count
+                j_idx += range(count)
+            else:
+                host_rows += range(first, first - count)
+                host_tokens += tokens[i][1:]
+        n = cu[-1]
+        host_par = [(cu[i] + j, p) for i, par in enumerate(tree_parents) if par is not None
+                    for j, p in enumerate(par)]
+        index = torch.tensor([rows, nodes, g_idx, j_idx], dtype=torch.long).reshape(4, -1)
+        host = torch.tensor([host_rows, host_tokens], dtype=torch.long).reshape(2, -1)
+        pairs = torch.tensor(host_par, dtype=torch.long).reshape(-1, 2).T
+        device = self.device
+        if device.type == "cuda":   # pinned: the copies do not wait for the drafter still running
+            index, host, pairs = (t.pin_memory().to(device, non_blocking=True) for t in (index, host, pairs))
+        parent = torch.full((n,), -1, dtype=torch.int32, device=device)
+        if host.shape[1]:
+            self.input_ids.gpu[host[0]] = host[1].to(self.input_ids.gpu.dtype)
+        if pairs.shape[1]:
+            parent[pairs[0]] = pairs[1].to(torch.int32)
+        if index.shape[1]:
+            drafts = queued[0]
+            g, j = index[2], index[3]
+            self.input_ids.gpu[index[0]] = drafts.tokens[g, j].to(self.input_ids.gpu.dtype)
+            shift = j + 1 - drafts.depths[g, j]
+            self.positions[index[0]] -= shift
+            if self.uses_mrope:
+                self.mrope_positions.gpu[:, index[0]] -= shift
+            parent[index[1]] = (drafts.parents[g, j] + 1).to(torch.int32)   # verification tree: root = node 0
+        return parent
+
+    def _queued_trees(self, queued, from_device, forest: StepForest) -> None:
+        """The host copy of the trees taken from queued drafts (``StepForest.on_host``): waits for the drafter's
+        selection (done by the time the step is walked)."""
+        drafts, finish = queued
+        trees = dict(zip(drafts.req_ids, finish()))
+        self._bole_trees = trees
+        for i, r, count in from_device:
+            if count <= 0:
+                continue
+            tree = trees[self.input_batch.req_ids[r]]
+            if len(tree) < count:
+                raise RuntimeError(f"Bole's queued drafts of request {self.input_batch.req_ids[r]} hold "
+                                   f"{len(tree)} nodes, the step scheduled {count}")
+            tree = tree.truncated(count)
+            forest.tokens[i] = [-1] + tree.tokens
+            forest.tree_parents[i] = tree.verify_parents()
+
     # ---- verification -------------------------------------------------------------------------------------
     def _sample(self, logits, spec_decode_metadata):
         with profiled(self._bole_profiler, "walk"):
@@ -188,6 +274,8 @@ class BoleModelRunnerMixin:
 
     def _walk_trees(self, logits, spec_decode_metadata):
         forest = self._bole_forest
+        if forest is not None:
+            forest.materialize()
         if spec_decode_metadata is None or forest is None:
             self._bole_paths = None
             if forest is not None and forest.tree_req_indices:
@@ -298,7 +386,15 @@ class BoleModelRunnerMixin:
                 rest_ms = self._bole_clock.rest_ms(num_reqs)
             step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
                                       context_len=context_len, rest_ms=rest_ms)
-            self._bole_pending = (step, self.bole_drafter.propose_deferred(step))
+            if self._queues_drafts(step):
+                step.quotas = quotas_of([c is not None for c in step.contexts], step.per_request, step.budget)
+            finish = self.bole_drafter.propose_deferred(step)
+            if step.quotas is not None and step.queued is None:
+                # A drafter that builds its trees on the host: they exist now; each keeps its quota.
+                trees = select_quotas(finish(), step.quotas)
+                step.queued = QueuedDrafts.of_trees(step.req_ids, trees, self.device)
+                finish = lambda: trees  # noqa: E731
+            self._bole_pending = (step, finish)
         if self._bole_profiler is not None:   # phases stay synchronous
             self._finish_drafts()
         # vLLM keeps this as the step's drafts; they are filled in when it takes them (take_draft_token_ids),
@@ -311,6 +407,15 @@ class BoleModelRunnerMixin:
         if pending is None:
             return
         step, finish = pending
+        if step.queued is not None:
+            # vLLM gets placeholders of the trees' sizes and schedules the next step while the device drafts;
+            # the step reads the drafts from the device (_build_forest) and walks the host trees (StepForest.on_host).
+            self._bole_queued = (step.queued, finish)
+            self._bole_last_nodes = sum(step.queued.counts)
+            self._draft_token_ids = step.queued.placeholder_ids(step.req_ids)
+            if self._bole_profiler is not None:
+                self._bole_profiler.end_step(tree_step=self._bole_forest is not None)
+            return
         with profiled(self._bole_profiler, "draft"), record_function_or_nullcontext("bole: finish_drafts"):
             trees = finish()
             if not self.bole_drafter.selects:
@@ -320,6 +425,15 @@ class BoleModelRunnerMixin:
         self._draft_token_ids = [t.tokens for t in trees]
         if self._bole_profiler is not None:
             self._bole_profiler.end_step(tree_step=self._bole_forest is not None)
+
+    def _queues_drafts(self, step: DraftStep) -> bool:
+        """Whether this step's drafts go to vLLM as placeholders (``selection: "per_request"``): not when a
+        request has structured outputs, whose grammar vLLM checks the draft tokens against."""
+        if self.bole_config.selection != "per_request":
+            return False
+        return not any(self.requests[req_id].sampling_params is not None
+                       and self.requests[req_id].sampling_params.structured_outputs is not None
+                       for req_id in step.req_ids)
 
     def take_draft_token_ids(self):
         self._finish_drafts()

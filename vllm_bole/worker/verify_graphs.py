@@ -99,11 +99,14 @@ class VerifyGraphs:
         self.replays = 0   # verification steps run from a graph (the capturing step included)
 
     # ---- forest buffer --------------------------------------------------------------------------------
-    def forest_tensors(self, parents: list[int], cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(parent ``[N]``, cu_seqlens ``[B+1]``) as views of the persistent buffer, filled from the host;
-        cu_seqlens continues with its last value up to the capacity (empty requests, for padded graphs)."""
+    def forest_tensors(self, parents, cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parent ``[N]``, cu_seqlens ``[B+1]``) as views of the persistent buffer, filled from the host (or
+        from a device tensor of parents); cu_seqlens continues with its last value up to the capacity (empty
+        requests, for padded graphs)."""
         n, cap = len(parents), self.capacity
-        self.forest_buf[:n].copy_(torch.tensor(parents, dtype=torch.int32), non_blocking=True)
+        if not isinstance(parents, torch.Tensor):
+            parents = torch.tensor(parents, dtype=torch.int32)
+        self.forest_buf[:n].copy_(parents, non_blocking=True)
         tail = self.forest_buf.numel() - cap - len(cu_seqlens)
         self.forest_buf[cap:].copy_(torch.tensor(cu_seqlens + cu_seqlens[-1:] * tail, dtype=torch.int32),
                                     non_blocking=True)

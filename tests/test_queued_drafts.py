@@ -1,0 +1,111 @@
+"""Per-request quotas (``selection: "per_request"``): the device selection keeps each request's quota of its best
+nodes (what ``select_quotas`` keeps on the host), and the queued tensors the next step reads hold exactly the trees
+the host walks: tokens, re-indexed parents and depths."""
+
+import numpy as np
+import pytest
+import torch
+
+from test_device_beam import PROBS, _case, _grow, _stand_in
+from vllm_bole.spec_decode.device_beam import DeviceBeam, queued_selection, quota_mask, trees_of_selection
+from vllm_bole.spec_decode.drafter import DraftStep
+from vllm_bole.spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
+from vllm_bole.spec_decode.tree import DraftTree
+
+
+def _assert_queued_is(queued: QueuedDrafts, trees: list[DraftTree]) -> None:
+    assert queued.counts == [len(t) for t in trees]
+    for g, tree in enumerate(trees):
+        n = len(tree)
+        assert queued.tokens[g, :n].tolist() == tree.tokens
+        assert queued.parents[g, :n].tolist() == tree.parents
+        assert queued.depths[g, :n].tolist() == tree.depths()
+
+
+def _random_candidates(rng, g, k, levels, ties):
+    n = k + levels * k * k
+    depths = np.concatenate([np.ones(k, dtype=np.int64)] + [np.full(k * k, d + 2) for d in range(levels)])
+    parents = np.full((g, n), -1, dtype=np.int64)
+    scores = np.zeros((g, n))
+    probs = (lambda size: rng.choice(PROBS, size=size)) if ties else (lambda size: rng.random(size))
+    scores[:, :k] = probs((g, k))
+    for d in range(levels):
+        lo = 0 if d == 0 else k + (d - 1) * k * k
+        hi = k if d == 0 else lo + k * k
+        base = k + d * k * k
+        for r in range(g):
+            front = rng.choice(np.arange(lo, hi), size=k, replace=False)
+            parents[r, base:base + k * k] = np.repeat(front, k)
+            scores[r, base:base + k * k] = scores[r, np.repeat(front, k)] * probs(k * k)
+    tokens = rng.integers(0, 1 << 20, size=(g, n))
+    return n, depths, parents, scores, tokens
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_quota_selection_is_select_quotas(seed):
+    rng = np.random.default_rng(seed)
+    g, k, levels = int(rng.integers(1, 7)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
+    n, depths, parents, scores, tokens = _random_candidates(rng, g, k, levels, ties=seed % 2 == 1)
+    counts = [int(c) for c in rng.integers(0, n + 1, size=g)]
+    chosen = quota_mask(torch.tensor(scores), torch.tensor(depths), torch.tensor(counts))
+    assert chosen.sum(dim=1).tolist() == counts
+    r, i = (t.numpy() for t in chosen.nonzero(as_tuple=True))
+    host = np.stack([r, i, tokens[r, i], parents[r, i], scores[r, i]]).astype(np.float64)
+    got = trees_of_selection(host, g, n)
+    trees = [DraftTree(tokens[j].tolist(), parents[j].tolist(), scores[j].tolist()) for j in range(g)]
+    want = select_quotas(trees, counts)
+    assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
+    queued = queued_selection(chosen, torch.tensor(tokens, dtype=torch.float64),
+                              torch.tensor(parents, dtype=torch.float64), torch.tensor(depths),
+                              [f"r{j}" for j in range(g)], counts)
+    _assert_queued_is(queued, want)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_beam_with_quotas_queues_its_trees(seed):
+    k, depth, reqs, roots, synthetic = _case(seed)
+    drafter = _stand_in(k, depth, synthetic)
+    host_trees, _ = _grow(drafter, False, reqs, roots)     # every candidate, no pruning
+    rng = np.random.default_rng(seed)
+    quotas = [0] * 12
+    for r in reqs:
+        quotas[r] = int(rng.integers(1, 3 * k + 2))
+    beam = DeviceBeam(drafter)
+    hidden = torch.tensor([[float(7 + 13 * r)] for r in reqs])
+    levels_seen = []
+    for _ in range(3):   # later steps run as many levels as the last trees reached (plus one)
+        drafter.levels = []
+        step = DraftStep(req_ids=[f"r{j}" for j in range(12)], contexts=[], per_request=3 * k + 1, budget=None,
+                         quotas=quotas)
+        trees = beam.grow(step, None, reqs, roots, hidden)
+        levels_seen.append(len(drafter.levels))
+        _assert_queued_is(step.queued, trees)
+        assert step.queued.req_ids == [f"r{r}" for r in reqs]
+        assert [len(t) for t in trees] == [min(quotas[r], len(h)) for r, h in zip(reqs, host_trees)]
+        deepest = max((max(t.depths(), default=0) for t in trees), default=0)
+        assert deepest <= levels_seen[-1] + 1
+    # The first step runs every level its quotas allow; its trees are what the host keeps of all candidates.
+    bound = max(min(depth, max(quotas)) - 1, 0)
+    assert levels_seen[0] == bound
+    want = select_quotas(host_trees, [quotas[r] for r in reqs])
+    beam_first = DeviceBeam(drafter).grow(DraftStep(req_ids=[f"r{j}" for j in range(12)], contexts=[],
+                                                    per_request=3 * k + 1, quotas=quotas), None, reqs, roots, hidden)
+    assert [(t.tokens, t.parents) for t in beam_first] == [(t.tokens, t.parents) for t in want]
+    assert all(lv <= bound for lv in levels_seen)
+
+
+def test_quotas_split_the_budget_evenly():
+    assert quotas_of([True, False, True, True], 10, 8) == [3, 0, 3, 2]
+    assert quotas_of([True, True], 3, 100) == [3, 3]
+    assert quotas_of([True, True], 5, None) == [5, 5]
+    assert quotas_of([False, False], 5, 7) == [0, 0]
+    assert quotas_of([True, True, True], 4, 0) == [0, 0, 0]
+    assert quotas_of([True] * 5, 32, 3) == [1, 1, 1, 0, 0]
+
+
+def test_host_trees_as_queued_drafts():
+    trees = [DraftTree([5, 6, 7], [-1, 0, 0], [0.5, 0.2, 0.1]), DraftTree(), DraftTree([9], [-1], [0.9])]
+    queued = QueuedDrafts.of_trees(["a", "b", "c"], trees, "cpu")
+    _assert_queued_is(queued, trees)
+    assert queued.placeholder_ids(["c", "a", "x"]) == [[PLACEHOLDER], [PLACEHOLDER] * 3, []]
+    assert queued.count("b") == 0 and queued.count("zz") == 0
