@@ -75,3 +75,34 @@ def test_default_deferred_proposal_is_the_proposal():
 
     finish = Fixed(None, None).propose_deferred(DraftStep(req_ids=["a"], contexts=[[1]]))
     assert [t.tokens for t in finish()] == [[3]]
+
+
+def test_queued_drafts_reach_vllm_as_placeholders_without_waiting():
+    """selection "per_request": vLLM takes placeholder drafts of the trees' sizes; the trees are not waited for
+    (the step reads them from the device and the walk reads the host copy)."""
+    from vllm_bole.spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts
+
+    runner, calls = _runner(), []
+    runner._bole_queued = None
+    _pending(runner, calls)
+    step, finish = runner._bole_pending
+    trees = [DraftTree([5, 6], [-1, 0], [0.9, 0.8]), DraftTree([7], [-1], [0.5])]
+    step.queued = QueuedDrafts.of_trees(step.req_ids, trees, "cpu")
+    assert runner.take_draft_token_ids() == ("taken", [[PLACEHOLDER] * 2, [PLACEHOLDER]])
+    assert calls == [] and runner._bole_pending is None and runner._bole_last_nodes == 3
+    assert runner._bole_queued == (step.queued, finish)
+
+
+def test_structured_outputs_keep_real_draft_ids():
+    """vLLM checks a structured-output request's drafts against its grammar: such batches keep real ids."""
+    runner = _runner()
+    runner.bole_config = SimpleNamespace(selection="per_request")
+    free = SimpleNamespace(sampling_params=SimpleNamespace(structured_outputs=None))
+    runner.requests = {"a": free, "b": SimpleNamespace(sampling_params=None)}
+    step = DraftStep(req_ids=["a", "b"], contexts=[[1], [2]])
+    assert runner._queues_drafts(step)
+    runner.requests["b"] = SimpleNamespace(sampling_params=SimpleNamespace(structured_outputs=object()))
+    assert not runner._queues_drafts(step)
+    runner.requests["b"] = free
+    runner.bole_config = SimpleNamespace(selection="global")
+    assert not runner._queues_drafts(step)

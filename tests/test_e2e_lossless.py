@@ -63,6 +63,9 @@ PLANTED = {
     # Per-request quotas: vLLM schedules placeholder drafts, the step reads the trees from the device.
     "k2_d8_per_request": dict(depth=8, topk=2, budget=512, max_num_seqs=16, selection="per_request"),
     "k4_d3_budget24_seqs3_per_request": dict(depth=3, topk=4, budget=24, max_num_seqs=3, selection="per_request"),
+    # A token budget smaller than the batch's drafts: some requests wait a step (their drafts go stale).
+    "k2_d8_per_request_tokens48": dict(depth=8, topk=2, budget=512, max_num_seqs=16, selection="per_request",
+                                       max_num_batched_tokens=48),
 }
 
 
@@ -73,7 +76,8 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
     out = run_engine(tmp, name, {"model": model, "requests": requests_, "logprobs": 2,
                                  "engine": bole_engine(tmp, name, depth, topk, budget, **cfg)})
     divs = assert_lossless(reference, out, max_near_ties=2)
-    print(f"{name}: near-tie divergences {len(divs)}; counters {out['counters']}; graphs {out['bole_graphs']}")
+    print(f"{name}: near-tie divergences {len(divs)}; counters {out['counters']}; graphs {out['bole_graphs']}; "
+          f"queued trees {out['queued_trees']}, stale placeholders {out['stale_placeholders']}")
     assert_graphs_used(out)
     assert out["outputs"][LONG]["finish_reason"] == "length"
     # One GDN state slot per request, conv window of width-1: no per-draft snapshots.

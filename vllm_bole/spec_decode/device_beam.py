@@ -91,7 +91,8 @@ def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int |
     if budget is not None:
         perm = perm[:max(budget, 0)]
     chosen = torch.zeros(g, n, dtype=torch.bool, device=scores.device)
-    chosen[rows[perm], idx[perm]] = True
+    # A device tensor of values: a Python True would be copied from the host, waiting for the queued levels.
+    chosen[rows[perm], idx[perm]] = torch.ones(perm.shape, dtype=torch.bool, device=scores.device)
     return chosen
 
 

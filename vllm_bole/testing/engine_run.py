@@ -84,7 +84,8 @@ def run(spec: dict) -> dict:
         results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
-            "device_levels": _beam_levels(llm), "queued_trees": getattr(_runner(llm), "bole_queued_trees", None)}
+            "device_levels": _beam_levels(llm), "queued_trees": getattr(_runner(llm), "bole_queued_trees", None),
+            "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None)}
 
 
 def main() -> None:

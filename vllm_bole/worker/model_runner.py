@@ -49,6 +49,7 @@ class BoleModelRunnerMixin:
         self._bole_pending = None   # (DraftStep, finish) of drafts queued on the device, not yet taken
         self._bole_queued = None    # (QueuedDrafts, finish) of drafts vLLM took as placeholders, not yet verified
         self.bole_queued_trees = 0  # trees verified from queued drafts (their nodes read on the device)
+        self.bole_stale_placeholders = 0  # placeholder drafts whose queued trees were gone (verified as a chain)
         self._bole_clock = StepClock()   # budget_rule "step": the step time besides the target forward
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
 
@@ -160,6 +161,7 @@ class BoleModelRunnerMixin:
                 # a chain of token 0, written below; the walk checks it like any draft.
                 tree = DraftTree([0] * len(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
                 from_device.append((len(forest_req), r, -len(drafts)))
+                self.bole_stale_placeholders += 1
             elif tree is None or tree.tokens[:len(drafts)] != list(drafts):
                 # Drafts Bole did not propose (e.g. vLLM's placeholders): verify them as a chain.
                 tree = DraftTree(list(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
