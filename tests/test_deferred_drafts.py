@@ -106,3 +106,14 @@ def test_structured_outputs_keep_real_draft_ids():
     runner.requests["b"] = free
     runner.bole_config = SimpleNamespace(selection="global")
     assert not runner._queues_drafts(step)
+
+
+def test_contexts_are_built_when_read_and_frozen_at_the_step():
+    from vllm_bole.spec_decode.drafter import RequestContexts, drafting
+
+    output = [7, 8]
+    contexts = RequestContexts([((1, 2), output, 2, [9]), None])
+    output.append(10)                                  # the next step's token: not part of this step's context
+    assert drafting(contexts) == [True, False] and drafting([[1], None]) == [True, False]
+    assert contexts[0] == [1, 2, 7, 8, 9] and contexts[1] is None
+    assert list(contexts) == [[1, 2, 7, 8, 9], None] and len(contexts) == 2 and contexts[:1] == [[1, 2, 7, 8, 9]]

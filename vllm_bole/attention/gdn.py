@@ -228,8 +228,18 @@ def commit_step(forest) -> None:
     slots = torch.stack(scratch.slots).to(torch.int32).contiguous()       # [L, B]
     accepted = torch.tensor(forest.accepted, dtype=torch.int32).to(slots.device, non_blocking=True)
     factors, conv_inputs = scratch.used()
-    kernels.commit_accepted_inplace([ssm_state_view(layer) for layer in scratch.layers], slots, factors, accepted,
-                                    forest.parent, forest.cu_seqlens)
-    kernels.commit_conv_state_inplace([conv_state_view(layer) for layer in scratch.layers], slots, conv_inputs,
-                                      forest.parent, forest.cu_seqlens, accepted)
+    views = [_cache_views(layer) for layer in scratch.layers]
+    kernels.commit_accepted_inplace([v[0] for v in views], slots, factors, accepted, forest.parent, forest.cu_seqlens)
+    kernels.commit_conv_state_inplace([v[1] for v in views], slots, conv_inputs, forest.parent, forest.cu_seqlens,
+                                      accepted)
     forest.gdn_scratch = None
+
+
+def _cache_views(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`ssm_state_view`, :func:`conv_state_view`) of a layer, kept on it while its caches stay the same
+    tensors (every step commits every layer: the views are made once)."""
+    cached = getattr(layer, "_bole_cache_views", None)
+    conv, ssm = layer.kv_cache[0], layer.kv_cache[1]
+    if cached is None or cached[2] is not conv or cached[3] is not ssm:
+        cached = layer._bole_cache_views = (ssm_state_view(layer), conv_state_view(layer), conv, ssm)
+    return cached[0], cached[1]

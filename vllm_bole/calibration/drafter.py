@@ -17,7 +17,7 @@ accept none of it, so the shape stays fixed step after step.
 
 import random
 
-from ..spec_decode.drafter import DraftStep, TreeDrafter
+from ..spec_decode.drafter import DraftStep, TreeDrafter, drafting
 from ..spec_decode.tree import DraftTree
 
 SHAPES = ("beam", "kary", "chain")
@@ -62,10 +62,11 @@ class FixedShapeDrafter(TreeDrafter):
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
         cfg = self.bole_config
-        sizes = iter(self._sizes(sum(c is not None for c in step.contexts)))
+        drafts = drafting(step.contexts)
+        sizes = iter(self._sizes(sum(drafts)))
         trees = []
-        for ctx in step.contexts:
-            if ctx is None:
+        for drafts_r in drafts:
+            if not drafts_r:
                 trees.append(DraftTree())
                 continue
             parents = shape_parents(self.shape, next(sizes), cfg.topk, cfg.max_depth)

@@ -1,11 +1,43 @@
 """Tree drafters: what a drafter receives after each verification step and how one is chosen."""
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .tree import DraftTree
+
+
+class RequestContexts(Sequence):
+    """``DraftStep.contexts``, each request's token list built only when a drafter reads it (most drafters only
+    ask whether a request drafts: building every context each step costs O(context) host time per request).
+    ``parts[r]``: None (the request does not draft) or (prompt ids, output ids, how many of those to take,
+    this step's new tokens); the output list is read up to that length, as it was when the step ended."""
+
+    def __init__(self, parts: list):
+        self._parts = parts
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def drafting(self) -> list[bool]:
+        """Per request, whether it drafts (no context is built)."""
+        return [part is not None for part in self._parts]
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(len(self)))]
+        part = self._parts[r]
+        if part is None:
+            return None
+        prompt, output, n_output, new = part
+        return list(prompt or []) + list(output[:n_output]) + list(new)
+
+
+def drafting(contexts) -> list[bool]:
+    """Per request of ``DraftStep.contexts`` (a list or :class:`RequestContexts`), whether it drafts."""
+    return contexts.drafting() if isinstance(contexts, RequestContexts) else [c is not None for c in contexts]
 
 
 @dataclass
@@ -26,7 +58,7 @@ class DraftStep:
     """
 
     req_ids: list[str]
-    contexts: list[list[int] | None]
+    contexts: "Sequence[list[int] | None]"
     hidden_states: torch.Tensor | None = None
     first_pass: list[tuple[list[int], list[int], list[int]] | None] | None = None
     common_attn_metadata: object = None

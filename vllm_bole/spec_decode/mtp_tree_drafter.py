@@ -22,7 +22,7 @@ from vllm.v1.utils import record_function_or_nullcontext
 
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
-from .drafter import DraftStep, TreeDrafter
+from .drafter import DraftStep, TreeDrafter, drafting
 from .synthetic import parse_synthetic
 from .tree import DraftTree, select_step, selection_floors
 
@@ -236,6 +236,7 @@ class MTPTreeDrafter(TreeDrafter):
 
         # 1. Catch up on the committed tokens (every request that ran this step keeps its MTP KV in step).
         chunks, hidden_rows, last_rows, growing = [], [], [], []
+        drafts = drafting(step.contexts)
         for r, fp in enumerate(step.first_pass):
             if fp is None:
                 continue
@@ -243,7 +244,7 @@ class MTPTreeDrafter(TreeDrafter):
             chunks.append((r, tokens, positions, positions[-1] + 1, self._slots(r, positions).tolist()))
             hidden_rows += rows
             last_rows.append(len(hidden_rows) - 1)
-            if step.contexts[r] is not None:
+            if drafts[r]:
                 growing.append((r, len(chunks) - 1))
         out = [DraftTree() for _ in step.req_ids]
         if not chunks:

@@ -20,7 +20,7 @@ from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import StepClock, node_budget, verify_ms
-from ..spec_decode.drafter import DraftStep, make_drafter
+from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
@@ -389,7 +389,7 @@ class BoleModelRunnerMixin:
             step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
                                       context_len=context_len, rest_ms=rest_ms)
             if self._queues_drafts(step):
-                step.quotas = quotas_of([c is not None for c in step.contexts], step.per_request, step.budget)
+                step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
             finish = self.bole_drafter.propose_deferred(step)
             if step.quotas is not None and step.queued is None:
                 # A drafter that builds its trees on the host: they exist now; each keeps its quota.
@@ -468,9 +468,9 @@ class BoleModelRunnerMixin:
             else:
                 first_pass.append(None)
             row += n
-            contexts.append(list(state.prompt_token_ids or []) + list(state.output_token_ids) + new
+            contexts.append((state.prompt_token_ids, state.output_token_ids, len(state.output_token_ids), new)
                             if drafting else None)
-        return DraftStep(req_ids=req_ids, contexts=contexts, hidden_states=hidden_states,
+        return DraftStep(req_ids=req_ids, contexts=RequestContexts(contexts), hidden_states=hidden_states,
                          first_pass=first_pass, common_attn_metadata=common_attn_metadata)
 
 
