@@ -1,6 +1,6 @@
 """Where a step's GPU sits idle, from a torch.profiler chrome trace (``benchmarks/step_profile.py --trace``).
 
-    python benchmarks/trace_gaps.py TRACE.json[.gz] [--json OUT]
+    python benchmarks/trace_gaps.py TRACE.json[.gz] [--json OUT] [--steps]
 
 Reads the trace's GPU activity (kernels, copies, memsets) and the host's profiling scopes (vLLM's
 ``gpu_model_runner: ...`` scopes, Bole's ``bole: ...`` scopes and the engine scopes step_profile adds) and prints,
@@ -123,6 +123,35 @@ def analyze(events: list[dict]) -> dict:
                                                    for k, v in sorted(gpu_by.items(), key=lambda kv: -kv[1])}}
 
 
+def per_step(events: list[dict], top: int = 6) -> list[dict]:
+    """Each engine step (from one ``engine: schedule`` to the next): wall and GPU busy time, and its ``top``
+    host scopes by GPU idle time (the means of :func:`analyze` mix warm-up or capture steps into steady ones)."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    by_thread = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation":
+            by_thread[(e["pid"], e["tid"])].append(e)
+    main = max(by_thread.values(), key=len)
+    host = Scopes(main)
+    starts = sorted(e["ts"] for e in main if e["name"] == "engine: schedule")
+    bounds = starts + [max(e["ts"] + e["dur"] for e in main)]
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        spans = [(max(x, a), min(y, b)) for x, y in busy if y > a and x < b]
+        idle, prev = defaultdict(float), a
+        for x, y in spans:
+            if x > prev:
+                host.overlap(prev, x, idle)
+            prev = max(prev, y)
+        if b > prev:
+            host.overlap(prev, b, idle)
+        ranked = sorted(idle.items(), key=lambda kv: -kv[1])[:top]
+        out.append({"wall_ms": (b - a) / 1e3, "gpu_busy_ms": sum(y - x for x, y in spans) / 1e3,
+                    "gpu_idle_ms_by_scope": {k: v / 1e3 for k, v in ranked}})
+    return out
+
+
 def report(result: dict, title: str = "") -> str:
     lines = [f"{title}{result['steps']} engine steps: wall {result['wall_ms_per_step']:.2f} ms/step, GPU busy "
              f"{result['gpu_busy_ms_per_step']:.2f} ms/step", "", "| GPU idle while the host runs | ms/step |",
@@ -137,9 +166,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path)
     parser.add_argument("--json", type=Path, help="also write the numbers as JSON")
+    parser.add_argument("--steps", action="store_true", help="also one line per engine step")
     args = parser.parse_args()
-    result = analyze(load(args.trace))
+    events = load(args.trace)
+    result = analyze(events)
     print(report(result, f"{args.trace.name}: "))
+    if args.steps:
+        print()
+        for i, step in enumerate(per_step(events)):
+            idle = ", ".join(f"{k} {v:.2f}" for k, v in step["gpu_idle_ms_by_scope"].items())
+            print(f"step {i}: wall {step['wall_ms']:.2f} ms, GPU busy {step['gpu_busy_ms']:.2f} ms; idle: {idle}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -1,11 +1,23 @@
 """Running engines in subprocesses and comparing greedy outputs the way the project's lossless rule says."""
 
+import importlib.util
 import json
 import os
 import random
 import subprocess
 import sys
 from dataclasses import dataclass
+
+def load_benchmark(name: str):
+    """A script of ``benchmarks/`` as a module (they are not a package)."""
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bole_benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # One bf16 step of logits in [16, 32): a flip within it is rounding, not a bug.
 TIE_TOL = 0.125

@@ -138,18 +138,16 @@ def test_pack_bits_is_the_host_layout(cols, words):
     assert torch.equal(pack_bits(mask, host.bits.shape[1]), host.bits)
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_device_selection_is_select_step(seed):
-    """The beam's selection on the device keeps select_step's nodes (ties included), re-indexed the same way."""
-    rng = np.random.default_rng(seed)
-    g, k, levels = int(rng.integers(1, 7)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
+def random_candidates(rng, g: int, k: int, levels: int, ties: bool):
+    """A beam's candidates for ``g`` requests: ``levels`` levels of k children under each of k random nodes of the
+    level above, scores from PROBS (many ties) or uniform. Returns (n, depths, parents, scores, tokens)."""
     n = k + levels * k * k
     depths = np.concatenate([np.ones(k, dtype=np.int64)] + [np.full(k * k, d + 2) for d in range(levels)])
     parents = np.full((g, n), -1, dtype=np.int64)
     scores = np.zeros((g, n))
-    probs = (lambda size: rng.choice(PROBS, size=size)) if seed % 2 else (lambda size: rng.random(size))
+    probs = (lambda size: rng.choice(PROBS, size=size)) if ties else (lambda size: rng.random(size))
     scores[:, :k] = probs((g, k))
-    for d in range(levels):   # each level: k children under each of k random earlier nodes of the level above
+    for d in range(levels):
         lo = 0 if d == 0 else k + (d - 1) * k * k
         hi = k if d == 0 else lo + k * k
         base = k + d * k * k
@@ -158,6 +156,15 @@ def test_device_selection_is_select_step(seed):
             parents[r, base:base + k * k] = np.repeat(front, k)
             scores[r, base:base + k * k] = scores[r, np.repeat(front, k)] * probs(k * k)
     tokens = rng.integers(0, 1 << 20, size=(g, n))
+    return n, depths, parents, scores, tokens
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_device_selection_is_select_step(seed):
+    """The beam's selection on the device keeps select_step's nodes (ties included), re-indexed the same way."""
+    rng = np.random.default_rng(seed)
+    g, k, levels = int(rng.integers(1, 7)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
+    n, depths, parents, scores, tokens = random_candidates(rng, g, k, levels, ties=seed % 2 == 1)
     per_request = [None, int(rng.integers(0, 3 * n))][seed % 3 != 0]
     budget = [None, int(rng.integers(0, 2 * n * g))][seed % 4 != 0]
     chosen = selected_mask(torch.tensor(scores), torch.tensor(depths), per_request, budget)

@@ -1,16 +1,11 @@
 """benchmarks/e2e.py's rows and table: the best chain is picked among the async-scheduled MTP chains only, the
 synchronous chains and Bole's step-rule configuration are reported beside it."""
 
-import importlib.util
-from pathlib import Path
+from e2e_support import load_benchmark
 
 
 def _e2e():
-    path = Path(__file__).parent.parent / "benchmarks" / "e2e.py"
-    spec = importlib.util.spec_from_file_location("bole_e2e_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("e2e")
 
 
 def _config(tok_s, concurrency=10.0, **batch):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_device_beam import PROBS, _case, _grow, _stand_in
+from test_device_beam import _case, _grow, _stand_in, random_candidates
 from vllm_bole.spec_decode.device_beam import DeviceBeam, queued_selection, quota_mask, trees_of_selection
 from vllm_bole.spec_decode.drafter import DraftStep
 from vllm_bole.spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
@@ -22,30 +22,11 @@ def _assert_queued_is(queued: QueuedDrafts, trees: list[DraftTree]) -> None:
         assert queued.depths[g, :n].tolist() == tree.depths()
 
 
-def _random_candidates(rng, g, k, levels, ties):
-    n = k + levels * k * k
-    depths = np.concatenate([np.ones(k, dtype=np.int64)] + [np.full(k * k, d + 2) for d in range(levels)])
-    parents = np.full((g, n), -1, dtype=np.int64)
-    scores = np.zeros((g, n))
-    probs = (lambda size: rng.choice(PROBS, size=size)) if ties else (lambda size: rng.random(size))
-    scores[:, :k] = probs((g, k))
-    for d in range(levels):
-        lo = 0 if d == 0 else k + (d - 1) * k * k
-        hi = k if d == 0 else lo + k * k
-        base = k + d * k * k
-        for r in range(g):
-            front = rng.choice(np.arange(lo, hi), size=k, replace=False)
-            parents[r, base:base + k * k] = np.repeat(front, k)
-            scores[r, base:base + k * k] = scores[r, np.repeat(front, k)] * probs(k * k)
-    tokens = rng.integers(0, 1 << 20, size=(g, n))
-    return n, depths, parents, scores, tokens
-
-
 @pytest.mark.parametrize("seed", range(30))
 def test_quota_selection_is_select_quotas(seed):
     rng = np.random.default_rng(seed)
     g, k, levels = int(rng.integers(1, 7)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
-    n, depths, parents, scores, tokens = _random_candidates(rng, g, k, levels, ties=seed % 2 == 1)
+    n, depths, parents, scores, tokens = random_candidates(rng, g, k, levels, ties=seed % 2 == 1)
     counts = [int(c) for c in rng.integers(0, n + 1, size=g)]
     chosen = quota_mask(torch.tensor(scores), torch.tensor(depths), torch.tensor(counts))
     assert chosen.sum(dim=1).tolist() == counts

@@ -2,19 +2,15 @@
 GPU time to the scope that launched it (through the trace's launch-to-kernel flows)."""
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from e2e_support import load_benchmark
+
 
 def _module():
-    path = Path(__file__).parent.parent / "benchmarks" / "trace_gaps.py"
-    spec = importlib.util.spec_from_file_location("bole_trace_gaps", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("trace_gaps")
 
 
 def _scope(name, ts, dur, tid=1):
@@ -61,6 +57,16 @@ def test_idle_and_busy_time_by_scope(tmp_path):
     busy = result["gpu_ms_per_step_by_launching_scope"]
     assert busy == {"engine: execute_model": pytest.approx(0.030), "bole: walk": pytest.approx(0.020)}
     assert "GPU idle while the host runs" in gaps.report(result)
+
+
+def test_per_step_lines():
+    gaps = _module()
+    first, second = gaps.per_step(_two_steps())
+    assert (first["wall_ms"], first["gpu_busy_ms"]) == (pytest.approx(0.1), pytest.approx(0.05))
+    assert first["gpu_idle_ms_by_scope"] == {"engine: schedule": pytest.approx(0.01),
+                                             "engine: execute_model": pytest.approx(0.02),
+                                             "bole: walk": pytest.approx(0.01), "(no scope)": pytest.approx(0.01)}
+    assert second["wall_ms"] == pytest.approx(0.09)   # the last step ends with the last scope
 
 
 def test_a_trace_without_scopes_is_refused():
