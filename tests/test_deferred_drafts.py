@@ -90,7 +90,7 @@ def test_queued_drafts_reach_vllm_as_placeholders_without_waiting():
     step.queued = QueuedDrafts.of_trees(step.req_ids, trees, "cpu")
     assert runner.take_draft_token_ids() == ("taken", [[PLACEHOLDER] * 2, [PLACEHOLDER]])
     assert calls == [] and runner._bole_pending is None and runner._bole_last_nodes == 3
-    assert runner._bole_queued == (step.queued, finish)
+    assert runner._bole_queued == (step.queued, finish, step.req_ids)
 
 
 def test_structured_outputs_keep_real_draft_ids():
@@ -117,3 +117,18 @@ def test_contexts_are_built_when_read_and_frozen_at_the_step():
     assert drafting(contexts) == [True, False] and drafting([[1], None]) == [True, False]
     assert contexts[0] == [1, 2, 7, 8, 9] and contexts[1] is None
     assert list(contexts) == [[1, 2, 7, 8, 9], None] and len(contexts) == 2 and contexts[:1] == [[1, 2, 7, 8, 9]]
+
+
+def test_queued_trees_map_to_the_drafting_steps_requests():
+    """The drafter's trees come per request of its step, the queued rows only for the requests that drafted."""
+    from vllm_bole.spec_decode.queued_drafts import QueuedDrafts
+    from vllm_bole.worker.forest_context import StepForest
+
+    runner = _runner()
+    runner.input_batch = SimpleNamespace(req_ids=["b", "c"])
+    trees = [DraftTree(), DraftTree([5, 6], [-1, 0], [0.9, 0.8]), DraftTree([7], [-1], [0.5])]
+    queued = QueuedDrafts.of_trees(["b", "c"], trees[1:], "cpu")          # "a" drafted nothing
+    forest = StepForest(req_ids=["b", "c"], tree_req_indices=[0, 1], parent=None, cu_seqlens=None,
+                        tokens=[None, None], tree_parents=[None, None])
+    runner._queued_trees((queued, lambda: trees, ["a", "b", "c"]), [(0, 0, 2), (1, 1, 1)], forest)
+    assert forest.tokens == [[-1, 5, 6], [-1, 7]] and forest.tree_parents == [[-1, 0, 1], [-1, 0]]

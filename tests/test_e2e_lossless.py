@@ -94,14 +94,18 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
         assert any(any(s > 0 for s in d["siblings"]) for d in stats), "truth never under a non-first sibling"
 
 
-@pytest.mark.parametrize("selection", ["global", "per_request"])
-def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, reference, selection):
+# (selection, max_num_seqs, max_num_batched_tokens). 4 seqs and 48 tokens: waiting requests join the batch in
+# the places of finished ones, and their prompts run in chunks (no drafts) between requests that draft.
+@pytest.mark.parametrize("selection,seqs,tokens", [("global", 16, None), ("per_request", 16, None),
+                                                   ("per_request", 4, 48)])
+def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, reference, selection, seqs, tokens):
     reqs = [dict(r) for r in requests_]
     reqs.append({"prompt": requests_[3]["prompt"], "max_tokens": 20, "temperature": 0.8, "seed": 7})
-    name = f"mtp_{selection}"
+    name = f"mtp_{selection}" + (f"_seqs{seqs}_tokens{tokens}" if tokens else "")
+    engine = {"max_num_batched_tokens": tokens} if tokens else {}
     out = run_engine(tmp, name, {"model": model, "requests": reqs, "logprobs": 2,
                                  "engine": bole_engine(tmp, name, depth=3, topk=4, budget="auto", drafter="mtp",
-                                                       selection=selection, max_num_seqs=16)})
+                                                       selection=selection, max_num_seqs=seqs, **engine)})
     sampled = out["outputs"].pop()
     assert len(sampled["tokens"]) == 20
     divs = assert_lossless(reference, out, max_near_ties=2)

@@ -47,7 +47,8 @@ class BoleModelRunnerMixin:
         self._bole_profiler = StepProfiler.from_env()
         self._bole_graphs = None
         self._bole_pending = None   # (DraftStep, finish) of drafts queued on the device, not yet taken
-        self._bole_queued = None    # (QueuedDrafts, finish) of drafts vLLM took as placeholders, not yet verified
+        # (QueuedDrafts, finish, the drafting step's request ids) of drafts vLLM took as placeholders, not yet verified
+        self._bole_queued = None
         self.bole_queued_trees = 0  # trees verified from queued drafts (their nodes read on the device)
         self.bole_stale_placeholders = 0  # placeholder drafts whose queued trees were gone (verified as a chain)
         self._bole_clock = StepClock()   # budget_rule "step": the step time besides the target forward
@@ -255,8 +256,8 @@ class BoleModelRunnerMixin:
     def _queued_trees(self, queued, from_device, forest: StepForest) -> None:
         """The host copy of the trees taken from queued drafts (``StepForest.on_host``): waits for the drafter's
         selection (done by the time the step is walked)."""
-        drafts, finish = queued
-        trees = dict(zip(drafts.req_ids, finish()))
+        drafts, finish, step_req_ids = queued
+        trees = dict(zip(step_req_ids, finish()))   # finish(): one tree per request of the drafting step
         self._bole_trees = trees
         for i, r, count in from_device:
             if count <= 0:
@@ -412,7 +413,7 @@ class BoleModelRunnerMixin:
         if step.queued is not None:
             # vLLM gets placeholders of the trees' sizes and schedules the next step while the device drafts;
             # the step reads the drafts from the device (_build_forest) and walks the host trees (StepForest.on_host).
-            self._bole_queued = (step.queued, finish)
+            self._bole_queued = (step.queued, finish, step.req_ids)
             self._bole_last_nodes = sum(step.queued.counts)
             self._draft_token_ids = step.queued.placeholder_ids(step.req_ids)
             if self._bole_profiler is not None:
