@@ -97,18 +97,21 @@ def test_reference_is_spread(reference):
         assert top < 0.75 and likely >= 3, counts.most_common(8)
 
 
-@pytest.mark.parametrize("drafter", ["planted", "mtp"])
-def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, reference, drafter):
-    name = f"sampled_{drafter}"
-    engine = bole_engine(tmp, name, depth=2, topk=3, budget=512, drafter=drafter, max_num_seqs=64)
+# per_request: 8 nodes per request (512 over 64), the trees reach the step as placeholders.
+@pytest.mark.parametrize("drafter,selection", [("planted", None), ("mtp", None), ("planted", "per_request")])
+def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, reference, drafter, selection):
+    name = f"sampled_{drafter}" + (f"_{selection}" if selection else "")
+    engine = bole_engine(tmp, name, depth=2, topk=3, budget=512, drafter=drafter, selection=selection,
+                         max_num_seqs=64)
     out = run_engine(tmp, name, {"model": model, "engine": engine, "requests": _sampled_requests(prompt)})
     ref, got = _tokens(reference), _tokens(out)
     counters = out["counters"]
-    print(f"{drafter}: counters {counters}")
+    print(f"{name}: counters {counters}; queued trees {out['queued_trees']}")
+    assert (out["queued_trees"] > 0) == (selection == "per_request"), out["queued_trees"]
     assert counters["num_accepted_tokens"] > 0, counters
     assert counters["accepted_per_pos"][1] > 0, counters
     samples = {"t2": lambda t: t[1], "t3": lambda t: t[2], "(t1,t2)": lambda t: (t[0], t[1])}
     for label, key in samples.items():
         stat, p, dof = chi_square_two_sample([key(t) for t in ref], [key(t) for t in got])
-        print(f"{drafter} {label}: chi2 {stat:.1f}, dof {dof}, p {p:.3g}")
+        print(f"{name} {label}: chi2 {stat:.1f}, dof {dof}, p {p:.3g}")
         assert p > P_MIN, (label, stat, dof, p)
