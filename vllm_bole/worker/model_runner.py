@@ -114,6 +114,9 @@ class BoleModelRunnerMixin:
                 return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             set_current_forest(None)
+            # Queued drafts serve the step right after the one that drafted them (its forest keeps what it read);
+            # placeholders scheduled later are verified as chains (_build_forest).
+            self._bole_queued = None
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
