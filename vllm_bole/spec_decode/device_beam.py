@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from vllm.utils.math_utils import cdiv
+from vllm.utils.torch_utils import async_tensor_h2d
 
 from ..worker.forest_context import DeviceTreeRows, TreeRows
 from .tree import DraftTree
@@ -72,6 +73,13 @@ def selection_alive(scores: torch.Tensor, frontier_scores: torch.Tensor, per_req
     return alive.any()
 
 
+def _best_first(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """``[G, n]``: each request's candidate indices by (score descending, shallower, lower index); stable sorts,
+    least significant key first."""
+    by_depth = torch.sort(depths, stable=True).indices
+    return by_depth[torch.sort(scores[:, by_depth], dim=1, descending=True, stable=True).indices]
+
+
 def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int | None,
                   budget: int | None) -> torch.Tensor:
     """``[G, n]`` bool: the nodes :func:`tree.select_step` keeps of ``G`` candidate trees with ``[G, n]`` scores
@@ -79,8 +87,7 @@ def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int |
     (score, shallower, lower index), then the ``budget`` best of those by (score, shallower, lower request, lower
     index); stable sorts, least significant key first."""
     g, n = scores.shape
-    by_depth = torch.sort(depths, stable=True).indices
-    order = by_depth[torch.sort(scores[:, by_depth], dim=1, descending=True, stable=True).indices]
+    order = _best_first(scores, depths)
     keep = order if per_request is None else order[:, :max(min(per_request, n), 0)]
     rows = torch.arange(g, device=scores.device)[:, None].expand_as(keep).reshape(-1)
     idx = keep.reshape(-1)
@@ -100,8 +107,7 @@ def quota_mask(scores: torch.Tensor, depths: torch.Tensor, counts: torch.Tensor)
     """``[G, n]`` bool: each request's ``counts[g]`` best nodes by (score, shallower, lower index), the order of
     :func:`selected_mask` (and of ``tree.select_global`` per tree): a connected tree per request."""
     g, n = scores.shape
-    by_depth = torch.sort(depths, stable=True).indices
-    order = by_depth[torch.sort(scores[:, by_depth], dim=1, descending=True, stable=True).indices]
+    order = _best_first(scores, depths)
     rank = torch.empty_like(order)
     rank.scatter_(1, order, torch.arange(n, device=scores.device).expand(g, n))
     return rank < counts[:, None]
@@ -124,14 +130,6 @@ def queued_selection(chosen: torch.Tensor, tokens: torch.Tensor, parents: torch.
     parent = torch.where(parent >= 0, local.gather(1, parent.clamp(min=0)), -1)
     return QueuedDrafts(req_ids=req_ids, counts=counts, tokens=tokens.gather(1, index).long(), parents=parent,
                         depths=depths[index])
-
-
-def _to_device(values: list[int], device) -> torch.Tensor:
-    """A small host list on ``device`` without waiting for the device's queue (pinned, non-blocking)."""
-    t = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        t = t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 def trees_of_selection(host: np.ndarray, g: int, n: int) -> list[DraftTree]:
@@ -301,7 +299,8 @@ class DeviceBeam:
             chosen = selected_mask(s.scores[:g, :n], depths, step.per_request, step.budget)
         else:
             counts = [min(q, n) for q in quotas]
-            chosen = quota_mask(s.scores[:g, :n], depths, _to_device(counts, device))
+            # pinned, non-blocking: the copy does not wait for the levels queued before it
+            chosen = quota_mask(s.scores[:g, :n], depths, async_tensor_h2d(counts, device, torch.long))
             step.queued = queued_selection(chosen, s.tokens[:g, :n], s.parents[:g, :n], depths,
                                            [step.req_ids[r] for r in reqs], counts)
         # Every candidate and the selection mask in one fixed-size copy (no sync for the selection's size).
@@ -314,7 +313,7 @@ class DeviceBeam:
             host.copy_(fields, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        node_depths = self._host_depths(n)
+        node_depths = self._host_depths(n) if quotas is not None else None
 
         def finish() -> list[DraftTree]:
             if event is not None:

@@ -13,6 +13,7 @@ Row ``g`` of the tensors holds the tree of request ``req_ids[g]``: its ``counts[
 from dataclasses import dataclass
 
 import torch
+from vllm.utils.torch_utils import async_tensor_h2d
 
 from .tree import DraftTree, select_global
 
@@ -48,8 +49,7 @@ class QueuedDrafts:
             flat[0, g, :n] = torch.tensor(tree.tokens, dtype=torch.int64)
             flat[1, g, :n] = torch.tensor(tree.parents, dtype=torch.int64)
             flat[2, g, :n] = torch.tensor(tree.depths(), dtype=torch.int64)
-        if torch.device(device).type == "cuda":
-            flat = flat.pin_memory().to(device, non_blocking=True)
+        flat = async_tensor_h2d(flat, device)
         return cls(req_ids=list(req_ids), counts=[len(t) for t in trees], tokens=flat[0], parents=flat[1],
                    depths=flat[2])
 

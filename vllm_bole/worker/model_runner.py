@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 from vllm.utils.math_utils import next_power_of_2
+from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.utils import record_function_or_nullcontext
 
@@ -145,6 +146,7 @@ class BoleModelRunnerMixin:
         fix_rows, fix_shift = [], []  # flat rows whose position is prefix + depth, not prefix + index
         plain = []  # (batch index, first row) of decodes without drafts: one-node trees if a graph runs
         from_device = []  # (tree index, batch index, drafts) of trees whose nodes come from the queued drafts
+        stale = []        # tree indices of placeholder drafts without queued ones: chains whose tokens go up
         decoding = self.input_batch.num_computed_tokens_cpu >= self.input_batch.num_prompt_tokens
         for r, req_id in enumerate(req_ids):
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -164,7 +166,7 @@ class BoleModelRunnerMixin:
                 # Placeholders without queued drafts (the request was not scheduled in the step after its drafts):
                 # a chain of token 0, written below; the walk checks it like any draft.
                 tree = DraftTree([0] * len(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
-                from_device.append((len(forest_req), r, -len(drafts)))
+                stale.append(len(forest_req))
                 self.bole_stale_placeholders += 1
             elif tree is None or tree.tokens[:len(drafts)] != list(drafts):
                 # Drafts Bole did not propose (e.g. vLLM's placeholders): verify them as a chain.
@@ -182,9 +184,9 @@ class BoleModelRunnerMixin:
         sizes = [int(num_scheduled_tokens[r]) for r in forest_req]
         cu = np.cumsum([0] + sizes).tolist()
         n = cu[-1]
-        if from_device:
-            self.bole_queued_trees += sum(count > 0 for _, _, count in from_device)
-            parent = self._write_queued(queued, from_device, forest_req, tree_parents, tokens, q_starts, cu)
+        if from_device or stale:
+            self.bole_queued_trees += len(from_device)
+            parent = self._write_queued(queued, from_device, stale, tree_parents, tokens, q_starts, cu)
         else:
             parent = [p for par in tree_parents for p in par]
         if self._bole_graphs is not None:  # the fixed addresses a verification graph reads
@@ -214,32 +216,29 @@ class BoleModelRunnerMixin:
                 self.mrope_positions.gpu[:, rows] -= shift
         return forest
 
-    def _write_queued(self, queued, from_device, forest_req, tree_parents, tokens, q_starts, cu) -> torch.Tensor:
+    def _write_queued(self, queued, from_device, stale, tree_parents, tokens, q_starts, cu) -> torch.Tensor:
         """The step's inputs of trees whose drafts vLLM holds as placeholders, on the device: each draft row's
         token and its RoPE position (prefix + depth), and the forest's parents (``[N]`` int32; host trees' from
-        ``tree_parents``). ``from_device``: (tree index, batch index, drafts), drafts < 0 for a host chain whose
-        tokens are in ``tokens``."""
-        rows, nodes, g_idx, j_idx, host_rows, host_tokens = [], [], [], [], [], []
+        ``tree_parents``). ``from_device``: (tree index, batch index, drafts) of trees read from ``queued``;
+        ``stale``: tree indices of host chains whose tokens (in ``tokens``) replace the placeholders."""
+        rows, nodes, g_idx, j_idx = [], [], [], []
         for i, r, count in from_device:
             first = q_starts[i] + 1
-            if count > 0:
-                g = queued[0].row_of[self.input_batch.req_ids[r]]
-                rows += range(first, first + count)
-                nodes += range(cu[i] + 1, cu[i] + 1 + count)
-                g_idx += [g] * count
-                j_idx += range(count)
-            else:
-                host_rows += range(first, first - count)
-                host_tokens += tokens[i][1:]
+            g = queued[0].row_of[self.input_batch.req_ids[r]]
+            rows += range(first, first + count)
+            nodes += range(cu[i] + 1, cu[i] + 1 + count)
+            g_idx += [g] * count
+            j_idx += range(count)
+        host_rows = [q_starts[i] + 1 + j for i in stale for j in range(len(tokens[i]) - 1)]
+        host_tokens = [t for i in stale for t in tokens[i][1:]]
         n = cu[-1]
         host_par = [(cu[i] + j, p) for i, par in enumerate(tree_parents) if par is not None
                     for j, p in enumerate(par)]
-        index = torch.tensor([rows, nodes, g_idx, j_idx], dtype=torch.long).reshape(4, -1)
-        host = torch.tensor([host_rows, host_tokens], dtype=torch.long).reshape(2, -1)
-        pairs = torch.tensor(host_par, dtype=torch.long).reshape(-1, 2).T
         device = self.device
-        if device.type == "cuda":   # pinned: the copies do not wait for the drafter still running
-            index, host, pairs = (t.pin_memory().to(device, non_blocking=True) for t in (index, host, pairs))
+        # pinned, non-blocking: the copies do not wait for the drafter still running
+        index = async_tensor_h2d(torch.tensor([rows, nodes, g_idx, j_idx], dtype=torch.long).reshape(4, -1), device)
+        host = async_tensor_h2d(torch.tensor([host_rows, host_tokens], dtype=torch.long).reshape(2, -1), device)
+        pairs = async_tensor_h2d(torch.tensor(host_par, dtype=torch.long).reshape(-1, 2).T.contiguous(), device)
         parent = torch.full((n,), -1, dtype=torch.int32, device=device)
         if host.shape[1]:
             self.input_ids.gpu[host[0]] = host[1].to(self.input_ids.gpu.dtype)
@@ -263,8 +262,6 @@ class BoleModelRunnerMixin:
         trees = dict(zip(step_req_ids, finish()))   # finish(): one tree per request of the drafting step
         self._bole_trees = trees
         for i, r, count in from_device:
-            if count <= 0:
-                continue
             tree = trees[self.input_batch.req_ids[r]]
             if len(tree) < count:
                 raise RuntimeError(f"Bole's queued drafts of request {self.input_batch.req_ids[r]} hold "
