@@ -18,6 +18,9 @@ class _Base:
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         return ("executed", dict(self._bole_trees))
 
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        self.vllm_updates = getattr(self, "vllm_updates", 0) + 1
+
 
 class _Runner(BoleModelRunnerMixin, _Base):
     pass
@@ -27,7 +30,8 @@ def _runner():
     runner = _Runner.__new__(_Runner)
     runner._bole_pending, runner._bole_profiler, runner._bole_forest = None, None, None
     runner._bole_trees, runner._draft_token_ids, runner._bole_last_nodes = {}, None, 0
-    runner.bole_drafter = SimpleNamespace(selects=True)
+    runner._bole_commit = None
+    runner.bole_drafter = SimpleNamespace(selects=True, own_kv_layers=lambda: ("mtp.attn",))
     return runner
 
 
@@ -132,3 +136,24 @@ def test_queued_trees_map_to_the_drafting_steps_requests():
                         tokens=[None, None], tree_parents=[None, None])
     runner._queued_trees((queued, lambda: trees, ["a", "b", "c"]), [(0, 0, 2), (1, 1, 1)], forest)
     assert forest.tokens == [[-1, 5, 6], [-1, 7]] and forest.tree_parents == [[-1, 0, 1], [-1, 0]]
+
+
+def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypatch):
+    """The accepted paths are committed after the drafter is queued; when vLLM skips the drafter, before the
+    next step's forward. Once either way, and without the drafter's own K/V layers (its catch-up rewrites them)."""
+    import vllm_bole.worker.model_runner as model_runner
+
+    calls = []
+    monkeypatch.setattr(model_runner, "commit_step", lambda forest: calls.append(("state", forest)))
+    monkeypatch.setattr(model_runner, "compact_accepted_kv",
+                        lambda runner, forest, skip: calls.append(("kv", forest, skip)))
+    runner = _runner()
+    runner.device = SimpleNamespace(type="cpu")
+    forest = runner._bole_forest = SimpleNamespace(accepted_paths=[[0, 2]])
+    runner._update_states_after_model_execute(SimpleNamespace(device=SimpleNamespace(type="cpu")), None)
+    assert calls == [] and runner._bole_commit is forest and runner.vllm_updates == 1
+    runner._bole_forest = None
+    out = runner.execute_model(SimpleNamespace())
+    assert out[0] == "executed" and calls == [("state", forest), ("kv", forest, ("mtp.attn",))]
+    runner.execute_model(SimpleNamespace())
+    assert len(calls) == 2 and runner._bole_commit is None

@@ -12,7 +12,7 @@ from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_bole.spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, sample_tree_rows,
+from vllm_bole.spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
                                                 tree_row_probs, tree_rows_supported, walk_tree)
 
 VOCAB = 64
@@ -161,3 +161,17 @@ def test_request_classes():
     custom = _metadata([1.0])
     custom.logitsprocs.argmax_invariant.append(object())
     assert not tree_rows_supported(custom)
+
+
+@pytest.mark.parametrize("outputs", [[[5], [7]], [[5, 6, 9], [7]], [[3]], [[1, 2], [4, 5]]])
+def test_padded_outputs_parse_like_vllm(outputs):
+    """The walk's host token matrix (at least two wide) reads back through vLLM's spec-decode parsing as the
+    emitted tokens, discarded requests emptied, as vLLM's one-token path would give them."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    padded = pad_outputs(outputs, "cpu", min_width=2)
+    assert padded.device.type == "cpu" and padded.shape == (len(outputs), max(2, *map(len, outputs)))
+    parsed, _ = RejectionSampler.parse_output(padded, vocab_size=100)
+    assert parsed == outputs
+    dropped, _ = RejectionSampler.parse_output(padded, vocab_size=100, discard_req_indices=[0])
+    assert dropped == [[]] + outputs[1:]

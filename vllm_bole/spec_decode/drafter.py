@@ -82,6 +82,11 @@ class TreeDrafter:
     def propose(self, step: DraftStep) -> list[DraftTree]:
         raise NotImplementedError
 
+    def own_kv_layers(self) -> tuple[str, ...]:
+        """Attention layers whose K/V the drafter rewrites itself at every committed position; the runner's
+        K/V compaction leaves them out (it runs after the drafter is queued)."""
+        return ()
+
     def propose_deferred(self, step: DraftStep):
         """``finish()`` that returns :meth:`propose`'s trees. A drafter whose work runs on the device may return
         before it is done (the runner calls ``finish`` once vLLM asks for the drafts, after its output

@@ -224,6 +224,10 @@ class MTPTreeDrafter(TreeDrafter):
         pos, size = np.asarray(positions, dtype=np.int64), table.block_size
         return table.block_table.np[r, pos // size].astype(np.int64) * size + pos % size
 
+    def own_kv_layers(self) -> tuple[str, ...]:
+        # The catch-up writes the MTP layer's K/V at every committed position of every request that ran.
+        return tuple(getattr(self.proposer, "_draft_attn_layer_names", ()))
+
     def propose(self, step: DraftStep) -> list[DraftTree]:
         return self.propose_deferred(step)()
 

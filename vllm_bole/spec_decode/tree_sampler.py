@@ -109,8 +109,9 @@ def walk_tree(parents: list[int], tokens: list[int], targets: list[int]) -> list
         path.append(nxt)
 
 
-def pad_outputs(outputs: list[list[int]], device) -> torch.Tensor:
-    width = max(len(o) for o in outputs)
+def pad_outputs(outputs: list[list[int]], device, min_width: int = 1) -> torch.Tensor:
+    """The emitted tokens as vLLM's padded ``[num_reqs, width]`` matrix (-1 past each request's tokens)."""
+    width = max([min_width] + [len(o) for o in outputs])
     out = torch.full((len(outputs), width), -1, dtype=torch.int32)
     for i, o in enumerate(outputs):
         out[i, :len(o)] = torch.tensor(o, dtype=torch.int32)

@@ -49,7 +49,8 @@ def compact_layers(kv_caches, src_slots, dst_slots) -> None:
             triton_tree_attn.compact_kv_paged(caches, torch.stack(src), torch.stack(dst))
 
 
-def compact_accepted_kv(runner, forest) -> None:
+def compact_accepted_kv(runner, forest, skip=()) -> None:
+    """Moves the accepted K/V of every attention layer but those named in ``skip``."""
     rows = accepted_row_moves(forest)
     if not rows[0]:
         return
@@ -58,8 +59,11 @@ def compact_accepted_kv(runner, forest) -> None:
     for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         if not isinstance(group.kv_cache_spec, AttentionSpec):
             continue
+        names = [name for name in group.layer_names if name not in skip]
+        if not names:
+            continue
         s, d = accepted_slot_moves(forest, runner.input_batch.block_table[gid].slot_mapping.gpu, rows)
-        for name in group.layer_names:
+        for name in names:
             caches.append(layers[name].kv_cache)
             src.append(s)
             dst.append(d)

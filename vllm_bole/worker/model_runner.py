@@ -54,6 +54,7 @@ class BoleModelRunnerMixin:
         self.bole_stale_placeholders = 0  # placeholder drafts whose queued trees were gone (verified as a chain)
         self._bole_clock = StepClock()   # budget_rule "step": the step time besides the target forward
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
+        self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -108,7 +109,9 @@ class BoleModelRunnerMixin:
     # ---- verification inputs ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         # Drafts vLLM did not take (tensor-parallel ranks other than the output rank) finish before the step
-        # that verifies them (queued drafts only move aside: the step reads them from the device).
+        # that verifies them (queued drafts only move aside: the step reads them from the device). So does the
+        # commit of a step whose drafter did not run (vLLM skips it when the batch does not fit the drafter).
+        self._commit()
         self._finish_drafts()
         try:
             with profiled(self._bole_profiler, "forward"):
@@ -286,7 +289,7 @@ class BoleModelRunnerMixin:
                 # commit writes the state after it (graph mode leaves the GDN state to the commit).
                 forest.accepted_paths = [[0] for _ in forest.tree_req_indices]
                 self._bole_paths = [[0] for _ in self.input_batch.req_ids]
-            return super()._sample(logits, spec_decode_metadata)
+            return self._on_host(super()._sample(logits, spec_decode_metadata))
         self.input_batch.update_async_output_token_ids()
         metadata = self.input_batch.sampling_metadata
         num_rows = [n + 1 for n in spec_decode_metadata.num_draft_tokens]
@@ -342,7 +345,9 @@ class BoleModelRunnerMixin:
             outputs.append(drafted + [bonus[r]])
         forest.accepted_paths = [paths[r] for r in forest.tree_req_indices]
         self._bole_paths = paths
-        sampled = pad_outputs(outputs, logits.device)
+        # On the host: vLLM's bookkeeping then reads it without a copy, which would wait behind the drafter's
+        # levels on the stream (width >= 2 keeps it on its spec-decode parsing, which needs no event sync either).
+        sampled = pad_outputs(outputs, "cpu", min_width=2)
         if wants_logprobs and not own_logprobs:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=final.logprobs_tensors)
         return SamplerOutput(sampled_token_ids=sampled,
@@ -356,18 +361,57 @@ class BoleModelRunnerMixin:
             return None
         width = sampled.shape[1]
         rows = [row_start[r] + path[min(m, len(path) - 1)] for r, path in enumerate(paths) for m in range(width)]
-        tokens = sampled.flatten().long().clamp(min=0)
+        tokens = sampled.flatten().long().clamp(min=0).to(logits.device)
         logprobs = self.sampler.compute_logprobs(logits[torch.tensor(rows, device=logits.device)].float())
         return self.sampler.gather_logprobs(logprobs, k, tokens)
 
+    def _on_host(self, output: SamplerOutput) -> SamplerOutput:
+        """A step's sampled tokens moved to the host before the drafter is queued (see ``_walk_trees``): the copy
+        waits only for the target forward. With logprobs vLLM's one-token layout stays as it is."""
+        if output.logprobs_tensors is not None or output.sampled_token_ids.device.type == "cpu":
+            return output
+        tokens = output.sampled_token_ids.cpu()
+        if tokens.shape[1] == 1:
+            tokens = torch.cat([tokens, torch.full_like(tokens, PLACEHOLDER)], dim=1)
+        output.sampled_token_ids = tokens
+        return output
+
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
-        super()._update_states_after_model_execute(output_token_ids, scheduler_output)
+        if output_token_ids.device.type == "cpu" and self.device.type != "cpu":
+            self._accepted_counts_from_host(output_token_ids, scheduler_output)
+        else:
+            super()._update_states_after_model_execute(output_token_ids, scheduler_output)
         forest = self._bole_forest
-        if forest is None or forest.accepted_paths is None:
+        if forest is not None and forest.accepted_paths is not None:
+            # Only the next verification reads the committed GDN state and moved K/V: the commit is queued after
+            # the drafter's levels (propose_draft_token_ids), so its host work overlaps them on the device.
+            self._bole_commit = forest
+
+    def _commit(self) -> None:
+        """The accepted paths' GDN state, conv windows and K/V of the last verified step, if not yet committed.
+        The drafter's own attention layers are left out while it rewrites their K/V at every committed position
+        in its catch-up (MTP): moved after its levels ran, they would overwrite what the levels wrote."""
+        forest, self._bole_commit = self._bole_commit, None
+        if forest is None:
             return
         with profiled(self._bole_profiler, "commit"):
             commit_step(forest)
-            compact_accepted_kv(self, forest)
+            compact_accepted_kv(self, forest, skip=self.bole_drafter.own_kv_layers() if self.bole_drafter else ())
+
+    def _accepted_counts_from_host(self, output_token_ids: torch.Tensor, scheduler_output) -> None:
+        """vLLM's accepted-token counts for hybrid models (what its GDN metadata reads next step), from host
+        tokens: no device round trip."""
+        if not self.speculative_config or not self.model_config.is_hybrid:
+            return
+        if self.cache_config.mamba_cache_mode in ("align", "all"):  # prefix-caching modes (Bole runs without)
+            super()._update_states_after_model_execute(output_token_ids.to(self.device), scheduler_output)
+            return
+        num_reqs = output_token_ids.size(0)
+        counts = (output_token_ids != PLACEHOLDER).sum(dim=1, dtype=torch.int32)
+        self.num_accepted_tokens.cpu[:num_reqs] = counts
+        self.num_accepted_tokens.copy_to_gpu(num_reqs)
+        self.input_batch.num_accepted_tokens_cpu_tensor[:num_reqs] = counts
+        self.num_accepted_tokens_event.record()
 
     # ---- drafting -----------------------------------------------------------------------------------------
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
@@ -398,6 +442,7 @@ class BoleModelRunnerMixin:
                 step.queued = QueuedDrafts.of_trees(step.req_ids, trees, self.device)
                 finish = lambda: trees  # noqa: E731
             self._bole_pending = (step, finish)
+        self._commit()
         if self._bole_profiler is not None:   # phases stay synchronous
             self._finish_drafts()
         # vLLM keeps this as the step's drafts; they are filled in when it takes them (take_draft_token_ids),
