@@ -6,11 +6,11 @@
 
 Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain of k drafts with
 ``rejection_sample_method: "synthetic"``), ``bole`` (tree speculation with ``synthetic_acceptance`` and
-``budget: "auto"``; ``--calibrate`` first runs the budget calibration in the same engine and merges it into
-``--budget-table``), ``bole_step`` (the same with ``budget_rule: "step"``: the budget also weighs the step's
-measured time besides its target forward), ``bole_pr`` (``selection: "per_request"``: even per-request shares, so
-the next step is scheduled while the device drafts), ``bole_pr_step`` (both); each variant adds ``<name>_*`` fields
-to the rows and a table of its own,
+``budget: "auto"``, default ``selection: "per_request"``; ``--calibrate`` first runs the budget calibration in the
+same engine and merges it into ``--budget-table``), ``bole_global`` (``selection: "global"``: the best nodes over
+the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget also
+weighs the step's measured time besides its target forward), ``bole_global_step`` (both); each variant adds
+``<name>_*`` fields to the rows and a table of its own,
 ``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole runs: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
 batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
@@ -54,8 +54,8 @@ sys.path.insert(0, str(ROOT))
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
 # Bole's variants beside its default: the speculative_config keys each one changes.
-BOLE_VARIANTS = {"bole_step": {"budget_rule": "step"}, "bole_pr": {"selection": "per_request"},
-                 "bole_pr_step": {"selection": "per_request", "budget_rule": "step"}}
+BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_rule": "step"},
+                 "bole_global_step": {"selection": "global", "budget_rule": "step"}}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")

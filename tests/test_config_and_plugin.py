@@ -34,7 +34,7 @@ def test_values_and_dashes():
     ("cuda_graphs", "yes", "cuda_graphs"),
     ("cuda_graphs", 1, "cuda_graphs"),
     ("budget_rule", "fast", "budget_rule"),
-    ("selection", "per-request", r"selection must be one of \['global', 'per_request'\]"),
+    ("selection", "per-request", r"selection must be one of \['per_request', 'global'\]"),
     ("tree", [[0]], "unknown key"),
 ])
 def test_bad_values_name_the_field(key, value, field):
@@ -52,9 +52,9 @@ def test_budget_rule():
 
 
 def test_selection():
-    assert parse_bole_config({"method": "bole"})[0].selection == "global"
-    cfg, _ = parse_bole_config({"method": "bole", "selection": "per_request", "budget": 64})
-    assert (cfg.selection, cfg.budget) == ("per_request", 64)
+    assert parse_bole_config({"method": "bole"})[0].selection == "per_request"
+    cfg, _ = parse_bole_config({"method": "bole", "selection": "global", "budget": 64})
+    assert (cfg.selection, cfg.budget) == ("global", 64)
 
 
 def test_budget_table_path():

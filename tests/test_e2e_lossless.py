@@ -55,13 +55,15 @@ def reference(tmp, model, requests_):
 
 
 PLANTED = {
-    "k3_d1": dict(depth=1, topk=3, budget=64, max_num_seqs=16),
-    "chain_d3": dict(depth=3, topk=1, budget=512, max_num_seqs=16),
-    "k2_d8": dict(depth=8, topk=2, budget=512, max_num_seqs=16),
-    "k4_d3_budget24_seqs3": dict(depth=3, topk=4, budget=24, max_num_seqs=3),
-    "k2_d3_batch1": dict(depth=3, topk=2, budget=64, max_num_seqs=1),
-    # Per-request quotas: vLLM schedules placeholder drafts, the step reads the trees from the device.
-    "k2_d8_per_request": dict(depth=8, topk=2, budget=512, max_num_seqs=16, selection="per_request"),
+    # Global selection: the scheduler waits for the drafts' real tokens.
+    "k3_d1": dict(depth=1, topk=3, budget=64, max_num_seqs=16, selection="global"),
+    "chain_d3": dict(depth=3, topk=1, budget=512, max_num_seqs=16, selection="global"),
+    "k2_d8": dict(depth=8, topk=2, budget=512, max_num_seqs=16, selection="global"),
+    "k4_d3_budget24_seqs3": dict(depth=3, topk=4, budget=24, max_num_seqs=3, selection="global"),
+    "k2_d3_batch1": dict(depth=3, topk=2, budget=64, max_num_seqs=1, selection="global"),
+    # Per-request quotas (the default selection): vLLM schedules placeholder drafts, the step reads the trees from
+    # the device.
+    "k2_d8_per_request": dict(depth=8, topk=2, budget=512, max_num_seqs=16),
     "k4_d3_budget24_seqs3_per_request": dict(depth=3, topk=4, budget=24, max_num_seqs=3, selection="per_request"),
     # A token budget smaller than the batch's drafts: some requests wait a step (their drafts go stale).
     "k2_d8_per_request_tokens48": dict(depth=8, topk=2, budget=512, max_num_seqs=16, selection="per_request",
@@ -84,7 +86,7 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
     assert out["mamba_state"] and all(g["num_speculative_blocks"] == 0 for g in out["mamba_state"])
     assert all(g["runner"].startswith("Bole") for g in out["mamba_state"])
     # Per-request quotas: the trees reach the step as placeholders and are read from the device.
-    assert (out["queued_trees"] > 0) == (cfg.get("selection") == "per_request"), out["queued_trees"]
+    assert (out["queued_trees"] > 0) == (cfg.get("selection", "per_request") == "per_request"), out["queued_trees"]
     per_pos = out["counters"]["accepted_per_pos"]
     assert per_pos[depth - 1] > 0, f"no request accepted a full depth-{depth} path: {per_pos}"
     assert not any(per_pos[depth:]), f"accepted deeper than depth {depth}: {per_pos}"

@@ -18,7 +18,7 @@ def test_rows_pick_the_best_async_chain_and_report_the_rest():
                "mtp4": _config(280.0, 50.0, mean_accepted=3.9), "mtp4_sync": _config(900.0, 50.0),
                "bole": _config(330.0, 140.0, mean_accepted=5.5, budget=64, draft_tokens_per_step=16.0),
                "bole_step": _config(450.0, 140.0, mean_accepted=6.1, budget=96),
-               "bole_pr": _config(600.0, 140.0, mean_accepted=5.2, budget=64)}
+               "bole_global": _config(600.0, 140.0, mean_accepted=5.2, budget=64)}
     [row] = e2e.build_rows(configs)
     assert (row["mtp_best_k"], row["mtp_best_tok_s"], row["concurrency_mtp"]) == (3, 300.0, 60.0)
     assert row["mtp_tok_s_by_k"] == {"3": 300.0, "4": 280.0} and row["mtp_mean_accepted_by_k"] == {"3": 3.4, "4": 3.9}
@@ -28,8 +28,8 @@ def test_rows_pick_the_best_async_chain_and_report_the_rest():
     table = e2e.markdown([row])
     assert "| 4 | 100 | 300 (k=3) | 330 | 5.50 | 64 | 1.10× | 3.30× |" in table
     assert "B=4: k=4 900" in table and "| 4 | 450 | 6.10 | 96 | 1.50× |" in table
-    assert (row["bole_pr_tok_s"], row["bole_pr_speedup_vs_mtp"]) == (600.0, 2.0)
-    assert 'selection "per_request" (bole_pr)' in table and "| 4 | 600 | 5.20 | 64 | 2.00× |" in table
+    assert (row["bole_global_tok_s"], row["bole_global_speedup_vs_mtp"]) == (600.0, 2.0)
+    assert 'selection "global" (bole_global)' in table and "| 4 | 600 | 5.20 | 64 | 2.00× |" in table
 
 
 def test_rows_without_the_extra_configs_keep_the_issue_schema():

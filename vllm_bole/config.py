@@ -11,7 +11,7 @@ from typing import Any
 
 BOLE_METHOD = "bole"
 BUDGET_RULES = ("decode", "step")
-SELECTIONS = ("global", "per_request")
+SELECTIONS = ("per_request", "global")
 ADDITIONAL_CONFIG_KEY = "bole"
 # Keys vLLM's SpeculativeConfig accepts next to a Bole method and that Bole passes through unchanged.
 _PASSTHROUGH_KEYS = {"draft_tensor_parallel_size", "max_model_len", "disable_by_batch_size"}
@@ -34,10 +34,10 @@ class BoleConfig:
     # How "auto" reads the table: "decode", the calibrated B_ver (T_ver(N) <= (1+eps) T_dec); "step", the largest
     # N whose extra verification costs at most eps of the measured step (spec_decode/budget.py).
     budget_rule: str = "decode"
-    # How a step's budget is shared: "global", the best nodes over the whole batch (the scheduler waits for the
-    # drafts); "per_request", an even share per request, so the node counts are known before the drafts and the
-    # next step is scheduled while the device drafts (spec_decode/queued_drafts.py).
-    selection: str = "global"
+    # How a step's budget is shared: "per_request", an even share per request, so the node counts are known before
+    # the drafts and the next step is scheduled while the device drafts (spec_decode/queued_drafts.py); "global",
+    # the best nodes over the whole batch (the scheduler waits for the drafts).
+    selection: str = "per_request"
     # "mtp" (the model's own MTP head) or "module.path:ClassName" of a tree drafter.
     drafter: str = "mtp"
     # Free-form arguments handed to a custom drafter.
@@ -96,7 +96,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if budget_rule != "decode" and budget != "auto":
         raise BoleConfigError(
             f"speculative_config.budget_rule applies only with budget 'auto', got budget={budget!r}")
-    selection = spec.get("selection", "global")
+    selection = spec.get("selection", "per_request")
     if selection not in SELECTIONS:
         raise BoleConfigError(
             f"speculative_config.selection must be one of {list(SELECTIONS)}, got {selection!r}")
