@@ -15,6 +15,7 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedD
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, is_conv_state_dim_first
 from vllm.platforms import current_platform
 from vllm.utils.math_utils import next_power_of_2
+from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from .. import kernels
@@ -226,7 +227,8 @@ def commit_step(forest) -> None:
     if scratch is None or not scratch.layers:
         return
     slots = torch.stack(scratch.slots).to(torch.int32).contiguous()       # [L, B]
-    accepted = torch.tensor(forest.accepted, dtype=torch.int32).to(slots.device, non_blocking=True)
+    # pinned: the commit is queued after the drafter's levels, and its host work should not wait for them
+    accepted = async_tensor_h2d(forest.accepted, slots.device, torch.int32)
     factors, conv_inputs = scratch.used()
     views = [_cache_views(layer) for layer in scratch.layers]
     kernels.commit_accepted_inplace([v[0] for v in views], slots, factors, accepted, forest.parent, forest.cu_seqlens)

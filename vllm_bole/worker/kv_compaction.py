@@ -9,6 +9,7 @@ reference on vLLM's CPU cache layout.
 
 import torch
 from vllm.platforms import current_platform
+from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..kernels.tree_attention.reference import compact_kv
@@ -30,7 +31,7 @@ def accepted_row_moves(forest) -> tuple[list[int], list[int]]:
 def accepted_slot_moves(forest, slot_mapping: torch.Tensor, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(source slots, destination slots) of those moves in one KV-cache group (``rows``: precomputed moves)."""
     src, dst = rows if rows is not None else accepted_row_moves(forest)
-    idx = torch.tensor(src + dst, dtype=torch.long).to(slot_mapping.device, non_blocking=True)
+    idx = async_tensor_h2d(src + dst, slot_mapping.device, torch.long)   # pinned (queued after the drafter)
     slots = slot_mapping[idx].long()
     return slots[:len(src)], slots[len(src):]
 
