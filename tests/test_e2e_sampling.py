@@ -97,7 +97,8 @@ def test_reference_is_spread(reference):
         assert top < 0.75 and likely >= 3, counts.most_common(8)
 
 
-# per_request: 8 nodes per request (512 over 64), the trees reach the step as placeholders.
+# selection None runs the default, per_request: 8 nodes per request (512 over 64), the trees reach the step as
+# placeholders.
 @pytest.mark.parametrize("drafter,selection", [("planted", "global"), ("mtp", "global"), ("planted", None)])
 def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, reference, drafter, selection):
     name = f"sampled_{drafter}" + (f"_{selection}" if selection else "")
