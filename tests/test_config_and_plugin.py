@@ -36,6 +36,9 @@ def test_values_and_dashes():
     ("budget_rule", "fast", "budget_rule"),
     ("selection", "per-request", r"selection must be one of \['per_request', 'global'\]"),
     ("tree", [[0]], "unknown key"),
+    ("draft_vocab", 3, r"draft_vocab must be an integer in \[4, "),   # fewer tokens than topk children
+    ("draft_vocab", True, "draft_vocab"),
+    ("draft_vocab", "/no/such/ids.json", "draft_vocab must be a token count or the path"),
 ])
 def test_bad_values_name_the_field(key, value, field):
     with pytest.raises(BoleConfigError, match=field) as e:
@@ -55,6 +58,16 @@ def test_selection():
     assert parse_bole_config({"method": "bole"})[0].selection == "per_request"
     cfg, _ = parse_bole_config({"method": "bole", "selection": "global", "budget": 64})
     assert (cfg.selection, cfg.budget) == ("global", 64)
+
+
+def test_draft_vocab(tmp_path):
+    assert parse_bole_config({"method": "bole"})[0].draft_vocab is None
+    assert parse_bole_config({"method": "bole", "draft-vocab": 32768})[0].draft_vocab == 32768
+    ids = tmp_path / "ids.json"
+    ids.write_text("[5, 7, 9]")
+    assert parse_bole_config({"method": "bole", "draft_vocab": str(ids)})[0].draft_vocab == str(ids)
+    with pytest.raises(BoleConfigError, match="draft_vocab applies only with drafter 'mtp'"):
+        parse_bole_config({"method": "bole", "draft_vocab": 64, "drafter": "pkg.mod:Drafter"})
 
 
 def test_budget_table_path():

@@ -120,6 +120,21 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     assert counters["mean_acceptance_length"] > 1.5, counters
 
 
+def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, reference):
+    """``draft_vocab``: the drafter proposes the lower half of the vocabulary only; the output stays exact."""
+    vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
+    engine = bole_engine(tmp, "mtp_vocab", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16)
+    engine["speculative_config"]["draft_vocab"] = vocab // 2
+    out = run_engine(tmp, "mtp_vocab", {"model": model, "requests": requests_, "logprobs": 2, "engine": engine})
+    divs = assert_lossless(reference, out, max_near_ties=2)
+    counters = out["counters"]
+    print(f"mtp_vocab: near-tie divergences {len(divs)}; counters {counters}")
+    ids = out["draft_vocab"]
+    assert ids is not None and ids[:vocab // 2] == list(range(vocab // 2)) and len(ids) <= vocab // 2 + 2, ids
+    assert_graphs_used(out, drafter=True)
+    assert counters["num_accepted_tokens"] > 0, counters
+
+
 def test_stop_token_inside_accepted_paths(tmp, model, requests_, reference):
     """Each request stops at a token of its reference continuation; deep planted chains carry tokens past it,
     so the stop lands inside accepted paths and vLLM must cut the output there."""

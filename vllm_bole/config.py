@@ -6,6 +6,7 @@ drafter, ``num_speculative_tokens`` = the most tree nodes one request may carry)
 which travel to every process in ``additional_config["bole"]``.
 """
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,6 +47,9 @@ class BoleConfig:
     synthetic_acceptance: bool | dict[str, Any] | None = None
     # GPU: replay tree verification steps from Bole's own full CUDA graphs (off under enforce_eager).
     cuda_graphs: bool = True
+    # MTP drafter: propose tokens from part of the vocabulary only (spec_decode/draft_vocab.py): None, all of it;
+    # an int N, the N lowest token ids; a path, a JSON list of token ids. The model's EOS ids are always in it.
+    draft_vocab: int | str | None = None
 
     @property
     def max_nodes_per_request(self) -> int:
@@ -71,7 +75,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
     known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "budget_rule", "selection",
-             "drafter", "drafter_args", "synthetic_acceptance", "cuda_graphs"} | _PASSTHROUGH_KEYS
+             "drafter", "drafter_args", "synthetic_acceptance", "cuda_graphs", "draft_vocab"} | _PASSTHROUGH_KEYS
     unknown = sorted(set(spec) - known)
     if unknown:
         raise BoleConfigError(
@@ -114,9 +118,26 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     cuda_graphs = spec.get("cuda_graphs", True)
     if not isinstance(cuda_graphs, bool):
         raise BoleConfigError(f"speculative_config.cuda_graphs must be true or false, got {cuda_graphs!r}")
+    draft_vocab = _draft_vocab_field(spec.get("draft_vocab"), topk, drafter)
     return BoleConfig(max_depth=depth, topk=topk, budget=budget, budget_table=budget_table, budget_rule=budget_rule,
                       selection=selection, drafter=drafter, drafter_args=drafter_args, synthetic_acceptance=synthetic,
-                      cuda_graphs=cuda_graphs), rest
+                      cuda_graphs=cuda_graphs, draft_vocab=draft_vocab), rest
+
+
+def _draft_vocab_field(value: Any, topk: int, drafter: str) -> int | str | None:
+    """``draft_vocab``: None, an int of at least ``topk`` tokens, or the path of a readable file (its ids are
+    checked against the vocabulary when the drafter loads)."""
+    if value is None:
+        return None
+    if drafter != "mtp":
+        raise BoleConfigError(
+            f"speculative_config.draft_vocab applies only with drafter 'mtp', got drafter={drafter!r}")
+    if isinstance(value, str):
+        if not value or not os.path.isfile(value):
+            raise BoleConfigError(f"speculative_config.draft_vocab must be a token count or the path of a JSON list "
+                                  f"of token ids; no file {value!r}")
+        return value
+    return _int_field("draft_vocab", value, topk, 1 << 24)
 
 
 def bole_config_from_vllm(vllm_config) -> BoleConfig | None:

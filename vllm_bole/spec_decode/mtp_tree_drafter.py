@@ -81,6 +81,13 @@ class MTPTreeDrafter(TreeDrafter):
         # calibrated drafter would (dummy weights give meaningless draft probabilities).
         self.synthetic = parse_synthetic(bole_config.synthetic_acceptance)
         self._synthetic_scores: dict[int, list[float]] = {}
+        # draft_vocab: the LM head's rows of the tokens the drafter may propose (None: the full vocabulary).
+        self.vocab = None
+        if bole_config.draft_vocab is not None:
+            from .draft_vocab import DraftVocab
+
+            self.vocab = DraftVocab.of_model(self.proposer.model, bole_config.draft_vocab, runner.model_config,
+                                             runner.parallel_config.tensor_parallel_size)
         self.graphs = None   # full CUDA graphs of the tree levels (GPU): spec_decode/draft_graphs.py
         if runner.device.type == "cuda" and getattr(runner, "_bole_graphs_allowed", False):
             from .draft_graphs import DraftGraphs
@@ -198,10 +205,15 @@ class MTPTreeDrafter(TreeDrafter):
     def _top_rows(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """``[rows, 2k]``: the top-k children's probabilities, then their token ids. Probabilities of the top
         tokens only: no full-vocabulary softmax is written. Token ids are exact in float32 (vocabularies
-        < 2^24), so one copy to the host carries both."""
-        logits = self.proposer.model.compute_logits(hidden_rows).float()
+        < 2^24), so one copy to the host carries both. With ``draft_vocab`` the logits, and so the probabilities,
+        are those of the draft vocabulary."""
+        vocab = self.vocab
+        logits = (self.proposer.model.compute_logits(hidden_rows) if vocab is None
+                  else vocab.logits(hidden_rows)).float()
         top, tok = logits.topk(self.bole_config.topk, dim=-1)
         p = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+        if vocab is not None:
+            tok = vocab.ids[tok]
         return torch.cat([p, tok.float()], dim=1)
 
     def _catch_up(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor):

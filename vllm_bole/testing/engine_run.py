@@ -44,6 +44,12 @@ def _beam_levels(llm) -> int | None:
     return None if beam is None else beam.levels_run
 
 
+def _draft_vocab_ids(llm) -> list[int] | None:
+    """Token ids the MTP drafter may propose (None: the full vocabulary, or another drafter)."""
+    vocab = getattr(getattr(_runner(llm), "bole_drafter", None), "vocab", None)
+    return None if vocab is None else vocab.ids.tolist()
+
+
 def _mamba_state_summary(llm) -> list[dict]:
     """Per Mamba KV-cache group: state shapes and how many slots a request holds (in-process engines only)."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -84,7 +90,7 @@ def run(spec: dict) -> dict:
         results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
-            "device_levels": _beam_levels(llm), "queued_trees": getattr(_runner(llm), "bole_queued_trees", None),
+            "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm), "queued_trees": getattr(_runner(llm), "bole_queued_trees", None),
             "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None)}
 
 

@@ -1,0 +1,97 @@
+"""The MTP drafter's draft vocabulary (``draft_vocab``): which ids it holds, and that the drafter's top children
+are those of the target's logits over exactly these ids."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_bole.config import BoleConfigError
+from vllm_bole.spec_decode.draft_vocab import DraftVocab, draft_token_ids, eos_token_ids
+from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
+
+
+def test_ids_of_a_count_and_of_a_file(tmp_path):
+    assert draft_token_ids(4, 100, {97}).tolist() == [0, 1, 2, 3, 97]
+    assert draft_token_ids(4, 100, {2, 500}).tolist() == [0, 1, 2, 3]   # ids past the vocabulary are dropped
+    path = tmp_path / "ids.json"
+    path.write_text(json.dumps([40, 7, 7, 12]))
+    assert draft_token_ids(str(path), 100, {99}).tolist() == [7, 12, 40, 99]
+
+
+@pytest.mark.parametrize("content,match", [("[1, 200]", r"token ids in \[0, 100\)"), ("[]", "non-empty"),
+                                           ('{"a": 1}', "JSON list"), ("[1.5]", "token ids"), ("not json", "cannot read")])
+def test_bad_files_name_the_field(tmp_path, content, match):
+    path = tmp_path / "ids.json"
+    path.write_text(content)
+    with pytest.raises(BoleConfigError, match=match) as e:
+        draft_token_ids(str(path), 100, set())
+    assert "speculative_config.draft_vocab" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_count_past_the_vocabulary_fails():
+    with pytest.raises(BoleConfigError, match="at most the vocabulary size 100"):
+        draft_token_ids(101, 100, set())
+
+
+def test_eos_ids_of_config_and_generation_config():
+    cfg = SimpleNamespace(hf_text_config=SimpleNamespace(eos_token_id=5),
+                          try_get_generation_config=lambda: {"eos_token_id": [6, 7]})
+    assert eos_token_ids(cfg) == {5, 6, 7}
+
+    def missing():
+        raise OSError("no generation config")
+
+    assert eos_token_ids(SimpleNamespace(hf_text_config=SimpleNamespace(), try_get_generation_config=missing)) == set()
+
+
+def _head(vocab: int, hidden: int, gen: torch.Generator):
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    weight = torch.randn(vocab, hidden, generator=gen)
+    return SimpleNamespace(weight=weight, quant_method=UnquantizedEmbeddingMethod())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_top_children_are_the_targets_over_the_draft_ids(seed):
+    gen = torch.Generator().manual_seed(seed)
+    vocab, hidden, k = 300, 16, 4
+    head = _head(vocab, hidden, gen)
+    model = SimpleNamespace(lm_head=head, logits_processor=SimpleNamespace(scale=1.0, soft_cap=None),
+                            compute_logits=lambda h: h @ head.weight.T)
+    model_config = SimpleNamespace(get_vocab_size=lambda: vocab, hf_text_config=SimpleNamespace(eos_token_id=299),
+                                   try_get_generation_config=lambda: {})
+    size = int(torch.randint(k, 120, (1,), generator=gen))
+    draft = DraftVocab.of_model(model, size, model_config, tp_size=1)
+    assert draft.ids.tolist() == list(range(size)) + [299]
+    stub = SimpleNamespace(proposer=SimpleNamespace(model=model), bole_config=SimpleNamespace(topk=k), vocab=draft)
+    h = torch.randn(7, hidden, generator=gen)
+    top = MTPTreeDrafter._top_rows(stub, h)
+    probs, toks = top[:, :k], top[:, k:].long()
+
+    full = model.compute_logits(h)
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[draft.ids] = True
+    masked = full.masked_fill(~allowed, -torch.inf)
+    want_p, want_t = masked.softmax(-1).topk(k, dim=-1)
+    assert torch.equal(toks, want_t)
+    torch.testing.assert_close(probs, want_p, rtol=1e-5, atol=1e-6)
+    assert allowed[toks].all()
+
+    # Without a draft vocabulary the same call ranks the full vocabulary.
+    stub.vocab = None
+    full_p, full_t = full.softmax(-1).topk(k, dim=-1)
+    top = MTPTreeDrafter._top_rows(stub, h)
+    assert torch.equal(top[:, k:].long(), full_t)
+    torch.testing.assert_close(top[:, :k], full_p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_quantized_or_sharded_head_keeps_the_full_vocabulary():
+    gen = torch.Generator().manual_seed(0)
+    head = _head(50, 8, gen)
+    model_config = SimpleNamespace(get_vocab_size=lambda: 50, hf_text_config=SimpleNamespace(),
+                                   try_get_generation_config=lambda: {})
+    assert DraftVocab.of_model(SimpleNamespace(lm_head=head), 10, model_config, tp_size=2) is None
+    quantized = SimpleNamespace(weight=head.weight, quant_method=object())
+    assert DraftVocab.of_model(SimpleNamespace(lm_head=quantized), 10, model_config, tp_size=1) is None

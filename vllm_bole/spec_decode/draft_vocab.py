@@ -1,0 +1,102 @@
+"""The MTP drafter's LM head over part of the vocabulary (``draft_vocab``).
+
+At small batch a draft level costs mostly its LM head: the full vocabulary (248k rows on Qwen3.5, about 2 GB of
+weights) is read once per level, several levels per step. Drafts are only proposals, verified by the target over
+the full vocabulary, so drafting from the most frequent tokens changes which tokens are proposed and never the
+output (the draft vocabularies of EAGLE-3 and FR-Spec). What it costs is acceptance whenever the target's token
+is outside the subset.
+
+The subset's rows of the LM head are copied once, when the drafter is built (before vLLM sizes the KV cache, so
+they count as weights); a later weight reload leaves the copy stale, which lowers acceptance only.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import BoleConfigError
+from ..logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def eos_token_ids(model_config) -> set[int]:
+    """The model's end-of-sequence ids (config and generation config): always drafted, so that stops are."""
+    ids = set()
+    sources = [getattr(model_config.hf_text_config, "eos_token_id", None)]
+    try:
+        sources.append(model_config.try_get_generation_config().get("eos_token_id"))
+    except Exception:  # no generation config (a bare config.json): the model config's id is enough
+        pass
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def draft_token_ids(setting: int | str, vocab_size: int, always: set[int]) -> torch.Tensor:
+    """Sorted token ids of the draft vocabulary: ``setting`` an int N, the N lowest ids (byte-level BPE
+    vocabularies such as Qwen's number tokens in merge order, so low ids are the frequent ones), or the path of a
+    JSON list of token ids; plus ``always``."""
+    if isinstance(setting, int):
+        if setting > vocab_size:
+            raise BoleConfigError(f"speculative_config.draft_vocab must be at most the vocabulary size "
+                                  f"{vocab_size}, got {setting}")
+        ids = set(range(setting))
+    else:
+        try:
+            listed = json.loads(Path(setting).read_text())
+        except (OSError, ValueError) as e:
+            raise BoleConfigError(f"speculative_config.draft_vocab: cannot read a JSON list of token ids from "
+                                  f"{setting!r} ({e})") from e
+        if (not isinstance(listed, list) or not listed
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in listed)):
+            raise BoleConfigError(f"speculative_config.draft_vocab: {setting!r} must hold a non-empty JSON list of "
+                                  f"token ids in [0, {vocab_size})")
+        ids = set(listed)
+    ids.update(t for t in always if 0 <= t < vocab_size)
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+class DraftVocab:
+    """LM-head rows of the draft vocabulary: ``logits(hidden)`` over them, ``ids`` their token ids."""
+
+    def __init__(self, ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logits_processor=None):
+        self.ids, self.weight, self.bias = ids, weight, bias
+        self.scale = getattr(logits_processor, "scale", 1.0)
+        self.soft_cap = getattr(logits_processor, "soft_cap", None)
+
+    @property
+    def size(self) -> int:
+        return self.ids.numel()
+
+    @classmethod
+    def of_model(cls, model, setting: int | str, model_config, tp_size: int) -> "DraftVocab | None":
+        """The draft head of a vLLM MTP model (its ``lm_head`` and ``logits_processor``), or None (with a warning)
+        where the rows cannot be cut out: a quantized or tensor-parallel LM head keeps the full vocabulary."""
+        head = model.lm_head
+        method = type(getattr(head, "quant_method", None)).__name__
+        if tp_size > 1 or method != "UnquantizedEmbeddingMethod":
+            logger.warning("Bole's draft_vocab needs an unquantized LM head on one rank (tensor parallel size %d, "
+                           "%s): the drafter keeps the full vocabulary", tp_size, method)
+            return None
+        vocab_size = model_config.get_vocab_size()
+        ids = draft_token_ids(setting, vocab_size, eos_token_ids(model_config)).to(head.weight.device)
+        bias = getattr(head, "bias", None)
+        vocab = cls(ids, head.weight.index_select(0, ids).contiguous(),
+                    None if bias is None else bias.index_select(0, ids), getattr(model, "logits_processor", None))
+        logger.info("Bole drafts from %d of the %d vocabulary tokens (draft_vocab; %.0f MiB of LM-head rows)",
+                    vocab.size, vocab_size, vocab.weight.numel() * vocab.weight.element_size() / 2**20)
+        return vocab
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[rows, size]`` logits of the draft vocabulary, as vLLM's logits processor would give them."""
+        logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        return logits
