@@ -9,7 +9,9 @@ Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain 
 ``budget: "auto"``, default ``selection: "per_request"``; ``--calibrate`` first runs the budget calibration in the
 same engine and merges it into ``--budget-table``), ``bole_global`` (``selection: "global"``: the best nodes over
 the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget also
-weighs the step's measured time besides its target forward), ``bole_global_step`` (both); each variant adds
+weighs the step's measured time besides its target forward), ``bole_global_step`` (both), ``bole_vocab32k``
+(``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
+rank, so its row shows the cheaper levels but not what a subset costs in acceptance on real text); each variant adds
 ``<name>_*`` fields to the rows and a table of its own,
 ``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole runs: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
@@ -55,7 +57,10 @@ from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES
 
 # Bole's variants beside its default: the speculative_config keys each one changes.
 BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_rule": "step"},
-                 "bole_global_step": {"selection": "global", "budget_rule": "step"}}
+                 "bole_global_step": {"selection": "global", "budget_rule": "step"},
+                 # The drafter proposes from the 32768 lowest token ids only. Synthetic acceptance draws the
+                 # accepted paths by rank, so this row cannot show the acceptance such a subset costs on real text.
+                 "bole_vocab32k": {"draft_vocab": 32768}}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
