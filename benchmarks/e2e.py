@@ -345,6 +345,8 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
     for f in run_dir.glob("*"):
         if f.suffix in (".ready", ".go", ".json") and f.stem in CONFIGS:
             f.unlink()
+    # Which invocation each merged configuration comes from: configurations of one run were timed side by side.
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     procs = {}
     for name in args.configs:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
@@ -373,7 +375,7 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
         proc.wait()
         result = run_dir / f"{name}.json"
         if proc.returncode == 0 and result.exists():
-            results[name] = json.loads(result.read_text())
+            results[name] = json.loads(result.read_text()) | {"run": started}
             merge_and_write(out, {name: results[name]}, args)
             print(f"{name}: timed phase {time.monotonic() - t:.0f} s", flush=True)
         else:

@@ -95,3 +95,35 @@ def test_a_quantized_or_sharded_head_keeps_the_full_vocabulary():
     assert DraftVocab.of_model(SimpleNamespace(lm_head=head), 10, model_config, tp_size=2) is None
     quantized = SimpleNamespace(weight=head.weight, quant_method=object())
     assert DraftVocab.of_model(SimpleNamespace(lm_head=quantized), 10, model_config, tp_size=1) is None
+
+
+def test_draft_vocab_command_counts_the_text(tmp_path):
+    """``vllm-bole draft-vocab`` on the tiny model's tokenizer: the ids are the text's most frequent tokens, most
+    frequent first, and a drafter config reads them back."""
+    from collections import Counter
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    import vllm_bole.testing as testing
+    from vllm_bole.cli import main
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    model = tiny_model_dir("qwen3_5")
+    corpus = Path(testing.__file__).parent / "corpus.txt"
+    out = tmp_path / "ids.json"
+    assert main(["draft-vocab", "--tokenizer", model, "--text", str(corpus), "--size", "50", "--out", str(out)]) == 0
+    ids = json.loads(out.read_text())
+    counts = Counter(AutoTokenizer.from_pretrained(model).encode(corpus.read_text(), add_special_tokens=False))
+    assert len(ids) == 50 and len(set(ids)) == 50
+    freq = [counts[t] for t in ids]
+    assert freq == sorted(freq, reverse=True) and min(freq) >= max(c for t, c in counts.items() if t not in ids)
+    assert draft_token_ids(str(out), 1024, {1023}).tolist() == sorted(ids + [1023])
+
+
+def test_most_frequent_breaks_ties_to_the_lower_id():
+    from collections import Counter
+
+    from vllm_bole.calibration.draft_vocab import most_frequent
+
+    assert most_frequent(Counter({9: 3, 4: 3, 7: 5, 1: 1}), 3) == [7, 4, 9]

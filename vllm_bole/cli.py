@@ -1,4 +1,5 @@
-"""The ``vllm-bole`` command: ``vllm-bole calibrate ...`` (see :mod:`vllm_bole.calibration.__main__`)."""
+"""The ``vllm-bole`` command: ``vllm-bole calibrate ...`` (see :mod:`vllm_bole.calibration.__main__`) and
+``vllm-bole draft-vocab ...`` (see :mod:`vllm_bole.calibration.draft_vocab`)."""
 
 import argparse
 import sys
@@ -6,13 +7,15 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from .calibration import __main__ as calibration
+    from .calibration import draft_vocab
 
     parser = argparse.ArgumentParser(prog="vllm-bole", description="Bole tree speculation for vLLM")
     commands = parser.add_subparsers(dest="command", required=True)
-    summary = calibration.__doc__.splitlines()[0]
-    calibration.build_parser(commands.add_parser("calibrate", help=summary, description=summary))
+    for name, module in (("calibrate", calibration), ("draft-vocab", draft_vocab)):
+        summary = module.__doc__.splitlines()[0]
+        module.build_parser(commands.add_parser(name, help=summary, description=summary))
     args = parser.parse_args(argv)
-    return calibration.run(args)
+    return calibration.run(args) if args.command == "calibrate" else draft_vocab.run(args)
 
 
 if __name__ == "__main__":
