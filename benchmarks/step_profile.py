@@ -79,8 +79,10 @@ def _torch_profile(llm, batch: int, args, out_dir: Path) -> dict:
         with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
-        gaps = trace_gaps.report(trace_gaps.analyze(trace_gaps.load(Path(f"{raw}.gz"))), f"B={batch}: ")
-        (out_dir / f"gaps_B{batch}.txt").write_text(gaps + "\n")
+        events = trace_gaps.load(Path(f"{raw}.gz"))
+        gaps = trace_gaps.report(trace_gaps.analyze(events), f"B={batch}: ")
+        # Per-step lines too: a step that captured a graph or compiled a kernel stands out from the steady ones.
+        (out_dir / f"gaps_B{batch}.txt").write_text(gaps + "\n\n" + "\n".join(trace_gaps.step_lines(events)) + "\n")
         print(gaps, flush=True)
     return {"profiled_wall_ms": round(elapsed * 1e3, 1), "profiled_gpu_busy_ms": round(busy, 1)}
 

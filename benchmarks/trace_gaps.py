@@ -162,6 +162,15 @@ def report(result: dict, title: str = "") -> str:
     return "\n".join(lines)
 
 
+def step_lines(events: list[dict]) -> list[str]:
+    """One line per engine step: its wall time, GPU busy time and GPU idle time by host scope."""
+    lines = []
+    for i, step in enumerate(per_step(events)):
+        idle = ", ".join(f"{k} {v:.2f}" for k, v in step["gpu_idle_ms_by_scope"].items())
+        lines.append(f"step {i}: wall {step['wall_ms']:.2f} ms, GPU busy {step['gpu_busy_ms']:.2f} ms; idle: {idle}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path)
@@ -172,10 +181,7 @@ def main() -> None:
     result = analyze(events)
     print(report(result, f"{args.trace.name}: "))
     if args.steps:
-        print()
-        for i, step in enumerate(per_step(events)):
-            idle = ", ".join(f"{k} {v:.2f}" for k, v in step["gpu_idle_ms_by_scope"].items())
-            print(f"step {i}: wall {step['wall_ms']:.2f} ms, GPU busy {step['gpu_busy_ms']:.2f} ms; idle: {idle}")
+        print("\n" + "\n".join(step_lines(events)))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -67,6 +67,9 @@ def test_per_step_lines():
                                              "engine: execute_model": pytest.approx(0.02),
                                              "bole: walk": pytest.approx(0.01), "(no scope)": pytest.approx(0.01)}
     assert second["wall_ms"] == pytest.approx(0.09)   # the last step ends with the last scope
+    lines = gaps.step_lines(_two_steps())
+    assert len(lines) == 2
+    assert lines[0].startswith("step 0: wall 0.10 ms, GPU busy 0.05 ms; idle: ") and "bole: walk 0.01" in lines[0]
 
 
 def test_a_trace_without_scopes_is_refused():
