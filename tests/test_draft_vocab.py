@@ -20,8 +20,9 @@ def test_ids_of_a_count_and_of_a_file(tmp_path):
     assert draft_token_ids(str(path), 100, {99}).tolist() == [7, 12, 40, 99]
 
 
-@pytest.mark.parametrize("content,match", [("[1, 200]", r"token ids in \[0, 100\)"), ("[]", "non-empty"),
-                                           ('{"a": 1}', "JSON list"), ("[1.5]", "token ids"), ("not json", "cannot read")])
+@pytest.mark.parametrize("content,match", [
+    ("[1, 200]", r"token ids in \[0, 100\)"), ("[]", "non-empty"), ('{"a": 1}', "JSON list"), ("[1.5]", "token ids"),
+    ("not json", "cannot read")])
 def test_bad_files_name_the_field(tmp_path, content, match):
     path = tmp_path / "ids.json"
     path.write_text(content)
@@ -65,7 +66,8 @@ def test_top_children_are_the_targets_over_the_draft_ids(seed):
     size = int(torch.randint(k, 120, (1,), generator=gen))
     draft = DraftVocab.of_model(model, size, model_config, tp_size=1)
     assert draft.ids.tolist() == list(range(size)) + [299]
-    stub = SimpleNamespace(proposer=SimpleNamespace(model=model), bole_config=SimpleNamespace(topk=k), vocab=draft)
+    stub = SimpleNamespace(proposer=SimpleNamespace(model=model), bole_config=SimpleNamespace(topk=k),
+                           draft_vocab=draft)
     h = torch.randn(7, hidden, generator=gen)
     top = MTPTreeDrafter._top_rows(stub, h)
     probs, toks = top[:, :k], top[:, k:].long()
@@ -80,7 +82,7 @@ def test_top_children_are_the_targets_over_the_draft_ids(seed):
     assert allowed[toks].all()
 
     # Without a draft vocabulary the same call ranks the full vocabulary.
-    stub.vocab = None
+    stub.draft_vocab = None
     full_p, full_t = full.softmax(-1).topk(k, dim=-1)
     top = MTPTreeDrafter._top_rows(stub, h)
     assert torch.equal(top[:, k:].long(), full_t)

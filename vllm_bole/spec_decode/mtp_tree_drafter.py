@@ -82,11 +82,11 @@ class MTPTreeDrafter(TreeDrafter):
         self.synthetic = parse_synthetic(bole_config.synthetic_acceptance)
         self._synthetic_scores: dict[int, list[float]] = {}
         # draft_vocab: the LM head's rows of the tokens the drafter may propose (None: the full vocabulary).
-        self.vocab = None
+        self.draft_vocab = None
         if bole_config.draft_vocab is not None:
             from .draft_vocab import DraftVocab
 
-            self.vocab = DraftVocab.of_model(self.proposer.model, bole_config.draft_vocab, runner.model_config,
+            self.draft_vocab = DraftVocab.of_model(self.proposer.model, bole_config.draft_vocab, runner.model_config,
                                              runner.parallel_config.tensor_parallel_size)
         self.graphs = None   # full CUDA graphs of the tree levels (GPU): spec_decode/draft_graphs.py
         if runner.device.type == "cuda" and getattr(runner, "_bole_graphs_allowed", False):
@@ -207,7 +207,7 @@ class MTPTreeDrafter(TreeDrafter):
         tokens only: no full-vocabulary softmax is written. Token ids are exact in float32 (vocabularies
         < 2^24), so one copy to the host carries both. With ``draft_vocab`` the logits, and so the probabilities,
         are those of the draft vocabulary."""
-        vocab = self.vocab
+        vocab = self.draft_vocab
         logits = (self.proposer.model.compute_logits(hidden_rows) if vocab is None
                   else vocab.logits(hidden_rows)).float()
         top, tok = logits.topk(self.bole_config.topk, dim=-1)

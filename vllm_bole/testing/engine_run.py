@@ -46,7 +46,7 @@ def _beam_levels(llm) -> int | None:
 
 def _draft_vocab_ids(llm) -> list[int] | None:
     """Token ids the MTP drafter may propose (None: the full vocabulary, or another drafter)."""
-    vocab = getattr(getattr(_runner(llm), "bole_drafter", None), "vocab", None)
+    vocab = getattr(getattr(_runner(llm), "bole_drafter", None), "draft_vocab", None)
     return None if vocab is None else vocab.ids.tolist()
 
 
@@ -90,7 +90,8 @@ def run(spec: dict) -> dict:
         results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
-            "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm), "queued_trees": getattr(_runner(llm), "bole_queued_trees", None),
+            "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
+            "queued_trees": getattr(_runner(llm), "bole_queued_trees", None),
             "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None)}
 
 
