@@ -11,7 +11,8 @@ same engine and merges it into ``--budget-table``), ``bole_global`` (``selection
 the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget also
 weighs the step's measured time besides its target forward), ``bole_global_step`` (both), ``bole_vocab32k``
 (``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
-rank, so its row shows the cheaper levels but not what a subset costs in acceptance on real text); each variant adds
+rank, so its row shows the cheaper levels but not what a subset costs in acceptance on real text),
+``bole_step_vocab32k`` (both ``budget_rule: "step"`` and ``draft_vocab: 32768``); each variant adds
 ``<name>_*`` fields to the rows and a table of its own,
 ``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole runs: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
@@ -60,7 +61,8 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  "bole_global_step": {"selection": "global", "budget_rule": "step"},
                  # The drafter proposes from the 32768 lowest token ids only. Synthetic acceptance draws the
                  # accepted paths by rank, so this row cannot show the acceptance such a subset costs on real text.
-                 "bole_vocab32k": {"draft_vocab": 32768}}
+                 "bole_vocab32k": {"draft_vocab": 32768},
+                 "bole_step_vocab32k": {"budget_rule": "step", "draft_vocab": 32768}}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")

@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--warmup-passes", type=int, default=2, help="warm-up generates per batch size")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--torch-profile", metavar="DIR",
                         help="also run each batch under torch.profiler and write op tables to DIR")
@@ -169,8 +170,11 @@ def main() -> None:
               compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *range(8, 256, 8), *range(256, 513, 32)}
                                                                       | set(args.batch))},
               speculative_config=spec)
-    for batch in args.batch:  # warm-up: every batch size once, so Triton's compilations stay out of the numbers
-        _generate(llm, batch, args.prompt_len, 32, seed=0)
+    # Warm-up: every batch size at the measured length, so that Triton's compilations and Bole's lazy graph
+    # captures (one per new step shape) stay out of the numbers and the traces.
+    for batch in args.batch:
+        for _ in range(args.warmup_passes):
+            _generate(llm, batch, args.prompt_len, args.new_tokens, seed=0)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     if args.trace:
         _scope_engine(llm)
