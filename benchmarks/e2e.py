@@ -23,8 +23,8 @@ into ``--out``, so several invocations fill one table.
 
 Per batch size B: B token-id prompts of ``--prompt-len`` tokens, a warm-up ``generate`` of ``--warmup-tokens``
 tokens (default: as long as the timed one, so every step shape has run once), then a timed ``generate`` of
-``--new-tokens`` tokens (ignore_eos), repeated until ``--min-timed-s`` of wall time (at most
-``--max-timed-runs``): tok/s = the median over those runs of generated tokens / wall time; mean accepted tokens per step =
+``--new-tokens`` tokens (ignore_eos), repeated until ``--min-timed-s`` of wall time and at least
+``--min-timed-runs`` times (at most ``--max-timed-runs``): tok/s = the median over those runs of generated tokens / wall time; mean accepted tokens per step =
 1 + accepted / drafts from vLLM's spec-decode counters over the timed run (tokens per request per verification
 step, bonus token included). Concurrency: vLLM's "maximum concurrency for
 max_model_len tokens per request" of the engine's KV cache config (``get_kv_cache_capacity``, with
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "timed rows still report the captures they ran)")
     p.add_argument("--min-timed-s", type=float, default=3.0,
                    help="repeat a batch size's timed run until this much wall time (tok/s: the runs' median)")
+    p.add_argument("--min-timed-runs", type=int, default=3, help="timed runs per batch size, at least")
     p.add_argument("--max-timed-runs", type=int, default=5)
     p.add_argument("--max-model-len", type=int, default=2048, help="also the request length of the concurrency")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -132,7 +133,7 @@ def apply_smoke(args) -> None:
     args.batch_sizes, args.prompt_len, args.new_tokens = [1, 2], 16, 16
     args.max_model_len, args.max_num_batched_tokens, args.kv_cache_gib = 256, 256, 0.25
     args.depth, args.topk = 3, 2
-    args.min_timed_s = 0.0   # one timed run per batch size
+    args.min_timed_s, args.min_timed_runs = 0.0, 1   # one timed run per batch size
     # CPU forward times are too noisy for a 10% slack: let every measured N qualify.
     args.calib_kv_lens, args.calib_nodes, args.calib_epsilon = [16], [2, 4, 6], 1000.0
     smoke_dir = Path(os.environ.get("OUT") or "/tmp/bole-e2e-smoke")
@@ -251,10 +252,11 @@ def run_worker(args) -> None:
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         before = spec_decode_counters(llm.get_metrics())
         graphs_before = _bole_graph_counts(runner)
-        # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second); tok/s is their
-        # median, the acceptance counters cover them all.
+        # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second), at least
+        # --min-timed-runs times, so that the median leaves out a run that captured a graph or compiled a kernel;
+        # tok/s is their median, the acceptance counters cover them all.
         runs, wall, tokens = [], 0.0, 0
-        while not runs or wall < args.min_timed_s and len(runs) < args.max_timed_runs:
+        while len(runs) < args.min_timed_runs or wall < args.min_timed_s and len(runs) < args.max_timed_runs:
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t
