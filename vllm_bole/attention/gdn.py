@@ -74,6 +74,12 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
         # output projections are the same torch modules the CPU path uses.
         self._forward_method = self.forward_cuda
 
+    def get_attn_backend(self):
+        # vLLM's GDN metadata, built once per step and shared by the GDN KV-cache groups (attention/gdn_metadata.py)
+        from .gdn_metadata import BoleGDNAttentionBackend
+
+        return BoleGDNAttentionBackend
+
     def get_state_shape(self):
         # One state per request: no rolling conv window for drafts (Bole keeps conv inputs as tree factors).
         return MambaStateShapeCalculator.gated_delta_net_state_shape(

@@ -1,0 +1,57 @@
+"""GDN attention metadata built once per step instead of once per KV-cache group.
+
+A hybrid model's GDN layers sit in several KV-cache groups (three on Qwen3.5-9B), and vLLM's GDN builder runs for
+each, although the groups' metadata differ only in the state slots read from their block tables. vLLM builds a
+group's metadata from an earlier group's through ``update_block_table`` where a builder supports it; vLLM's GDN
+builder does not. This one does, when a state slot is column 0 of the block table (``mamba_cache_mode`` "none",
+which Bole requires) and no full CUDA graph reads the builder's own persistent buffers (Bole runs vLLM's
+piecewise graphs).
+"""
+
+import dataclasses
+
+import torch
+from vllm.v1.attention.backends.gdn_attn import (GDNAttentionBackend, GDNAttentionMetadata,
+                                                 GDNAttentionMetadataBuilder)
+
+
+class BoleGDNMetadataBuilder(GDNAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.supports_update_block_table = (not self.use_full_cuda_graph
+                                            and vllm_config.cache_config.mamba_cache_mode == "none")
+
+    def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
+              num_decode_draft_tokens_cpu=None, fast_build=False) -> GDNAttentionMetadata:
+        meta = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens=num_accepted_tokens,
+                             num_decode_draft_tokens_cpu=num_decode_draft_tokens_cpu, fast_build=fast_build)
+        # The host mask vLLM's build selected the spec decodes' rows with: the other groups select theirs with it
+        # (a device mask would need a sync).
+        meta.bole_spec_mask_cpu = (num_decode_draft_tokens_cpu >= 0 if meta.spec_sequence_masks is not None
+                                   else None)
+        return meta
+
+    def update_block_table(self, metadata: GDNAttentionMetadata, blk_table: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> GDNAttentionMetadata:
+        """``metadata`` (another group's, from :meth:`build`) with this group's state slots: the block-table
+        reads of vLLM's build, and nothing else, redone on ``blk_table``."""
+        mask = getattr(metadata, "bole_spec_mask_cpu", None)
+        spec = non_spec = prefill = None
+        if mask is None:   # no spec decodes: every request reads column 0
+            non_spec = blk_table[:, 0]
+            if metadata.num_prefills > 0:
+                prefill = non_spec[metadata.num_decodes:] if metadata.num_decodes > 0 else non_spec
+        else:
+            spec = blk_table[mask, :self.num_spec + 1]
+            if metadata.num_prefills > 0 or metadata.num_decodes > 0:
+                non_spec = blk_table[~mask, 0]
+                if metadata.num_prefills > 0:   # (vLLM files plain decodes beside spec decodes as prefills)
+                    prefill = non_spec
+        return dataclasses.replace(metadata, spec_state_indices_tensor=spec, non_spec_state_indices_tensor=non_spec,
+                                   prefill_state_indices=prefill)
+
+
+class BoleGDNAttentionBackend(GDNAttentionBackend):
+    @staticmethod
+    def get_builder_cls() -> type[BoleGDNMetadataBuilder]:
+        return BoleGDNMetadataBuilder
