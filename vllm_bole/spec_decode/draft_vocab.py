@@ -39,7 +39,7 @@ def eos_token_ids(model_config) -> set[int]:
 
 def draft_token_ids(setting: int | str, vocab_size: int, always: set[int]) -> torch.Tensor:
     """Sorted token ids of the draft vocabulary: ``setting`` an int N, the N lowest ids (byte-level BPE
-    vocabularies such as Qwen's number tokens in merge order, so low ids are the frequent ones), or the path of a
+    vocabularies such as Qwen's number tokens in merge order, so low ids tend to be frequent), or the path of a
     JSON list of token ids; plus ``always``."""
     if isinstance(setting, int):
         if setting > vocab_size:
