@@ -87,7 +87,7 @@ class MTPTreeDrafter(TreeDrafter):
             from .draft_vocab import DraftVocab
 
             self.draft_vocab = DraftVocab.of_model(self.proposer.model, bole_config.draft_vocab, runner.model_config,
-                                             runner.parallel_config.tensor_parallel_size)
+                                                   runner.parallel_config.tensor_parallel_size)
         self.graphs = None   # full CUDA graphs of the tree levels (GPU): spec_decode/draft_graphs.py
         if runner.device.type == "cuda" and getattr(runner, "_bole_graphs_allowed", False):
             from .draft_graphs import DraftGraphs
