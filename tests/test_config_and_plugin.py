@@ -164,6 +164,24 @@ def test_llm_rejects_bad_value_with_one_line(tiny_model_path):
             dtype="bfloat16", enforce_eager=True, max_model_len=256)
 
 
+def test_engine_args_reject_a_draft_vocab_past_the_vocabulary(tiny_model_path):
+    """Before any worker starts: the front end knows the vocabulary size."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_bole import plugin
+
+    plugin.register()
+    vocab = json.load(open(f"{tiny_model_path}/config.json"))["text_config"]["vocab_size"]
+    args = EngineArgs(model=tiny_model_path, language_model_only=True, enable_prefix_caching=False,
+                      speculative_config={"method": "bole", "draft_vocab": vocab + 1})
+    with pytest.raises(BoleConfigError, match=f"draft_vocab must be at most the vocabulary size {vocab}") as e:
+        args.create_engine_config()
+    assert "\n" not in str(e.value)
+    ok = EngineArgs(model=tiny_model_path, language_model_only=True, enable_prefix_caching=False,
+                    speculative_config={"method": "bole", "draft_vocab": vocab // 2}).create_engine_config()
+    assert ok.additional_config["bole"]["draft_vocab"] == vocab // 2
+
+
 @pytest.fixture(scope="module")
 def tiny_model_path():
     from vllm_bole.testing.tiny_models import tiny_model_dir

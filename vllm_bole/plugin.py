@@ -44,6 +44,10 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
         raise BoleConfigError(
             "pipeline_parallel_size: speculative method 'bole' supports 1 only, got "
             f"{target_parallel_config.pipeline_parallel_size}")
+    if cfg.draft_vocab is not None:   # its ids against the vocabulary, here where a bad one fails in one line
+        from .spec_decode.draft_vocab import draft_token_ids
+
+        draft_token_ids(cfg.draft_vocab, target_model_config.get_vocab_size(), set())
     if engine_args.async_scheduling:
         logger.warning("Bole runs with synchronous scheduling; ignoring async_scheduling=True")
 
@@ -62,8 +66,9 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
         cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
     engine_args.scheduler_cls = "vllm_bole.worker.scheduler.BoleScheduler"
     target_parallel_config.worker_cls = "vllm_bole.worker.worker.BoleWorker"
-    logger.info("Bole tree speculation: depth %d, topk %d, budget %s, drafter %s",
-                cfg.max_depth, cfg.topk, cfg.budget, cfg.drafter)
+    logger.info("Bole tree speculation: depth %d, topk %d, budget %s, drafter %s%s",
+                cfg.max_depth, cfg.topk, cfg.budget, cfg.drafter,
+                "" if cfg.draft_vocab is None else f", draft_vocab {cfg.draft_vocab}")
 
 
 def register() -> None:
