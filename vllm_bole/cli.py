@@ -13,9 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module in (("calibrate", calibration), ("draft-vocab", draft_vocab)):
         summary = module.__doc__.splitlines()[0]
-        module.build_parser(commands.add_parser(name, help=summary, description=summary))
+        module.build_parser(commands.add_parser(name, help=summary, description=summary)).set_defaults(
+            run=module.run)
     args = parser.parse_args(argv)
-    return calibration.run(args) if args.command == "calibrate" else draft_vocab.run(args)
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -125,8 +125,8 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
 
 
 def _draft_vocab_field(value: Any, topk: int, drafter: str) -> int | str | None:
-    """``draft_vocab``: None, an int of at least ``topk`` tokens, or the path of a readable file (its ids are
-    checked against the vocabulary when the drafter loads)."""
+    """``draft_vocab``: None, an int of at least ``topk`` tokens, or the path of an existing file (its ids are
+    checked against the vocabulary where the model config is known: ``plugin.apply_bole_engine_args``)."""
     if value is None:
         return None
     if drafter != "mtp":
