@@ -3,15 +3,24 @@
 vLLM's CPU kernel writes the step's K/V and computes causal attention for every row; rows that belong to a
 tree are then recomputed with :func:`vllm_bole.kernels.tree_attention.reference.tree_attention` over the
 request's prefix plus the node's ancestors, read back from the paged cache. The read-back needs the plain
-"vec" cache layout (per block and KV head: K as [head_size, block_size], V as [block_size, head_size]).
+"vec" cache layout (per block and KV head: K as [head_size, block_size], V as [block_size, head_size]), so on
+CPUs where vLLM would pick its AMX kernel (bf16, block sizes divisible by 32) the builder and the layers run the
+"vec" kernel instead: both choose the ISA independently, and the cache layout and the scheduler metadata must
+agree.
 """
 
 import torch
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+                                                 CPUAttentionMetadataBuilder)
 
 from .tree_rows import redo_tree_rows
 
 _PLAIN_LAYOUT_ISAS = ("vec", "vec16")
+
+
+def plain_layout_isa(isa: str) -> str:
+    """The ISA Bole runs in place of vLLM's choice: AMX's blocked cache layout becomes the plain "vec" one."""
+    return "vec" if isa == "amx" else isa
 
 
 class CPUPagedKV:
@@ -38,10 +47,11 @@ class CPUPagedKV:
 class BoleCPUAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.isa = plain_layout_isa(self.isa)
         if self.isa not in _PLAIN_LAYOUT_ISAS:
             raise RuntimeError(
                 f"Bole's CPU tree attention needs vLLM's 'vec' CPU attention kernel; this CPU selects "
-                f"{self.isa!r}. Run Bole on a CPU without AMX, or on a GPU.")
+                f"{self.isa!r}. Run Bole on an x86 CPU or on a GPU.")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
@@ -50,7 +60,17 @@ class BoleCPUAttentionImpl(CPUAttentionBackendImpl):
         return out
 
 
+class BoleCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.isa = plain_layout_isa(self.isa)
+
+
 class BoleCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return BoleCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return BoleCPUAttentionMetadataBuilder
