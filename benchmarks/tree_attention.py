@@ -1,14 +1,18 @@
 """Tree attention of the full-attention layers at Qwen3.5-9B shape (16 query / 4 KV heads of 256, bf16), on GPU.
 
 For every batch B, committed prefix P and nodes per request T (a random tree per request, seeded), per layer:
-  tree_us    Bole's backend forward as it runs in a verification step of tree rows only (the route its
-             INLINE_PREFIX_MAX_SEQ rule picks); split_us and single_us are both routes:
+  tree_us    Bole's backend forward as it runs in a verification step of tree rows only: the route
+             (tree_attn_gpu.reads_prefix_itself) and the kernel's launch configuration
+             (triton_tree_attn.launch_config) its rules pick; split_us and single_us are both routes at the
+             configuration the rule picks for each, "configs" every candidate configuration of each route:
              split:  FlashAttention's non-causal prefix pass + the Triton tree kernel merging it in place
              single: the Triton tree kernel alone, reading prefix and region
+  prefix_us  FlashAttention's prefix pass alone (the split route's first part)
   fa3_us     vLLM's FlashAttention forward on the same B*T query tokens with the plain causal mask (the chain
              case), with the ahead-of-time schedule vLLM's metadata builder gives it
-  flex_us    torch FlexAttention (compiled) with the ancestor mask, over the same K/V laid out densely per
-             request (no paging: a favourable setting for it); its block mask is built outside the timing
+  flex_us    torch FlexAttention (compiled, shapes dynamic after the first: one compile for the sweep) with
+             the ancestor mask, over the same K/V laid out densely per request (no paging: a favourable
+             setting for it); its block mask is built outside the timing
 It first checks both routes and FlexAttention against the torch reference on a few batches (several requests,
 prefixes 0..1500, mixed tree shapes, vLLM's hybrid block sizes) and aborts on a mismatch or a NaN.
 
@@ -16,15 +20,19 @@ Timing: each variant is captured in one CUDA graph over R rotated input sets (so
 and the median replay time over the reps is reported (benchmarks/kernels.py's Timer). The tree rows' device
 description is built once per step for all layers; its host time is reported apart (rows_host_us).
 
+Every candidate configuration (--configs) is timed in both routes at every shape, so the rules can be fit to
+one run; --rederive re-applies the current rules to the rows of --out (no GPU needed).
+
 Usage: python benchmarks/tree_attention.py [--quick] [--batch ..] [--prefix ..] [--nodes ..] [--append]
-       [--block-size N] [--reps N] [--sets N]    (--append merges the rows into an existing --out file, so a
-       sweep can run in parts)
+       [--configs ..] [--block-size N] [--reps N] [--sets N] [--rederive]   (--append merges the rows into an
+       existing --out file, so a sweep can run in parts)
 Needs a CUDA build of vLLM 0.26 (FlashAttention 3 on Hopper).
 """
 
 import argparse
 import json
 import random
+import re
 import sys
 import time
 import types
@@ -43,6 +51,7 @@ from kernels import Timer  # noqa: E402
 from paged_cache import shuffled_block_table  # noqa: E402
 from vllm_bole.attention import tree_attn_gpu  # noqa: E402
 from vllm_bole.kernels.forest import ancestor_mask  # noqa: E402
+from vllm_bole.kernels.tree_attention import triton_tree_attn  # noqa: E402
 from vllm_bole.kernels.tree_attention.triton_tree_attn import tree_attention_paged_reference  # noqa: E402
 from vllm_bole.worker.forest_context import StepForest, TreeRows, forest_scope  # noqa: E402
 
@@ -53,7 +62,10 @@ TOL = 2e-2
 BLOCK_SIZE = 304
 SWEEP = dict(batch=(1, 8, 32), prefix=(128, 1024, 4096), nodes=(4, 16, 64))
 QUICK = ((1, 128, 4), (1, 4096, 16), (8, 1024, 16), (32, 128, 64), (32, 4096, 64))
-ROUTES = {"split": 0, "single": 1 << 30}
+ROUTES = ("split", "single")
+# Launch configurations of the tree kernel timed at every shape (names as triton_tree_attn.config_name).
+CANDIDATES = ("r64n32w8s1", "r16n32w4s2", "r16n64w4s2", "r32n32w4s2", "r64n32w8s2", "r64n64w8s2", "r128n32w8s2",
+              "r16n32w4s2m168", "r32n32w4s2m168", "r64n32w4s2m168", "r32n64w4s3m168")
 DEV = "cuda"
 
 
@@ -154,22 +166,45 @@ def make_impl():
     return impl
 
 
-def with_route(route, fn):
-    """Run ``fn`` with the backend's prefix rule forced to ``route`` (None: the backend's own rule)."""
-    saved = tree_attn_gpu.INLINE_PREFIX_MAX_SEQ
+def parse_config(name, max_rows):
+    r, n, w, s, m = re.fullmatch(r"r(\d+)n(\d+)w(\d+)s(\d+)(?:m(\d+))?", name).groups()
+    return triton_tree_attn.tile_config(int(r), int(n), int(w), int(s), HQ // HKV, max_rows, m and int(m))
+
+
+def with_route(route, fn, config=None):
+    """Run ``fn`` with the backend's prefix rule forced to ``route`` and the kernel's launch configuration
+    to ``config`` (None: the backend's own rules)."""
+    saved = tree_attn_gpu.reads_prefix_itself, triton_tree_attn.launch_config
     if route is not None:
-        tree_attn_gpu.INLINE_PREFIX_MAX_SEQ = ROUTES[route]
+        tree_attn_gpu.reads_prefix_itself = lambda *_: route == "single"
+    if config is not None:
+        triton_tree_attn.launch_config = lambda *_: config
     try:
         return fn()
     finally:
-        tree_attn_gpu.INLINE_PREFIX_MAX_SEQ = saved
+        tree_attn_gpu.reads_prefix_itself, triton_tree_attn.launch_config = saved
+
+
+def apply_rules(row):
+    """The route and launch configuration the backend's rules pick at the row's shape, and their times."""
+    group, dev = HQ // HKV, torch.device("cuda")
+    row["route"] = "single" if tree_attn_gpu.reads_prefix_itself(row["prefix"] + row["nodes"], row["B"],
+                                                                 row["nodes"]) else "split"
+    for route in ROUTES:
+        cfg = triton_tree_attn.launch_config(group, D, row["nodes"], row["B"], HKV, dev, route == "split")
+        name = triton_tree_attn.config_name(cfg, group)
+        row[f"{route}_config"] = name
+        row[f"{route}_us"] = row["configs"][route].get(name)
+    row["tree_us"] = row[f"{row['route']}_us"]
+    row["ratio_vs_fa3"] = row["tree_us"] / row["fa3_us"] if row["tree_us"] is not None else None
+    return row
 
 
 def rel_err(got, want) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
 
-def self_check(impl, flex, block_sizes):
+def self_check(impl, flex, block_sizes, configs, sweep_block_size):
     """Both routes and FlexAttention against the torch reference; raises SystemExit on a mismatch."""
     rng = random.Random(7)
     shapes = ("single", "chain", "star", "kary4", "random", "random")
@@ -178,6 +213,10 @@ def self_check(impl, flex, block_sizes):
         step = Step(trees, [0, 1, 300, 1500, 777, bs], bs, seed=bs, fa_version=impl.vllm_flash_attn_version)
         want = step.reference()
         results = {route: with_route(route, lambda: step.tree(impl).clone()) for route in ROUTES}
+        for name in configs if bs == sweep_block_size else ():   # every candidate, at the sweep's block size
+            cfg = parse_config(name, max(step.sizes))
+            for route in ROUTES:
+                results[f"{route} {name}"] = with_route(route, lambda: step.tree(impl).clone(), cfg)
         try:
             step.build_flex()
             results["flex"] = step.flex_attention(flex)
@@ -195,11 +234,17 @@ def bench_point(batch, prefix, nodes, args, timer, impl, flex):
     steps = [Step([make_tree("random", nodes, random.Random(1000 * batch + nodes + r)) for _ in range(batch)],
                   [prefix] * batch, args.block_size, seed=r, fa_version=impl.vllm_flash_attn_version)
              for r in range(args.sets)]
-    row = {"B": batch, "prefix": prefix, "nodes": nodes, "block_size": args.block_size}
-    for route in ROUTES:
-        row[f"{route}_us"] = with_route(route, lambda: timer([lambda s=s: s.tree(impl) for s in steps]))
-    row["route"] = "single" if tree_attn_gpu.reads_prefix_itself(steps[0].meta) else "split"
-    row["tree_us"] = row[f"{row['route']}_us"]
+    row = {"B": batch, "prefix": prefix, "nodes": nodes, "block_size": args.block_size,
+           "configs": {route: {} for route in ROUTES}}
+    for name in args.configs:
+        cfg = parse_config(name, nodes)
+        name = triton_tree_attn.config_name(cfg, HQ // HKV)    # small trees clamp the tile: time it once
+        for route in ROUTES:
+            if name not in row["configs"][route]:
+                row["configs"][route][name] = with_route(
+                    route, lambda: timer([lambda s=s: s.tree(impl) for s in steps]), cfg)
+    row["prefix_us"] = timer([lambda s=s: tree_attn_gpu.prefix_pass(
+        impl, s.query, s.kv_cache, s.meta, s.rows.prefix_lens(s.meta.seq_lens), s.output) for s in steps])
     row["fa3_us"] = timer([lambda s=s: s.chain(impl) for s in steps])
     try:
         for s in steps:
@@ -208,8 +253,8 @@ def bench_point(batch, prefix, nodes, args, timer, impl, flex):
     except Exception as e:  # Flex's templates may not fit every shape
         print(f"B={batch} P={prefix} T={nodes}: FlexAttention failed: {type(e).__name__}: {e}", flush=True)
         row["flex_us"] = None
-    row["ratio_vs_fa3"] = row["tree_us"] / row["fa3_us"]
     row["rows_host_us"] = steps[0].rows_host_us
+    apply_rules(row)
     del steps
     if DEV == "cuda":
         torch.cuda.empty_cache()
@@ -222,20 +267,27 @@ def main():
     for key, values in SWEEP.items():
         ap.add_argument(f"--{key}", type=int, nargs="+", default=list(values))
     ap.add_argument("--append", action="store_true", help="keep the other shapes' rows already in --out")
+    ap.add_argument("--configs", nargs="+", default=list(CANDIDATES), help="launch configurations to time")
+    ap.add_argument("--rederive", action="store_true", help="re-apply the rules to --out's rows and print")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--sets", type=int, default=4, help="rotated input sets per timing")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tree_attention.json"))
     args = ap.parse_args()
+    out = Path(args.out)
+    if args.rederive:
+        all_rows = [apply_rules(r) for r in json.loads(out.read_text())]
+        out.write_text(json.dumps(all_rows, indent=1) + "\n")
+        print_table(all_rows)
+        return
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else DEV
     impl = make_impl()
-    torch._dynamo.config.recompile_limit = 64     # one FlexAttention compile per shape of the sweep
-    flex = torch.compile(flex_attention, dynamic=False)
+    torch._dynamo.config.recompile_limit = 64     # FlexAttention's mask functions differ per input set
+    flex = torch.compile(flex_attention)
     print(f"device: {gpu}; FlashAttention {impl.vllm_flash_attn_version}; block size {args.block_size}", flush=True)
-    self_check(impl, flex, sorted({16, 272, 528, args.block_size}))
+    self_check(impl, flex, sorted({16, 272, 528, args.block_size}), args.configs, args.block_size)
     timer = Timer(DEV, args.reps)
     points = QUICK if args.quick else [(b, p, t) for t in args.nodes for p in args.prefix for b in args.batch]
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     kept = json.loads(out.read_text()) if args.append and out.exists() else []
     kept = [r for r in kept if (r["B"], r["prefix"], r["nodes"]) not in set(points)]
@@ -248,14 +300,21 @@ def main():
         all_rows = sorted(kept + rows, key=lambda r: (r["nodes"], r["prefix"], r["B"]))
         out.write_text(json.dumps(all_rows, indent=1) + "\n")     # after every point: a cut-short run keeps its rows
 
+    print_table(all_rows)
+
+
+def print_table(rows):
     def us(x):
         return f"{x:.1f}" if x is not None else "-"
 
-    print("| B | prefix | nodes | tree µs | FA3 chain µs | Flex µs | tree / FA3 | split µs | single µs |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in all_rows:
+    print("| B | prefix | nodes | tree µs | FA3 chain µs | Flex µs | tree / FA3 | route | split µs | single µs | "
+          "prefix pass µs | split config | single config |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['ratio_vs_fa3']:.2f}×" if r["ratio_vs_fa3"] is not None else "-"
         print(f"| {r['B']} | {r['prefix']} | {r['nodes']} | {us(r['tree_us'])} | {us(r['fa3_us'])} | "
-              f"{us(r['flex_us'])} | {r['ratio_vs_fa3']:.2f}× | {us(r['split_us'])} | {us(r['single_us'])} |")
+              f"{us(r['flex_us'])} | {ratio} | {r['route']} | {us(r['split_us'])} | {us(r['single_us'])} | "
+              f"{us(r['prefix_us'])} | {r['split_config']} | {r['single_config']} |")
 
 
 if __name__ == "__main__":

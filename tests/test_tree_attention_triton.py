@@ -276,6 +276,23 @@ def test_real_shape_fp32_many_requests():
     check(Batch(spec, [(37 * i) % 1500 for i in range(64)], hq=16, hkv=4, d=256, bs=16))
 
 
+# Launch configurations the benchmark times (rows, keys per step, warps, stages, register cap).
+GPU_TILES = [(64, 32, 8, 1, None), (16, 32, 4, 2, None), (16, 64, 4, 2, None), (32, 32, 4, 2, None),
+             (64, 32, 8, 2, None), (64, 64, 8, 2, None), (128, 32, 8, 2, None), (16, 32, 4, 2, 168),
+             (32, 32, 4, 2, 168), (64, 32, 4, 2, 168), (32, 64, 4, 3, 168)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("tile", GPU_TILES, ids=lambda t: ta.config_name(ta.tile_config(*t[:4], 4, 64, t[4]), 4))
+def test_real_shape_launch_configs(tile):
+    # The benchmark's block size; a wide tree, a drafter level, a deep one, a single node, a small chain.
+    spec = [("kary4", 64), ("random", 40, 33), ("deep", 37), ("single", 1), ("chain", 5)]
+    batch = Batch(spec, [4000, 300, 0, 1200, 77], hq=16, hkv=4, d=256, bs=304, dtype=torch.bfloat16,
+                  layout="heads_inner", seed_params=tile)
+    rows, block_n, warps, stages, cap = tile
+    check(batch, config=ta.tile_config(rows, block_n, warps, stages, 4, 64, cap))
+
+
 # --------------------------------------------------------------------------------------------------------
 # KV compaction
 # --------------------------------------------------------------------------------------------------------

@@ -123,11 +123,11 @@ class Step:
         return output
 
 
-ROUTES = {"prefix_pass": 0, "tree_kernel_alone": 1 << 30}
+ROUTES = ("prefix_pass", "tree_kernel_alone")
 
 
 def check(step: Step, monkeypatch, route: str, **forward_kw):
-    monkeypatch.setattr(tree_attn_gpu, "INLINE_PREFIX_MAX_SEQ", ROUTES[route])
+    monkeypatch.setattr(tree_attn_gpu, "reads_prefix_itself", lambda *_: route == "tree_kernel_alone")
     got = step.forward(make_impl(), **forward_kw)
     want = step.expected()
     n = step.meta.num_actual_tokens

@@ -22,15 +22,16 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 from ..kernels.tree_attention import triton_tree_attn
 from ..worker.forest_context import current_forest
 
-# Up to this many keys per request, one tree-kernel launch beats FlashAttention's prefix pass plus the tree
-# kernel (benchmarks/tree_attention.py: "single_us" vs "split_us"). Both routes are exact;
-# VLLM_BOLE_INLINE_PREFIX_MAX_SEQ overrides the threshold (tests use 0 to run the prefix pass on short models).
-INLINE_PREFIX_MAX_SEQ = int(os.environ.get("VLLM_BOLE_INLINE_PREFIX_MAX_SEQ", "512"))
+# Both routes are exact. VLLM_BOLE_INLINE_PREFIX_MAX_SEQ replaces the rule below by one threshold on the
+# longest sequence (tests use 0 to run the prefix pass on short models).
+_FORCED_MAX_SEQ = os.environ.get("VLLM_BOLE_INLINE_PREFIX_MAX_SEQ")
+INLINE_PREFIX_MAX_SEQ = int(_FORCED_MAX_SEQ or 512)
 
 
-def reads_prefix_itself(attn_metadata) -> bool:
-    """Whether the tree kernel alone serves this forward (short prefixes), without FlashAttention's pass."""
-    return attn_metadata.max_seq_len <= INLINE_PREFIX_MAX_SEQ
+def reads_prefix_itself(max_seq_len: int, num_trees: int, max_rows: int) -> bool:
+    """Whether the tree kernel alone serves a forward (short prefixes), without FlashAttention's pass; from host
+    values only (the longest sequence, the tree requests, the largest tree's rows), so no sync."""
+    return max_seq_len <= INLINE_PREFIX_MAX_SEQ
 
 
 def unsupported_reason(impl: FlashAttentionImpl) -> str | None:
@@ -91,7 +92,8 @@ class BoleFlashAttentionImpl(FlashAttentionImpl):
         if graph is not None and graph.query_start_loc is not None:  # over the graph's (padded) requests
             qsl, seq_lens, block_table = graph.query_start_loc, graph.seq_lens, graph.block_table(layer.layer_name)
         prefix_out = prefix_lse = None
-        if graph.long_prefix if graph is not None else not reads_prefix_itself(attn_metadata):
+        if graph.long_prefix if graph is not None else not reads_prefix_itself(
+                attn_metadata.max_seq_len, rows.meta.shape[0], rows.max_rows):
             # With only tree rows the prefix pass writes straight into the output, merged there in place.
             prefix_out = output[:n] if only_trees else torch.empty_like(output[:n])
             prefix_lse = prefix_pass(self, query[:n], kv_cache, attn_metadata, rows.prefix_lens(seq_lens), prefix_out,

@@ -68,6 +68,17 @@ def _attend(Q, m_i, l_i, acc, kv_head, bt_row, pos, pos_ok, visible, scale_log2,
 
 
 @triton.jit
+def _prefix_partial(prefix_out, prefix_lse, row, head, d, md, has, p_s0, p_s1, lse_s0, lse_s1):
+    """FlashAttention's prefix partial of the tile's rows: LSE in log2 units and the normalised output. An
+    empty prefix is never read (its rows may hold anything), so the LSE sentinels of FA2 (+inf) and FA3
+    (-inf) never matter."""
+    lse_p = tl.load(prefix_lse + head * lse_s0 + row * lse_s1, mask=has, other=float("-inf"))
+    o_p = tl.load(prefix_out + (row * p_s0 + head * p_s1)[:, None] + d[None, :], mask=has[:, None] & md,
+                  other=0.0)
+    return lse_p * 1.4426950408889634, o_p
+
+
+@triton.jit
 def _tree_attn_kernel(
     q, kv, out, prefix_out, prefix_lse, block_table, seq_lens, meta, bits, words, scale_log2, meta_s0,
     q_s0, q_s1, o_s0, o_s1, p_s0, p_s1, lse_s0, lse_s1, kv_s0, kv_s1, kv_s2, kv_s3, bt_s0,
@@ -97,60 +108,75 @@ def _tree_attn_kernel(
     Q = tl.load(q + (row * q_s0 + head * q_s1)[:, None] + d[None, :], mask=md, other=0.0)
     if DOT_F32:
         Q = Q.to(tl.float32)
+    if MERGE:
+        # Small tiles load the prefix partial now, so its latency hides behind the key loop.
+        if R <= 64:
+            lse_p, o_p = _prefix_partial(prefix_out, prefix_lse, row, head, d, md, row_ok & (prefix > 0),
+                                         p_s0, p_s1, lse_s0, lse_s1)
     m_i = tl.full([R], -1e30, tl.float32)
     l_i = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, DP], tl.float32)
     bt_row = block_table + b.to(tl.int64) * bt_s0
     kv_head = kv + hkv.to(tl.int64) * kv_s1
     cols = tl.arange(0, BN)
-
-    if not MERGE:
-        # Committed prefix: every key visible; the loop ends at the prefix, so later blocks are never read.
-        for start in range(0, prefix, BN):
-            pos = start + cols
-            ok = pos < prefix
-            m_i, l_i, acc = _attend(Q, m_i, l_i, acc, kv_head, bt_row, pos, ok, ok[None, :], scale_log2,
-                                    kv_s0, kv_s2, kv_s3, D, DP, BS, DOT_F32, PREC)
-
-    # Region: a row sees no key after its own (region position t - n + node), so later tiles are skipped.
-    hi = tl.minimum(t, t - n + m0 + BM)
     bit_row = (bit0 + node).to(tl.int64) * words
-    for j0 in range(0, hi, BN):
-        j = j0 + cols
-        ok = j < hi
-        word = tl.load(bits + bit_row[:, None] + (j // 32)[None, :], mask=row_ok[:, None] & ok[None, :], other=0)
-        vis = ((word >> (j % 32)[None, :]) & 1) != 0
-        m_i, l_i, acc = _attend(Q, m_i, l_i, acc, kv_head, bt_row, prefix + j, ok, vis, scale_log2,
+
+    # One loop over the keys: the committed prefix (every key visible; read here only without MERGE), then
+    # the region up to the tile's last row (a row sees no key after its own, region position t - n + node),
+    # so blocks after it are never read.
+    lo = prefix if MERGE else 0
+    hi = prefix + tl.minimum(t, t - n + m0 + BM)
+    for start in range(lo, hi, BN):
+        pos = start + cols
+        ok = pos < hi
+        j = tl.maximum(pos - prefix, 0)      # region key index (prefix keys: masked off below)
+        in_region = ok & (pos >= prefix)
+        word = tl.load(bits + bit_row[:, None] + (j // 32)[None, :], mask=row_ok[:, None] & in_region[None, :],
+                       other=0)
+        vis = (((word >> (j % 32)[None, :]) & 1) != 0) | (ok & (pos < prefix))[None, :]
+        m_i, l_i, acc = _attend(Q, m_i, l_i, acc, kv_head, bt_row, pos, ok, vis, scale_log2,
                                 kv_s0, kv_s2, kv_s3, D, DP, BS, DOT_F32, PREC)
 
     if MERGE:
-        # FlashAttention's prefix partial: normalised output and natural-log LSE. An empty prefix is never
-        # read (its rows may hold anything), so the LSE sentinels of FA2 (+inf) and FA3 (-inf) never matter.
-        has = row_ok & (prefix > 0)
-        lse_p = tl.load(prefix_lse + head * lse_s0 + row * lse_s1, mask=has, other=float("-inf"))
-        lse_p = lse_p * 1.4426950408889634
-        o_p = tl.load(prefix_out + (row * p_s0 + head * p_s1)[:, None] + d[None, :], mask=has[:, None] & md,
-                      other=0.0).to(tl.float32)
+        if R > 64:
+            lse_p, o_p = _prefix_partial(prefix_out, prefix_lse, row, head, d, md, row_ok & (prefix > 0),
+                                         p_s0, p_s1, lse_s0, lse_s1)
         m_all = tl.maximum(m_i, lse_p)
         w_tree = tl.exp2(m_i - m_all)
         w_prefix = tl.exp2(lse_p - m_all)
         den = l_i * w_tree + w_prefix
         den = tl.where(den > 0, den, 1.0)
-        o = (acc * w_tree[:, None] + o_p * w_prefix[:, None]) / den[:, None]
+        o = (acc * w_tree[:, None] + o_p.to(tl.float32) * w_prefix[:, None]) / den[:, None]
     else:
         l_i = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_i[:, None]
     tl.store(out + (row * o_s0 + head * o_s1)[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=md)
 
 
-def launch_config(group: int, head_size: int, max_rows: int, device: torch.device) -> dict:
-    """Tile sizes: ``BM * next_pow2(group)`` query rows (at least 16 for tl.dot), ``BN`` keys per step."""
+def tile_config(rows: int, block_n: int, num_warps: int, num_stages: int, group: int, max_rows: int,
+                maxnreg: int | None = None) -> dict:
+    """A tile of about ``rows`` query rows (``block_m`` tree rows times ``next_pow2(group)`` heads, at least 16
+    for tl.dot, no more tree rows than ``max_rows`` needs) and ``block_n`` keys per step; ``maxnreg`` caps the
+    registers per thread (more programs per multiprocessor)."""
     gp = triton.next_power_of_2(group)
-    rows = 64 if device.type == "cuda" else 16
     bm = min(max(1, rows // gp), triton.next_power_of_2(max(max_rows, 1)))
     bm = max(bm, triton.cdiv(16, gp))
-    bn = 32 if head_size >= 256 or device.type != "cuda" else 64
-    return {"block_m": bm, "block_n": bn, "num_warps": 8 if head_size >= 256 else 4, "num_stages": 1}
+    return {"block_m": bm, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
+
+
+def config_name(cfg: dict, group: int) -> str:
+    """``r{rows}n{keys}w{warps}s{stages}[m{maxnreg}]`` of a launch configuration (rows: query rows of a tile)."""
+    rows = cfg["block_m"] * triton.next_power_of_2(group)
+    cap = f"m{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
+    return f"r{rows}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}{cap}"
+
+
+def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, kv_heads: int,
+                  device: torch.device, merge: bool) -> dict:
+    """The tile for a launch of ``num_trees`` requests of at most ``max_rows`` rows (host values only)."""
+    if device.type != "cuda":
+        return tile_config(16, 32, 4, 1, group, max_rows)
+    return tile_config(64, 32, 8 if head_size >= 256 else 4, 2, group, max_rows)
 
 
 def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, *, max_rows, out=None,
@@ -183,7 +209,7 @@ def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, 
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
     assert meta.shape[1] == META_FIELDS and meta.stride(1) == 1 and bits.is_contiguous()
     group = hq // hkv
-    cfg = config or launch_config(group, d, max_rows, q.device)
+    cfg = config or launch_config(group, d, max_rows, meta.shape[0], hkv, q.device, merge)
     bm, bn = cfg["block_m"], cfg["block_n"]
     assert bm * triton.next_power_of_2(group) >= 16 and bn >= 16
     dot_f32 = q.dtype == torch.float32 or _interpreting()
@@ -195,7 +221,7 @@ def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, 
         prefix_lse.stride(0), prefix_lse.stride(1), *kv_cache.stride(), block_table.stride(0),
         G=group, GP=triton.next_power_of_2(group), D=d, DP=max(16, triton.next_power_of_2(d)), BS=bs,
         BM=bm, BN=bn, MERGE=merge, DOT_F32=dot_f32, PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
     )
     return out
 
