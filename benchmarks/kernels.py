@@ -1,8 +1,9 @@
 """Tree GDN verification and commit at Qwen3.5-9B shapes (HK=16, HV=32, dk=dv=128, bf16), on the GPU.
 
 For every batch B and tree size T (a random tree per request, seeded):
-  bole_us        closed-form tree verify (Triton), per layer; the forest's ancestor bitmask, built once per
-                 step for all layers, is timed apart (ancestor_bits_us)
+  bole_us        closed-form tree verify (Triton), per layer, the best of the launch configs timed (with
+                 --sweep: SWEEP beside the default); the forest's ancestor bitmask, built once per step for
+                 all layers, is timed apart (ancestor_bits_us)
   vllm_chain_us  vLLM's spec-decode kernel ``fused_sigmoid_gating_delta_rule_update`` on chains of T tokens,
                  one state slot per token exactly as vLLM's spec decoding runs it
   sequential_us  a per-node tree recurrence that reloads each parent's state snapshot from global memory
@@ -39,7 +40,7 @@ import triton.language as tl  # noqa: E402
 import vllm_fla  # noqa: E402
 from forest_shapes import make_forest  # noqa: E402
 from vllm_bole.kernels.reference import TreeFactors  # noqa: E402
-from vllm_bole.kernels.tree_gdn import triton_commit, triton_verify  # noqa: E402
+from vllm_bole.kernels.tree_gdn import triton_commit, triton_verify, triton_verify_split  # noqa: E402
 
 GDN_LAYERS = 24
 
@@ -162,23 +163,29 @@ def chain_call(fla, s, cache, slots, n_acc):
     return run
 
 
-# (row tile, value block, value splits, warps, register cap): the variants that came closest to the
-# default on H200, and register caps that allow 3 programs per SM.
-SWEEP = ((16, 32, 4, 4, None), (16, 64, 1, 4, None), (32, 64, 2, 4, None), (32, 128, 1, 8, None),
-         (None, None, None, None, 168), (None, None, None, None, 192))
+# Launch configs of both paths beside the default: the fused kernel (row tile, value block, value splits)
+# and the two-kernel path (matrix row tile and warps, value row tile, value block).
+SWEEP = {
+    "fused-bt16-bv32-s4": dict(block_t=16, block_v=32, v_splits=4, num_warps=4),
+    "fused-bt16-bv64-s1": dict(block_t=16, block_v=64, v_splits=1, num_warps=4),
+    "fused-bt32-bv64-s1": dict(block_t=32, block_v=64, v_splits=1, num_warps=4),
+    "split-m16w2-bt16-bv32": dict(matrices_block_t=16, matrices_num_warps=2, block_t=16, block_v=32, num_warps=4),
+    "split-m32w4-bt32-bv64": dict(matrices_block_t=32, matrices_num_warps=4, block_t=32, block_v=64, num_warps=4),
+    "split-m64w4-bt64-bv64": dict(matrices_block_t=64, matrices_num_warps=4, block_t=64, block_v=64, num_warps=4),
+    "split-m64w8-bt64-bv64": dict(matrices_block_t=64, matrices_num_warps=8, block_t=64, block_v=64, num_warps=4),
+}
 
 
 def verify_configs(batch, t, args, device):
-    """The default launch config and, with --sweep, the SWEEP variants that fit the tree (None: default)."""
+    """The default launch config and, with --sweep, the SWEEP configs that fit the tree."""
     default = triton_verify.launch_config(batch, args.hv, args.dv, t, torch.device(device))
     configs = {"default": default}
     if args.sweep:
-        for variant in SWEEP:
-            cfg = dict(default, **{key: value for key, value in zip(
-                ("block_t", "block_v", "v_splits", "num_warps", "maxnreg"), variant) if value is not None})
-            if cfg["block_v"] <= args.dv and cfg["block_t"] <= max(16, triton.next_power_of_2(t)):
-                name = "bt{block_t}-bv{block_v}-s{v_splits}-w{num_warps}".format(**cfg)
-                configs[name + (f"-r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")] = cfg
+        for name, cfg in SWEEP.items():
+            tiles = [cfg["block_t"], cfg.get("matrices_block_t", 16)]
+            fits = all(bt <= max(16, triton.next_power_of_2(t)) for bt in tiles) and (max(tiles) < 64 or t <= 64)
+            if cfg["block_v"] <= args.dv and fits and dict(cfg, num_stages=1) != default:
+                configs[name] = dict(cfg, num_stages=1)
     return configs
 
 
@@ -348,7 +355,10 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    for name, kernel in (("verify", triton_verify._tree_gdn_verify_kernel), ("commit", triton_commit._commit_kernel)):
+    for name, kernel in (("verify", triton_verify._tree_gdn_verify_kernel),
+                         ("verify matrices", triton_verify_split._tree_matrices_kernel),
+                         ("verify values", triton_verify_split._tree_values_kernel),
+                         ("commit", triton_commit._commit_kernel)):
         for compiled in _compiled(kernel):
             print(f"{name} kernel {compiled.name}: {compiled.n_regs} registers, {compiled.n_spills} spills, "
                   f"{compiled.metadata.shared} B shared, {compiled.metadata.num_warps} warps")

@@ -127,6 +127,26 @@ def test_verify_launch_configs(config):
                  seed_params=("config",))
 
 
+SPLIT_SPECS = {"small": [("kary2", 9), ("single", 1), ("chain", 16), ("star", 5)],       # one 16-row tile each
+               "upto64": [("deep", 64), ("random", 50), ("kary3", 40), ("single", 1)],
+               "large": [("deep", 40), ("random", 70), ("forest", 33), ("single", 1)]}
+SPLIT_CONFIGS = {
+    "many-tiles": dict(matrices_block_t=16, block_t=16, block_v=16, num_warps=4),
+    "value-tile-spans-two": dict(matrices_block_t=16, block_t=32, block_v=32, num_warps=4),
+    "matrix-tile-spans-two": dict(matrices_block_t=32, matrices_num_warps=2, block_t=16, block_v=16, num_warps=2),
+    "one-64-tile": dict(matrices_block_t=64, matrices_num_warps=8, block_t=64, block_v=32, num_warps=4),
+}
+
+
+@pytest.mark.parametrize("config,spec", [(c, s) for c in SPLIT_CONFIGS for s in SPLIT_SPECS
+                                         if c != "one-64-tile" or s != "large"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_split_kernels(config, spec, dtype):
+    """Per-tree matrices, then value blocks: the same function as the fused kernel."""
+    check_verify(SPLIT_SPECS[spec], 2, 4, 16, 32, dtype=dtype, config=SPLIT_CONFIGS[config],
+                 seed_params=("split", spec))
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_verify_reads_state_slots_in_place_and_fills_given_factor_buffers(state_dtype):
     """As the GDN layer calls it: the whole strided state cache plus slot indices, per-forest hints

@@ -235,16 +235,24 @@ def _num_sms(device: torch.device) -> int:
 def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.device) -> dict:
     """Launch parameters, from sweeps on H200 at Qwen3.5 shapes (benchmarks/kernels.py --sweep).
 
-    Row tiles of up to 32 nodes: a 64-node tile's inverse and registers cost more than the off-diagonal
-    block a second tile adds. When the batch gives under half a program per SM, every 32-wide value block
-    gets its own program (each rebuilds G and C, cheap next to the latency it hides) with 16-node tiles;
-    otherwise one program per (request, head) walks value blocks of 64.
+    From two programs per SM on, trees of up to 64 nodes take the two-kernel path
+    (:mod:`triton_verify_split`): per-tree matrices once, then one program per value block, each tree one row
+    tile. Smaller batches are latency-bound and the single fused kernel's one launch wins: under half a
+    program per SM, every 32-wide value block gets its own program (each rebuilds G and C) with 16-node
+    tiles; otherwise one program per (request, head) walks value blocks of 64 with row tiles of up to 32
+    nodes, as do larger trees.
     """
-    if batch * hv < _num_sms(device) // 2:
+    sms = _num_sms(device)
+    tile = max(16, triton.next_power_of_2(max_seqlen))
+    if batch * hv >= 2 * sms and tile <= 64:
+        return {"matrices_block_t": tile, "matrices_num_warps": {16: 2, 32: 4, 64: 8}[tile], "block_t": tile,
+                "block_v": min(32 if tile == 16 else 64, max(16, triton.next_power_of_2(dv))), "num_warps": 4,
+                "num_stages": 1}
+    if batch * hv < sms // 2:
         block_t, block_v = 16, min(32, max(16, triton.next_power_of_2(dv)))
         splits = triton.cdiv(dv, block_v)
     else:
-        block_t = min(32, max(16, triton.next_power_of_2(max_seqlen)))
+        block_t = min(32, tile)
         block_v, splits = min(64, max(16, triton.next_power_of_2(dv))), 1
     return {"block_t": block_t, "block_v": block_v, "v_splits": splits, "num_warps": 4, "num_stages": 1}
 
@@ -277,9 +285,13 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
         bits = ancestor_bits(parent, cu_seqlens, max(max_seqlen, 1))
     h0 = initial_state if initial_state.stride(-1) == 1 else initial_state.contiguous()
     cfg = config or launch_config(batch, hv, dv, max_seqlen, q.device)
-    # 64-row tiles would run on Hopper's asynchronous matmul path, which Triton 3.6 miscompiled under this
-    # kernel's control flow (illegal addresses on H200); they also measured slower than two 32-row tiles.
-    assert cfg["block_t"] in (16, 32), f"block_t must be 16 or 32, got {cfg['block_t']}"
+    # 64-row tiles run on Hopper's asynchronous matmul path, which Triton 3.6 miscompiled under the fused
+    # kernel's loops (illegal addresses on H200); the two-kernel path takes them only for one-tile trees.
+    if "matrices_block_t" in cfg:
+        tiles = (cfg["matrices_block_t"], cfg["block_t"])
+        assert all(bt in (16, 32) or (bt == 64 and max_seqlen <= 64) for bt in tiles), f"row tiles {tiles}"
+    else:
+        assert cfg["block_t"] in (16, 32), f"block_t must be 16 or 32, got {cfg['block_t']}"
 
     o = torch.empty(n, hv, dv, dtype=v.dtype, device=q.device)
     if out_factors is None:
@@ -289,18 +301,24 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
     k_out, u, g_cum = out_factors.k, out_factors.u, out_factors.g_cum
     assert k_out.shape == (n, hk, dk) and u.shape == (n, hv, dv) and g_cum.shape == (n, hv)
     assert all(t.dtype == torch.float32 and t.is_contiguous() for t in (k_out, u, g_cum))
-    if n and batch:
+    # fp32 inputs keep fp32 accuracy (3 tf32 passes); with 16-bit inputs only the fp32 intermediates
+    # (inverse, C U) go through tf32, below the bf16 rounding of the output.
+    prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    bf16_dots = q.dtype == torch.bfloat16 and not _interpreting()
+    if n and batch and "matrices_block_t" in cfg:
+        from .triton_verify_split import verify_split
+
+        verify_split(q, k, v, g, beta, h0, state_indices, bits, cu_seqlens, max_seqlen, o, out_factors, scale,
+                     use_qk_l2norm_in_kernel, cfg, prec, bf16_dots)
+    elif n and batch:
         block_v, splits = cfg["block_v"], cfg["v_splits"]
         nvb = triton.cdiv(triton.cdiv(dv, block_v), splits)
-        # fp32 inputs keep fp32 accuracy (3 tf32 passes); with 16-bit inputs only the fp32 intermediates
-        # (inverse, C U) go through tf32, below the bf16 rounding of the output.
-        prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
         _tree_gdn_verify_kernel[(batch, hv, splits)](
             q, k, v, g, beta, h0, state_indices, o, k_out, u, g_cum, bits, cu_seqlens, scale,
             q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), *h0.stride()[:3],
             HK=hk, HV=hv, DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=block_v, NVB=nvb,
             BT=cfg["block_t"], LOG_BT=cfg["block_t"].bit_length() - 1, W=bits.shape[1],
-            L2NORM=use_qk_l2norm_in_kernel, PREC=prec, BF16_DOTS=q.dtype == torch.bfloat16 and not _interpreting(),
+            L2NORM=use_qk_l2norm_in_kernel, PREC=prec, BF16_DOTS=bf16_dots,
             num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
