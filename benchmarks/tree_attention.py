@@ -24,7 +24,7 @@ Every candidate configuration (--configs) is timed in both routes at every shape
 one run; --rederive re-applies the current rules to the rows of --out (no GPU needed).
 
 Usage: python benchmarks/tree_attention.py [--quick] [--batch ..] [--prefix ..] [--nodes ..] [--append]
-       [--configs ..] [--block-size N] [--reps N] [--sets N] [--rederive]   (--append merges the rows into an
+       [--shapes B,P,T ..] [--configs ..] [--block-size N] [--reps N] [--sets N] [--rederive]   (--append merges the rows into an
        existing --out file, so a sweep can run in parts)
 Needs a CUDA build of vLLM 0.26 (FlashAttention 3 on Hopper).
 """
@@ -266,6 +266,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} shapes: {QUICK}")
     for key, values in SWEEP.items():
         ap.add_argument(f"--{key}", type=int, nargs="+", default=list(values))
+    ap.add_argument("--shapes", nargs="+", metavar="B,P,T", help="these shapes instead of the sweep's product")
     ap.add_argument("--append", action="store_true", help="keep the other shapes' rows already in --out")
     ap.add_argument("--configs", nargs="+", default=list(CANDIDATES), help="launch configurations to time")
     ap.add_argument("--rederive", action="store_true", help="re-apply the rules to --out's rows and print")
@@ -288,6 +289,8 @@ def main():
     self_check(impl, flex, sorted({16, 272, 528, args.block_size}), args.configs, args.block_size)
     timer = Timer(DEV, args.reps)
     points = QUICK if args.quick else [(b, p, t) for t in args.nodes for p in args.prefix for b in args.batch]
+    if args.shapes:
+        points = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes]
     out.parent.mkdir(parents=True, exist_ok=True)
     kept = json.loads(out.read_text()) if args.append and out.exists() else []
     kept = [r for r in kept if (r["B"], r["prefix"], r["nodes"]) not in set(points)]

@@ -3,10 +3,17 @@
 Tree rows (``StepForest.attention_rows``, from the verifier or the MTP drafter) see their request's committed
 prefix plus their visible region keys. vLLM 0.26 writes the step's K/V before ``forward``
 (``forward_includes_kv_cache_update = False``), so the tree kernel reads every key from the paged cache:
-- long prefixes: FlashAttention's non-causal pass over the prefixes (``seqused_k`` = prefix length, with its
-  LSE; it splits long prefixes over the GPU), then the Triton tree kernel over each row's region keys, which
-  merges the two in its epilogue;
-- short prefixes (``max_seq_len <= INLINE_PREFIX_MAX_SEQ``): the tree kernel alone reads prefix and region.
+- "split": FlashAttention's non-causal pass over the prefixes (``seqused_k`` = prefix length, with its LSE;
+  it splits long prefixes over the GPU), then the Triton tree kernel over each row's region keys, which merges
+  the two in its epilogue;
+- "single": the tree kernel alone reads prefix and region (one launch; each program walks its prefix alone).
+The route rule (:func:`reads_prefix_itself`), fit to the H200 sweep of benchmarks/tree_attention.py (B 1/8/32,
+prefix 128/1024/4096, 4/16/64 nodes per request; Qwen3.5-9B heads): "single" iff the longest sequence is at
+most ``INLINE_PREFIX_MAX_SEQ`` (512) keys and the step has at most ``INLINE_MAX_TREE_ROWS`` (1024) tree rows
+(requests times the largest tree). Measured: "single" is faster at every shape with a 128-token prefix up to
+512 tree rows (e.g. B=8, 16 nodes: 14.0 vs 17.6 us), "split" at B=32 x 64 nodes (2048 rows: 65.8 vs 80.3 us)
+and at every 1024- or 4096-token prefix (e.g. B=32, 4 nodes, 1024: 49.0 vs 78.4 us). The rule reads host
+values only (longest sequence, tree requests, largest tree), so a CUDA graph's key can carry it.
 When every row of the batch is a tree row, vLLM's causal pass is skipped; otherwise (prefills in the same
 step) it runs first, and the tree kernel overwrites the tree rows.
 """
@@ -22,16 +29,19 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 from ..kernels.tree_attention import triton_tree_attn
 from ..worker.forest_context import current_forest
 
-# Both routes are exact. VLLM_BOLE_INLINE_PREFIX_MAX_SEQ replaces the rule below by one threshold on the
-# longest sequence (tests use 0 to run the prefix pass on short models).
+# Both routes are exact. VLLM_BOLE_INLINE_PREFIX_MAX_SEQ replaces the rule by one threshold on the longest
+# sequence (tests use 0 to run the prefix pass on short models).
 _FORCED_MAX_SEQ = os.environ.get("VLLM_BOLE_INLINE_PREFIX_MAX_SEQ")
 INLINE_PREFIX_MAX_SEQ = int(_FORCED_MAX_SEQ or 512)
+INLINE_MAX_TREE_ROWS = 1024
 
 
 def reads_prefix_itself(max_seq_len: int, num_trees: int, max_rows: int) -> bool:
-    """Whether the tree kernel alone serves a forward (short prefixes), without FlashAttention's pass; from host
-    values only (the longest sequence, the tree requests, the largest tree's rows), so no sync."""
-    return max_seq_len <= INLINE_PREFIX_MAX_SEQ
+    """Whether the tree kernel alone serves a forward ("single" route, module docstring), from host values only:
+    the longest sequence, the tree requests and the largest tree's rows."""
+    if _FORCED_MAX_SEQ is not None:
+        return max_seq_len <= INLINE_PREFIX_MAX_SEQ
+    return max_seq_len <= INLINE_PREFIX_MAX_SEQ and num_trees * max_rows <= INLINE_MAX_TREE_ROWS
 
 
 def unsupported_reason(impl: FlashAttentionImpl) -> str | None:

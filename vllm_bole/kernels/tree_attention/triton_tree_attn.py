@@ -171,12 +171,21 @@ def config_name(cfg: dict, group: int) -> str:
     return f"r{rows}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}{cap}"
 
 
+# Steps of at most this many tree rows (requests times the largest tree) run 16-row tiles: their few programs
+# are latency-bound, and small tiles spread them over more multiprocessors. Larger steps run 64-row tiles
+# without pipelining, which beat pipelined and register-capped ones there (benchmarks/tree_attention.py, H200).
+SMALL_STEP_ROWS = 128
+
+
 def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, kv_heads: int,
                   device: torch.device, merge: bool) -> dict:
-    """The tile for a launch of ``num_trees`` requests of at most ``max_rows`` rows (host values only)."""
+    """The tile for a launch of ``num_trees`` requests of at most ``max_rows`` rows (host values only, so a
+    CUDA graph's capacity bounds pick the same tile at every replay); the same for both routes (``merge``)."""
     if device.type != "cuda":
         return tile_config(16, 32, 4, 1, group, max_rows)
-    return tile_config(64, 32, 8 if head_size >= 256 else 4, 2, group, max_rows)
+    if num_trees * max_rows <= SMALL_STEP_ROWS:
+        return tile_config(16, 32, 4, 2, group, max_rows)
+    return tile_config(64, 32, 8 if head_size >= 256 else 4, 1, group, max_rows)
 
 
 def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, *, max_rows, out=None,
