@@ -170,9 +170,9 @@ SWEEP = {
     "fused-bt16-bv64-s1": dict(block_t=16, block_v=64, v_splits=1, num_warps=4),
     "fused-bt32-bv64-s1": dict(block_t=32, block_v=64, v_splits=1, num_warps=4),
     "split-m16w2-bt16-bv32": dict(matrices_block_t=16, matrices_num_warps=2, block_t=16, block_v=32, num_warps=4),
+    "split-m16w2-bt32-bv64": dict(matrices_block_t=16, matrices_num_warps=2, block_t=32, block_v=64, num_warps=4),
     "split-m32w4-bt32-bv64": dict(matrices_block_t=32, matrices_num_warps=4, block_t=32, block_v=64, num_warps=4),
     "split-m64w4-bt64-bv64": dict(matrices_block_t=64, matrices_num_warps=4, block_t=64, block_v=64, num_warps=4),
-    "split-m64w8-bt64-bv64": dict(matrices_block_t=64, matrices_num_warps=8, block_t=64, block_v=64, num_warps=4),
 }
 
 
