@@ -189,10 +189,10 @@ def with_route(route, fn, config=None):
 def apply_rules(row):
     """The route and launch configuration the backend's rules pick at the row's shape, and their times."""
     group, dev = HQ // HKV, torch.device("cuda")
-    row["route"] = "single" if tree_attn_gpu.reads_prefix_itself(row["prefix"] + row["nodes"], row["B"],
-                                                                 row["nodes"]) else "split"
+    row["route"] = "single" if tree_attn_gpu.reads_prefix_itself(row["prefix"] + row["nodes"],
+                                                                 row["B"] * row["nodes"]) else "split"
     for route in ROUTES:
-        cfg = triton_tree_attn.launch_config(group, D, row["nodes"], row["B"], HKV, dev, route == "split")
+        cfg = triton_tree_attn.launch_config(group, D, row["nodes"], row["B"], dev)
         name = triton_tree_attn.config_name(cfg, group)
         row[f"{route}_config"] = name
         row[f"{route}_us"] = row["configs"][route].get(name)

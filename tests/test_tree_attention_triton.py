@@ -280,12 +280,11 @@ def test_real_shape_fp32_many_requests():
 @pytest.mark.parametrize("max_rows,num_trees", [(1, 1), (4, 32), (16, 8), (64, 1), (64, 32), (300, 64)])
 def test_launch_config_fits_every_step(group, max_rows, num_trees):
     gp = 1 << (group - 1).bit_length()
-    for merge in (False, True):
-        cfg = ta.launch_config(group, 256, max_rows, num_trees, 4, torch.device("cuda"), merge)
-        assert cfg["block_m"] * gp >= 16 and cfg["block_n"] >= 16
-        assert cfg["block_m"] <= max(1 << (max_rows - 1).bit_length(), -(-16 // gp))
-        small = num_trees * max_rows <= ta.SMALL_STEP_ROWS
-        assert cfg["block_m"] * gp == (16 if small else max(16, min(64, gp * (1 << (max_rows - 1).bit_length()))))
+    cfg = ta.launch_config(group, 256, max_rows, num_trees, torch.device("cuda"))
+    assert cfg["block_m"] * gp >= 16 and cfg["block_n"] >= 16
+    assert cfg["block_m"] <= max(1 << (max_rows - 1).bit_length(), -(-16 // gp))
+    small = num_trees * max_rows <= ta.SMALL_STEP_ROWS
+    assert cfg["block_m"] * gp == (16 if small else max(16, min(64, gp * (1 << (max_rows - 1).bit_length()))))
 
 
 # Launch configurations the benchmark times (rows, keys per step, warps, stages, register cap).

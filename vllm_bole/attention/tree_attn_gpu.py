@@ -9,11 +9,11 @@ prefix plus their visible region keys. vLLM 0.26 writes the step's K/V before ``
 - "single": the tree kernel alone reads prefix and region (one launch; each program walks its prefix alone).
 The route rule (:func:`reads_prefix_itself`), fit to the H200 sweep of benchmarks/tree_attention.py (B 1/8/32,
 prefix 128/1024/4096, 4/16/64 nodes per request; Qwen3.5-9B heads): "single" iff the longest sequence is at
-most ``INLINE_PREFIX_MAX_SEQ`` (512) keys and the step has at most ``INLINE_MAX_TREE_ROWS`` (1024) tree rows
-(requests times the largest tree). Measured: "single" is faster at every shape with a 128-token prefix up to
-512 tree rows (e.g. B=8, 16 nodes: 14.0 vs 17.6 us), "split" at B=32 x 64 nodes (2048 rows: 65.8 vs 80.3 us)
+most ``INLINE_PREFIX_MAX_SEQ`` (512) keys and the step has at most ``INLINE_MAX_TREE_ROWS`` (1024) tree rows.
+Measured: "single" is faster at every shape with a 128-token prefix up to 512 tree rows (e.g. B=8, 16 nodes: 14.0 vs 17.6 us), "split" at B=32 x 64 nodes (2048 rows: 65.8 vs 80.3 us)
 and at every 1024- or 4096-token prefix (e.g. B=32, 4 nodes, 1024: 49.0 vs 78.4 us). The rule reads host
-values only (longest sequence, tree requests, largest tree), so a CUDA graph's key can carry it.
+values only (longest sequence, tree rows), so a CUDA graph's key carries it: the graphs of
+worker/verify_graphs.py and spec_decode/{draft,beam}_graphs.py apply it to their padded token counts.
 When every row of the batch is a tree row, vLLM's causal pass is skipped; otherwise (prefills in the same
 step) it runs first, and the tree kernel overwrites the tree rows.
 """
@@ -36,12 +36,12 @@ INLINE_PREFIX_MAX_SEQ = int(_FORCED_MAX_SEQ or 512)
 INLINE_MAX_TREE_ROWS = 1024
 
 
-def reads_prefix_itself(max_seq_len: int, num_trees: int, max_rows: int) -> bool:
+def reads_prefix_itself(max_seq_len: int, tree_rows: int) -> bool:
     """Whether the tree kernel alone serves a forward ("single" route, module docstring), from host values only:
-    the longest sequence, the tree requests and the largest tree's rows."""
+    the longest sequence and the step's tree rows (in a graph, its padded token count)."""
     if _FORCED_MAX_SEQ is not None:
         return max_seq_len <= INLINE_PREFIX_MAX_SEQ
-    return max_seq_len <= INLINE_PREFIX_MAX_SEQ and num_trees * max_rows <= INLINE_MAX_TREE_ROWS
+    return max_seq_len <= INLINE_PREFIX_MAX_SEQ and tree_rows <= INLINE_MAX_TREE_ROWS
 
 
 def unsupported_reason(impl: FlashAttentionImpl) -> str | None:
@@ -103,7 +103,7 @@ class BoleFlashAttentionImpl(FlashAttentionImpl):
             qsl, seq_lens, block_table = graph.query_start_loc, graph.seq_lens, graph.block_table(layer.layer_name)
         prefix_out = prefix_lse = None
         if graph.long_prefix if graph is not None else not reads_prefix_itself(
-                attn_metadata.max_seq_len, rows.meta.shape[0], rows.max_rows):
+                attn_metadata.max_seq_len, rows.num_rows):
             # With only tree rows the prefix pass writes straight into the output, merged there in place.
             prefix_out = output[:n] if only_trees else torch.empty_like(output[:n])
             prefix_lse = prefix_pass(self, query[:n], kv_cache, attn_metadata, rows.prefix_lens(seq_lens), prefix_out,

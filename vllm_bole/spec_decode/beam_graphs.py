@@ -25,7 +25,7 @@ from vllm.config import CUDAGraphMode
 from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
-from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
+from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest
 from ..worker.verify_graphs import GraphStep, capture
@@ -119,7 +119,7 @@ class BeamGraphs:
         if self.disabled:
             return False
         bucket, padded = self._step
-        long_prefix = bool(plan.seq_lens[d - 1].max() > INLINE_PREFIX_MAX_SEQ)
+        long_prefix = not reads_prefix_itself(int(plan.seq_lens[d - 1].max()), padded)
         key = (bucket, d, long_prefix, per_request)
         graph = self.graphs.get(key)
         if graph is not None:

@@ -18,7 +18,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.utils.math_utils import next_power_of_2
 
-from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
+from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest
 from ..worker.verify_graphs import GraphStep, capture
@@ -65,7 +65,7 @@ class DraftGraphs:
         # the pruned levels' request counts vary.
         reqs = len(chunks)
         bucket = min(next_power_of_2(reqs), self.seq_lens.numel())
-        key = (padded, bucket, max(c[3] for c in chunks) > INLINE_PREFIX_MAX_SEQ,
+        key = (padded, bucket, not reads_prefix_itself(max(c[3] for c in chunks), padded),
                max_rows or drafter.bole_config.topk)
         entry = self.graphs.get(key)
         if entry is None and len(self.graphs) >= MAX_GRAPHS:

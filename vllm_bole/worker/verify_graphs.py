@@ -27,7 +27,7 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
 from vllm.utils.math_utils import next_power_of_2
 
-from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
+from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
 
 logger = init_logger(__name__)
@@ -136,7 +136,7 @@ class VerifyGraphs:
         rows = input_ids if input_ids is not None else inputs_embeds
         # Requests padded to a power of two with empty ones: fewer keys as requests come and go.
         bucket = min(next_power_of_2(forest.num_trees), self.runner.max_num_reqs)
-        return rows.shape[0], bucket, forest.max_seq_len > INLINE_PREFIX_MAX_SEQ
+        return rows.shape[0], bucket, not reads_prefix_itself(forest.max_seq_len, rows.shape[0])
 
     def forward(self, forest, call, inputs):
         """The step's model output: replayed from the key's graph (captured now if new), or ``call()``."""

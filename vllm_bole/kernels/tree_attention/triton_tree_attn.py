@@ -177,10 +177,9 @@ def config_name(cfg: dict, group: int) -> str:
 SMALL_STEP_ROWS = 128
 
 
-def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, kv_heads: int,
-                  device: torch.device, merge: bool) -> dict:
+def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, device: torch.device) -> dict:
     """The tile for a launch of ``num_trees`` requests of at most ``max_rows`` rows (host values only, so a
-    CUDA graph's capacity bounds pick the same tile at every replay); the same for both routes (``merge``)."""
+    CUDA graph's capacity bounds pick the same tile at every replay); the same for both routes."""
     if device.type != "cuda":
         return tile_config(16, 32, 4, 1, group, max_rows)
     if num_trees * max_rows <= SMALL_STEP_ROWS:
@@ -218,7 +217,7 @@ def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, 
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
     assert meta.shape[1] == META_FIELDS and meta.stride(1) == 1 and bits.is_contiguous()
     group = hq // hkv
-    cfg = config or launch_config(group, d, max_rows, meta.shape[0], hkv, q.device, merge)
+    cfg = config or launch_config(group, d, max_rows, meta.shape[0], q.device)
     bm, bn = cfg["block_m"], cfg["block_n"]
     assert bm * triton.next_power_of_2(group) >= 16 and bn >= 16
     dot_f32 = q.dtype == torch.float32 or _interpreting()
