@@ -132,7 +132,7 @@ SPLIT_SPECS = {"small": [("kary2", 9), ("single", 1), ("chain", 16), ("star", 5)
                "large": [("deep", 40), ("random", 70), ("forest", 33), ("single", 1)]}
 SPLIT_CONFIGS = {
     "many-tiles": dict(matrices_block_t=16, block_t=16, block_v=16, num_warps=4),
-    "value-tile-spans-two": dict(matrices_block_t=16, block_t=32, block_v=32, num_warps=4),
+    "value-tile-spans-two": dict(matrices_block_t=16, matrices_num_warps=2, block_t=32, block_v=32, num_warps=4),
     "matrix-tile-spans-two": dict(matrices_block_t=32, matrices_num_warps=2, block_t=16, block_v=16, num_warps=2),
     "one-64-tile": dict(matrices_block_t=64, matrices_num_warps=4, block_t=64, block_v=32, num_warps=4),
 }

@@ -237,17 +237,19 @@ def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.d
 
     The two-kernel path (:mod:`triton_verify_split`: per-tree matrices once, then one program per value
     block) measured fastest for trees of 33 to 64 nodes at every batch, each tree one 64-row tile; for trees
-    of up to 16 nodes from two programs per SM on; for trees of up to 32 nodes between half a program and
-    two per SM. Elsewhere the fused kernel: under half a program per SM every 32-wide value block gets its own
-    program (each rebuilds G and C) with 16-node tiles, otherwise one program per (request, head) walks value
-    blocks of 64 with row tiles of up to 32 nodes.
+    of up to 32 nodes from half a program per SM on, and for trees of up to 16 from two. From two programs
+    per SM on, the matrices take 16-row tiles with 2 warps: a longer chain per program, but half the
+    registers, so twice the programs in flight. Elsewhere the fused kernel: under half a program per SM every
+    32-wide value block gets its own program (each rebuilds G and C) with 16-node tiles, otherwise one
+    program per (request, head) walks value blocks of 64 with row tiles of up to 32 nodes.
     """
     sms, programs = _num_sms(device), batch * hv
     tile = max(16, triton.next_power_of_2(max_seqlen))
-    if tile == 64 or (tile == 16 and programs >= 2 * sms) or (tile == 32 and sms // 2 <= programs < 2 * sms):
-        return {"matrices_block_t": tile, "matrices_num_warps": 2 if tile == 16 else 4, "block_t": tile,
-                "block_v": min(32 if tile == 16 else 64, max(16, triton.next_power_of_2(dv))), "num_warps": 4,
-                "num_stages": 1}
+    if tile == 64 or (tile <= 32 and programs >= (2 * sms if tile == 16 else sms // 2)):
+        matrices_tile = 16 if tile <= 32 and programs >= 2 * sms else tile
+        return {"matrices_block_t": matrices_tile, "matrices_num_warps": 2 if matrices_tile == 16 else 4,
+                "block_t": tile, "block_v": min(32 if tile == 16 else 64, max(16, triton.next_power_of_2(dv))),
+                "num_warps": 4, "num_stages": 1}
     if programs < sms // 2:
         block_t, block_v = 16, min(32, max(16, triton.next_power_of_2(dv)))
         splits = triton.cdiv(dv, block_v)
