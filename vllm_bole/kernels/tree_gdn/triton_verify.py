@@ -8,6 +8,9 @@ reuse G, C and the inverse; earlier tiles of a long tree enter through G_rc U_c 
 
 The ancestor relation comes from a per-node bitmask built once per forest by pointer jumping
 (:func:`ancestor_bits`), so the kernel never walks parent chains.
+
+This fused kernel serves small batches and large trees; :func:`launch_config` sends the rest to the two-kernel
+path of :mod:`triton_verify_split`, which builds the per-tree matrices once instead of once per value split.
 """
 
 import torch
