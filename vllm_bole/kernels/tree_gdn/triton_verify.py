@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from .reference import TreeFactors
+from .triton_tiles import coupling, load_qk, tile_ancestor_mask, unit_lower_inverse
+from .triton_verify_split import verify_split
 
 
 @triton.jit
@@ -64,64 +66,6 @@ def ancestor_bits(parent: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: in
 
 
 @triton.jit
-def _ancestor_mask(bits, bos, rows, cols, t, W: tl.constexpr):
-    """[len(rows), len(cols)] bool: cols[j] is rows[i] or one of its ancestors (local indices)."""
-    ok = (rows[:, None] < t) & (cols[None, :] < t)
-    word = tl.load(bits + (bos + rows)[:, None] * W + (cols // 32)[None, :], mask=ok, other=0)
-    return ok & (((word >> (cols % 32)[None, :]) & 1) != 0)
-
-
-@triton.jit
-def _unit_lower_inverse(G, BT: tl.constexpr, LOG_BT: tl.constexpr, PREC: tl.constexpr):
-    """(I + G)^{-1} of a strictly lower-triangular [BT, BT] G, exact up to rounding."""
-    o = tl.arange(0, BT)
-    # First step in closed form: for 2x2 blocks, [[1, 0], [x, 1]]^{-1} = [[1, 0], [-x, 1]].
-    pairs = ((o[:, None] >> 1) == (o[None, :] >> 1)) & (o[:, None] != o[None, :])
-    M = tl.where(o[:, None] == o[None, :], 1.0, 0.0) - tl.where(pairs, G, 0.0)
-    for s in tl.static_range(1, LOG_BT):
-        # M is the inverse of I + (G restricted to 2^s-blocks); add the coupling between block pairs.
-        off = ((o[:, None] >> (s + 1)) == (o[None, :] >> (s + 1))) & ((o[:, None] >> s) != (o[None, :] >> s))
-        Gb = tl.where(off, G, 0.0)
-        M = M - tl.dot(tl.dot(M, Gb, input_precision=PREC), M, input_precision=PREC)
-    return M
-
-
-@triton.jit
-def _load_qk(ptr, stride, bos, rows, hk, o_k, t, scale, HK: tl.constexpr, DK: tl.constexpr,
-             L2NORM: tl.constexpr, BF16_DOTS: tl.constexpr):
-    """Raw rows [BT, BK] and the per-row factor (L2 norm, scale) that the math applies to them.
-
-    Dots run on the raw rows and the factors scale the results, so bf16 operands stay exact and half the
-    size; without BF16_DOTS the rows are widened to fp32 first.
-    """
-    x = tl.load(ptr + (bos + rows)[:, None] * stride + hk * DK + o_k[None, :],
-                mask=(rows < t)[:, None] & (o_k < DK)[None, :], other=0.0)
-    if not BF16_DOTS:
-        x = x.to(tl.float32)
-    if L2NORM:
-        xf = x.to(tl.float32)
-        factor = scale * tl.rsqrt(tl.sum(xf * xf, 1) + 1e-6)
-    else:
-        factor = tl.zeros([x.shape[0]], dtype=tl.float32) + scale
-    return x, factor
-
-
-@triton.jit
-def _coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos, rows, c, hv, hk, o_t, o_k, t,
-              HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
-              L2NORM: tl.constexpr, PREC: tl.constexpr, BF16_DOTS: tl.constexpr):
-    """G and C between row tile ``rows`` and an earlier column tile ``c``, and that tile's columns."""
-    cols = c * BT + o_t
-    k_c, fk_c = _load_qk(k, stride_k, bos, cols, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
-    g_c = tl.load(g_cum + (bos + cols) * HV + hv, mask=cols < t, other=0.0)
-    anc = _ancestor_mask(bits, bos, rows, cols, t, W)
-    dec = tl.where(anc, tl.exp(tl.minimum(g_r[:, None] - g_c[None, :], 0.0)), 0.0) * fk_c[None, :]
-    G = (beta_r * fk_r)[:, None] * dec * tl.dot(k_r, tl.trans(k_c), input_precision=PREC)
-    C = fq_r[:, None] * dec * tl.dot(q_r, tl.trans(k_c), input_precision=PREC)
-    return G, C, cols
-
-
-@triton.jit
 def _tree_gdn_verify_kernel(
     q, k, v, g, beta, h0, state_idx, o, k_out, u_out, g_cum, bits, cu_seqlens, scale,
     stride_q, stride_k, stride_v, stride_g, stride_beta, stride_h_slot, stride_h_head, stride_h_v,
@@ -148,7 +92,7 @@ def _tree_gdn_verify_kernel(
         acc = tl.zeros([BT], dtype=tl.float32)
         for c in range(r + 1):
             cols = c * BT + o_t
-            anc = _ancestor_mask(bits, bos, rows, cols, t, W)
+            anc = tile_ancestor_mask(bits, bos, rows, cols, t, W)
             gc = tl.load(g + (bos + cols) * stride_g + hv, mask=cols < t, other=0.0).to(tl.float32)
             acc += tl.sum(tl.where(anc, gc[None, :], 0.0), 1)
         tl.store(g_cum + (bos + rows) * HV + hv, acc, mask=rows < t)
@@ -157,20 +101,20 @@ def _tree_gdn_verify_kernel(
     for r in range(n_tiles):
         rows = r * BT + o_t
         mr = rows < t
-        q_r, fq_r = _load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM, BF16_DOTS)
-        k_r, fk_r = _load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
+        q_r, fq_r = load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM, BF16_DOTS)
+        k_r, fk_r = load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
         tl.store(k_out + ((bos + rows) * HK + hk)[:, None] * DK + o_k[None, :],
                  k_r.to(tl.float32) * fk_r[:, None], mask=(mr & writes_k)[:, None] & mk[None, :])
         g_r = tl.load(g_cum + (bos + rows) * HV + hv, mask=mr, other=0.0)
         beta_r = tl.load(beta + (bos + rows) * stride_beta + hv, mask=mr, other=0.0).to(tl.float32)
         p_r = tl.exp(g_r)
 
-        anc = _ancestor_mask(bits, bos, rows, rows, t, W)
+        anc = tile_ancestor_mask(bits, bos, rows, rows, t, W)
         decay = tl.where(anc, tl.exp(tl.minimum(g_r[:, None] - g_r[None, :], 0.0)), 0.0)
         kk = tl.dot(k_r, tl.trans(k_r), input_precision=PREC) * fk_r[:, None] * fk_r[None, :]
         G = tl.where(o_t[:, None] != o_t[None, :], beta_r[:, None] * decay * kk, 0.0)
         C = decay * tl.dot(q_r, tl.trans(k_r), input_precision=PREC) * fq_r[:, None] * fk_r[None, :]
-        M = _unit_lower_inverse(G, BT, LOG_BT, PREC)
+        M = unit_lower_inverse(G, BT, LOG_BT, PREC)
 
         # The previous tile's coupling is shared by all value blocks (trees up to 2 tiles need no other);
         # older tiles are rebuilt per value block, keeping the register footprint flat.
@@ -178,7 +122,7 @@ def _tree_gdn_verify_kernel(
         C_p = tl.zeros([BT, BT], dtype=tl.float32)
         cols_p = rows - BT
         if r > 0:
-            G_p, C_p, cols_p = _coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos, rows,
+            G_p, C_p, cols_p = coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos, rows,
                                          r - 1, hv, hk, o_t, o_k, t, HK, HV, DK, BT, W, L2NORM, PREC, BF16_DOTS)
 
         for vb in range(NVB):
@@ -207,7 +151,7 @@ def _tree_gdn_verify_kernel(
                 R -= tl.dot(G_p, u_p, input_precision=PREC)
                 O += tl.dot(C_p, u_p, input_precision=PREC)
             for c in range(r - 1):
-                G_rc, C_rc, cols = _coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos,
+                G_rc, C_rc, cols = coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos,
                                              rows, c, hv, hk, o_t, o_k, t, HK, HV, DK, BT, W, L2NORM, PREC,
                                              BF16_DOTS)
                 u_c = tl.load(u_out + ((bos + cols) * HV + hv)[:, None] * DV + o_v[None, :],
@@ -311,7 +255,6 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
     prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
     bf16_dots = q.dtype == torch.bfloat16 and not _interpreting()
     if n and batch and "matrices_block_t" in cfg:
-        from .triton_verify_split import verify_split
 
         verify_split(q, k, v, g, beta, h0, state_indices, bits, cu_seqlens, max_seqlen, o, out_factors, scale,
                      use_qk_l2norm_in_kernel, cfg, prec, bf16_dots)

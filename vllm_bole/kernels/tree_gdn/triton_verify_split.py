@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_verify import _ancestor_mask, _coupling, _load_qk, _unit_lower_inverse
+from .triton_tiles import coupling, load_qk, tile_ancestor_mask, unit_lower_inverse
 
 
 @triton.jit
@@ -27,25 +27,25 @@ def _diagonal_block(q, k, g, beta, k_out, g_cum, bits, bos, r, hv, hk, o_t, o_k,
     """Row tile r: stores its k and g_cum, returns (I + G_rr)^{-1}, C_rr and the rows the couplings reuse."""
     rows = r * BT + o_t
     mr = rows < t
-    k_r, fk_r = _load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
+    k_r, fk_r = load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
     tl.store(k_out + ((bos + rows) * HK + hk)[:, None] * DK + o_k[None, :],
              k_r.to(tl.float32) * fk_r[:, None], mask=(mr & writes_k)[:, None] & (o_k < DK)[None, :])
     # log P_i = sum of g over the ancestors of i and i itself (all in this tile or earlier ones).
     g_r = tl.zeros([BT], dtype=tl.float32)
     for c in range(r + 1):
         cols = c * BT + o_t
-        anc = _ancestor_mask(bits, bos, rows, cols, t, W)
+        anc = tile_ancestor_mask(bits, bos, rows, cols, t, W)
         gc = tl.load(g + (bos + cols) * stride_g + hv, mask=cols < t, other=0.0).to(tl.float32)
         g_r += tl.sum(tl.where(anc, gc[None, :], 0.0), 1)
     tl.store(g_cum + (bos + rows) * HV + hv, g_r, mask=mr)
     beta_r = tl.load(beta + (bos + rows) * stride_beta + hv, mask=mr, other=0.0).to(tl.float32)
 
-    anc = _ancestor_mask(bits, bos, rows, rows, t, W)
+    anc = tile_ancestor_mask(bits, bos, rows, rows, t, W)
     decay = tl.where(anc, tl.exp(tl.minimum(g_r[:, None] - g_r[None, :], 0.0)), 0.0)
     kk = tl.dot(k_r, tl.trans(k_r), input_precision=PREC) * fk_r[:, None] * fk_r[None, :]
     G = tl.where(o_t[:, None] != o_t[None, :], beta_r[:, None] * decay * kk, 0.0)
-    M = _unit_lower_inverse(G, BT, LOG_BT, PREC)
-    q_r, fq_r = _load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM, BF16_DOTS)
+    M = unit_lower_inverse(G, BT, LOG_BT, PREC)
+    q_r, fq_r = load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM, BF16_DOTS)
     C = decay * tl.dot(q_r, tl.trans(k_r), input_precision=PREC) * fq_r[:, None] * fk_r[None, :]
     return M, C, q_r, k_r, fq_r, fk_r, g_r, beta_r
 
@@ -96,7 +96,7 @@ def _tree_matrices_kernel(
                 acc_g = tl.zeros([BT, BT], dtype=tl.float32)
                 acc_c = tl.zeros([BT, BT], dtype=tl.float32)
                 for j in range(c, r):
-                    G_rj, C_rj, cols_j = _coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum,
+                    G_rj, C_rj, cols_j = coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum,
                                                    bos, rows, j, hv, hk, o_t, o_k, t, HK, HV, DK, BT, W, L2NORM,
                                                    PREC, BF16_DOTS)
                     p_jc = (bos + cols_j)[:, None] * (HV * tp) + cols_c[None, :]
@@ -119,7 +119,7 @@ def _residual(k, v, g_cum, s_hi, s_lo, s_t, bos, rows, hv, hk, o_k, o_v, t, stri
               PREC: tl.constexpr, BF16_DOTS: tl.constexpr):
     """R = V - diag(P) K S of one row tile and value block (S^T given as s_t, or bf16 hi + lo)."""
     mr = rows < t
-    k_r, fk_r = _load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
+    k_r, fk_r = load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
     p_r = tl.exp(tl.load(g_cum + (bos + rows) * HV + hv, mask=mr, other=0.0))
     b_v = tl.load(v + (bos + rows)[:, None] * stride_v + hv * DV + o_v[None, :],
                   mask=mr[:, None] & (o_v < DV)[None, :], other=0.0).to(tl.float32)
@@ -136,7 +136,7 @@ def _state_output(q, g_cum, s_hi, s_t, bos, rows, hv, hk, o_k, t, stride_q, scal
                   HV: tl.constexpr, DK: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
                   BF16_DOTS: tl.constexpr):
     """diag(P) Q S of one row tile and value block (Q S only feeds the output: S in bf16 suffices)."""
-    q_r, fq_r = _load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM, BF16_DOTS)
+    q_r, fq_r = load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM, BF16_DOTS)
     p_r = tl.exp(tl.load(g_cum + (bos + rows) * HV + hv, mask=rows < t, other=0.0))
     if BF16_DOTS:
         qs = tl.dot(q_r, tl.trans(s_hi))
