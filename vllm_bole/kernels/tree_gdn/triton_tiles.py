@@ -1,6 +1,6 @@
 """Tile building blocks shared by the tree GDN verify kernels (``triton_verify``, ``triton_verify_split``):
-the ancestor mask of a row tile against a column tile, the exact unit-lower inverse, q/k rows with their
-normalisation factors, and the coupling G, C between a row tile and an earlier column tile."""
+the ancestor mask of a row tile against a column tile, log P of a row tile, the exact unit-lower inverse, q/k
+rows with their normalisation factors, and the coupling G, C between a row tile and an earlier column tile."""
 
 import triton
 import triton.language as tl
@@ -12,6 +12,18 @@ def tile_ancestor_mask(bits, bos, rows, cols, t, W: tl.constexpr):
     ok = (rows[:, None] < t) & (cols[None, :] < t)
     word = tl.load(bits + (bos + rows)[:, None] * W + (cols // 32)[None, :], mask=ok, other=0)
     return ok & (((word >> (cols % 32)[None, :]) & 1) != 0)
+
+
+@triton.jit
+def tile_log_decay(g, bits, bos, rows, r, hv, o_t, t, stride_g, BT: tl.constexpr, W: tl.constexpr):
+    """log P of row tile ``r``: the sum of g over each row's ancestors and itself (column tiles 0..r)."""
+    acc = tl.zeros([BT], dtype=tl.float32)
+    for c in range(r + 1):
+        cols = c * BT + o_t
+        anc = tile_ancestor_mask(bits, bos, rows, cols, t, W)
+        gc = tl.load(g + (bos + cols) * stride_g + hv, mask=cols < t, other=0.0).to(tl.float32)
+        acc += tl.sum(tl.where(anc, gc[None, :], 0.0), 1)
+    return acc
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .reference import TreeFactors
-from .triton_tiles import coupling, load_qk, tile_ancestor_mask, unit_lower_inverse
+from .triton_tiles import coupling, load_qk, tile_ancestor_mask, tile_log_decay, unit_lower_inverse
 from .triton_verify_split import verify_split
 
 
@@ -89,13 +89,8 @@ def _tree_gdn_verify_kernel(
     # log P_i = sum of g over the ancestors of i and i itself.
     for r in range(n_tiles):
         rows = r * BT + o_t
-        acc = tl.zeros([BT], dtype=tl.float32)
-        for c in range(r + 1):
-            cols = c * BT + o_t
-            anc = tile_ancestor_mask(bits, bos, rows, cols, t, W)
-            gc = tl.load(g + (bos + cols) * stride_g + hv, mask=cols < t, other=0.0).to(tl.float32)
-            acc += tl.sum(tl.where(anc, gc[None, :], 0.0), 1)
-        tl.store(g_cum + (bos + rows) * HV + hv, acc, mask=rows < t)
+        tl.store(g_cum + (bos + rows) * HV + hv, tile_log_decay(g, bits, bos, rows, r, hv, o_t, t, stride_g, BT, W),
+                 mask=rows < t)
     tl.debug_barrier()
 
     for r in range(n_tiles):

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import coupling, load_qk, tile_ancestor_mask, unit_lower_inverse
+from .triton_tiles import coupling, load_qk, tile_ancestor_mask, tile_log_decay, unit_lower_inverse
 
 
 @triton.jit
@@ -30,13 +30,7 @@ def _diagonal_block(q, k, g, beta, k_out, g_cum, bits, bos, r, hv, hk, o_t, o_k,
     k_r, fk_r = load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
     tl.store(k_out + ((bos + rows) * HK + hk)[:, None] * DK + o_k[None, :],
              k_r.to(tl.float32) * fk_r[:, None], mask=(mr & writes_k)[:, None] & (o_k < DK)[None, :])
-    # log P_i = sum of g over the ancestors of i and i itself (all in this tile or earlier ones).
-    g_r = tl.zeros([BT], dtype=tl.float32)
-    for c in range(r + 1):
-        cols = c * BT + o_t
-        anc = tile_ancestor_mask(bits, bos, rows, cols, t, W)
-        gc = tl.load(g + (bos + cols) * stride_g + hv, mask=cols < t, other=0.0).to(tl.float32)
-        g_r += tl.sum(tl.where(anc, gc[None, :], 0.0), 1)
+    g_r = tile_log_decay(g, bits, bos, rows, r, hv, o_t, t, stride_g, BT, W)
     tl.store(g_cum + (bos + rows) * HV + hv, g_r, mask=mr)
     beta_r = tl.load(beta + (bos + rows) * stride_beta + hv, mask=mr, other=0.0).to(tl.float32)
 
