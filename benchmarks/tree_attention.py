@@ -10,10 +10,10 @@ For every batch B, committed prefix P and nodes per request T (a random tree per
   prefix_us  FlashAttention's prefix pass alone (the split route's first part)
   fa3_us     vLLM's FlashAttention forward on the same B*T query tokens with the plain causal mask (the chain
              case), with the ahead-of-time schedule vLLM's metadata builder gives it
-  flex_us    torch FlexAttention (compiled, shapes dynamic after the first: one compile for the sweep, but
-             kernels slower than per-shape compiles, e.g. 940 vs 303 us at B=8, prefix 1024, 16 nodes) with
-             the ancestor mask, over the same K/V laid out densely per request (no paging: a favourable
-             setting for it); its block mask is built outside the timing
+  flex_us    torch FlexAttention (compiled per shape; with --flex-dynamic, shapes dynamic after the first: one
+             compile for the sweep, but slower kernels, e.g. 940 vs 303 us at B=8, prefix 1024, 16 nodes; the
+             row's "flex_compile" says which) with the ancestor mask, over the same K/V laid out densely per
+             request (no paging: a favourable setting for it); its block mask is built outside the timing
 It first checks both routes and FlexAttention against the torch reference on a few batches (several requests,
 prefixes 0..1500, mixed tree shapes, vLLM's hybrid block sizes) and aborts on a mismatch or a NaN.
 
@@ -271,6 +271,8 @@ def main():
     ap.add_argument("--append", action="store_true", help="keep the other shapes' rows already in --out")
     ap.add_argument("--configs", nargs="+", default=list(CANDIDATES), help="launch configurations to time")
     ap.add_argument("--rederive", action="store_true", help="re-apply the rules to --out's rows and print")
+    ap.add_argument("--flex-dynamic", action="store_true",
+                    help="compile FlexAttention once with dynamic shapes (faster sweep, slower Flex kernels)")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--sets", type=int, default=4, help="rotated input sets per timing")
     ap.add_argument("--reps", type=int, default=30)
@@ -284,8 +286,9 @@ def main():
         return
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else DEV
     impl = make_impl()
-    torch._dynamo.config.recompile_limit = 64     # FlexAttention's mask functions differ per input set
-    flex = torch.compile(flex_attention)
+    # FlexAttention's mask functions differ per input set, and per-shape compiles recompile for every shape.
+    torch._dynamo.config.recompile_limit = 1024
+    flex = torch.compile(flex_attention, dynamic=None if args.flex_dynamic else False)
     print(f"device: {gpu}; FlashAttention {impl.vllm_flash_attn_version}; block size {args.block_size}", flush=True)
     self_check(impl, flex, sorted({16, 272, 528, args.block_size}), args.configs, args.block_size)
     timer = Timer(DEV, args.reps)
@@ -299,6 +302,7 @@ def main():
     for batch, prefix, nodes in points:
         row = bench_point(batch, prefix, nodes, args, timer, impl, flex)
         row["gpu"] = gpu
+        row["flex_compile"] = "dynamic" if args.flex_dynamic else "per-shape"
         rows.append(row)
         print(json.dumps(row), flush=True)
         all_rows = sorted(kept + rows, key=lambda r: (r["nodes"], r["prefix"], r["B"]))
