@@ -147,8 +147,14 @@ def test_verify_split_kernels(config, spec, dtype):
                  seed_params=("split", spec))
 
 
+# Both paths whatever launch_config would pick at these small shapes on this device.
+BOTH_PATHS = {"fused": dict(block_t=16, block_v=16, v_splits=1, num_warps=4),
+              "two-kernels": SPLIT_CONFIGS["many-tiles"]}
+
+
+@pytest.mark.parametrize("path", BOTH_PATHS)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_verify_reads_state_slots_in_place_and_fills_given_factor_buffers(state_dtype):
+def test_verify_reads_state_slots_in_place_and_fills_given_factor_buffers(state_dtype, path):
     """As the GDN layer calls it: the whole strided state cache plus slot indices, per-forest hints
     (max_seqlen, ancestor bits) and one layer's slice of a step-wide factor buffer."""
     spec = [("random", 9), ("deep", 20), ("single", 1), ("kary2", 6)]
@@ -169,7 +175,7 @@ def test_verify_reads_state_slots_in_place_and_fills_given_factor_buffers(state_
     max_t = max(t for _, t in spec)
     o, f = tv.tree_gdn_verify(q, k, v, g, beta, cache, parent, cu, use_qk_l2norm_in_kernel=True,
                               state_indices=slots, max_seqlen=max_t, bits=tv.ancestor_bits(parent, cu, max_t),
-                              out_factors=layer)
+                              out_factors=layer, config=BOTH_PATHS[path])
     assert f is layer
     o_ref, f_ref = gdn_ref.tree_gdn_verify(*[t.cpu() for t in (q, k, v, g, beta, cache.float(), parent, cu)],
                                            use_qk_l2norm_in_kernel=True, state_indices=slots.cpu())
@@ -394,7 +400,8 @@ def _padded(parent, cu, extra_rows, extra_reqs):
     return pad_parent, pad_cu
 
 
-def test_verify_on_a_padded_forest_matches_the_reference_on_the_real_one():
+@pytest.mark.parametrize("path", BOTH_PATHS)
+def test_verify_on_a_padded_forest_matches_the_reference_on_the_real_one(path):
     spec = [("random", 9), ("deep", 20), ("single", 1)]
     parent, cu = forest(spec, "padded")
     hk, hv, dk, dv, extra_rows, extra_reqs = 1, 2, 16, 16, 6, 3
@@ -411,7 +418,7 @@ def test_verify_on_a_padded_forest_matches_the_reference_on_the_real_one():
     bound = 40                                                                          # > every tree
     o, f = tv.tree_gdn_verify(pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(g), pad_rows(beta), cache,
                               p_parent, p_cu, use_qk_l2norm_in_kernel=True, state_indices=slots, max_seqlen=bound,
-                              bits=tv.ancestor_bits(p_parent, p_cu, bound))
+                              bits=tv.ancestor_bits(p_parent, p_cu, bound), config=BOTH_PATHS[path])
     o_ref, f_ref = gdn_ref.tree_gdn_verify(*[t.cpu() for t in (q, k, v, g, beta, s0, parent, cu)],
                                            use_qk_l2norm_in_kernel=True)
     for got, want in ((o[:n], o_ref), (f.u[:n], f_ref.u), (f.k[:n], f_ref.k), (f.g_cum[:n], f_ref.g_cum)):
