@@ -24,9 +24,9 @@ into ``--out``, so several invocations fill one table.
 Per batch size B: B token-id prompts of ``--prompt-len`` tokens, a warm-up ``generate`` of ``--warmup-tokens``
 tokens (default: as long as the timed one, so every step shape has run once), then a timed ``generate`` of
 ``--new-tokens`` tokens (ignore_eos), repeated until ``--min-timed-s`` of wall time and at least
-``--min-timed-runs`` times (at most ``--max-timed-runs``): tok/s = the median over those runs of generated tokens / wall time; mean accepted tokens per step =
-1 + accepted / drafts from vLLM's spec-decode counters over the timed run (tokens per request per verification
-step, bonus token included). Concurrency: vLLM's "maximum concurrency for
+``--min-timed-runs`` times (at most ``--max-timed-runs``): tok/s = the median over those runs of generated tokens /
+wall time; mean accepted tokens per step = 1 + accepted / drafts from vLLM's spec-decode counters over the timed
+run (tokens per request per verification step, bonus token included). Concurrency: vLLM's "maximum concurrency for
 max_model_len tokens per request" of the engine's KV cache config (``get_kv_cache_capacity``, with
 ``--max-model-len``, default 2048), at the KV cache size recorded in the JSON.
 

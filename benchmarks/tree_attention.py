@@ -25,8 +25,8 @@ Every candidate configuration (--configs) is timed in both routes at every shape
 one run; --rederive re-applies the current rules to the rows of --out (no GPU needed).
 
 Usage: python benchmarks/tree_attention.py [--quick] [--batch ..] [--prefix ..] [--nodes ..] [--append]
-       [--shapes B,P,T ..] [--configs ..] [--block-size N] [--reps N] [--sets N] [--rederive]   (--append merges the rows into an
-       existing --out file, so a sweep can run in parts)
+       [--shapes B,P,T ..] [--configs ..] [--block-size N] [--reps N] [--sets N] [--flex-dynamic] [--rederive]
+       (--append merges the rows into an existing --out file, so a sweep can run in parts)
 Needs a CUDA build of vLLM 0.26 (FlashAttention 3 on Hopper).
 """
 
@@ -191,9 +191,8 @@ def apply_rules(row):
     group, dev = HQ // HKV, torch.device("cuda")
     row["route"] = "single" if tree_attn_gpu.reads_prefix_itself(row["prefix"] + row["nodes"],
                                                                  row["B"] * row["nodes"]) else "split"
-    for route in ROUTES:
-        cfg = triton_tree_attn.launch_config(group, D, row["nodes"], row["B"], dev)
-        name = triton_tree_attn.config_name(cfg, group)
+    name = triton_tree_attn.config_name(triton_tree_attn.launch_config(group, D, row["nodes"], row["B"], dev), group)
+    for route in ROUTES:   # one launch configuration serves both routes
         row[f"{route}_config"] = name
         row[f"{route}_us"] = row["configs"][route].get(name)
     row["tree_us"] = row[f"{row['route']}_us"]

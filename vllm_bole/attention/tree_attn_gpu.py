@@ -8,12 +8,13 @@ prefix plus their visible region keys. vLLM 0.26 writes the step's K/V before ``
   the two in its epilogue;
 - "single": the tree kernel alone reads prefix and region (one launch; each program walks its prefix alone).
 The route rule (:func:`reads_prefix_itself`), fit to the H200 sweep of benchmarks/tree_attention.py (B 1/8/32,
-prefix 128/1024/4096, 4/16/64 nodes per request; Qwen3.5-9B heads): "single" iff the longest sequence is at
-most ``INLINE_PREFIX_MAX_SEQ`` (512) keys and the step has at most ``INLINE_MAX_TREE_ROWS`` (1024) tree rows.
-Measured: "single" is faster at every shape with a 128-token prefix up to 512 tree rows (e.g. B=8, 16 nodes: 14.0 vs 17.6 us), "split" at B=32 x 64 nodes (2048 rows: 65.8 vs 80.3 us)
-and at every 1024- or 4096-token prefix (e.g. B=32, 4 nodes, 1024: 49.0 vs 78.4 us). The rule reads host
-values only (longest sequence, tree rows), so a CUDA graph's key carries it: the graphs of
-worker/verify_graphs.py and spec_decode/{draft,beam}_graphs.py apply it to their padded token counts.
+prefix 128/1024/4096, 4/16/64 nodes per request; Qwen3.5-9B heads): "single" iff the longest sequence is at most
+``INLINE_PREFIX_MAX_SEQ`` (512) keys and the step has at most ``INLINE_MAX_TREE_ROWS`` (1024) tree rows. Measured:
+"single" is faster at every shape with a 128-token prefix up to 512 tree rows (e.g. B=8, 16 nodes: 14.0 vs 17.6
+us), "split" at B=32 x 64 nodes (2048 rows: 65.8 vs 80.3 us) and at every 1024- or 4096-token prefix (e.g. B=32, 4
+nodes, 1024: 49.0 vs 78.4 us). The rule reads host values only (longest sequence, tree rows), so a CUDA graph's key
+carries it: the graphs of worker/verify_graphs.py and spec_decode/{draft,beam}_graphs.py apply it to their padded
+token counts.
 When every row of the batch is a tree row, vLLM's causal pass is skipped; otherwise (prefills in the same
 step) it runs first, and the tree kernel overwrites the tree rows.
 """
