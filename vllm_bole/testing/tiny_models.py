@@ -643,7 +643,8 @@ def engine_kwargs(kind: str = "qwen3_5") -> dict:
 
     On CPU also set ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) and ``HF_HUB_OFFLINE=1``. On a GPU,
     ``VLLM_BOLE_TEST_CUDA_GRAPHS=1`` runs the engines with torch.compile and CUDA graphs (a few small capture
-    sizes) instead of eagerly, so tests cover the graph paths too.
+    sizes) instead of eagerly, so tests cover the graph paths too; ``VLLM_BOLE_TEST_GPU_SHARE=0.15`` lets
+    several engines share the GPU (``pytest -n``).
     """
     kwargs = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8}
 
@@ -653,6 +654,12 @@ def engine_kwargs(kind: str = "qwen3_5") -> dict:
         if os.environ.get("VLLM_BOLE_TEST_CUDA_GRAPHS") == "1":
             kwargs["enforce_eager"] = False
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]}
+        share = os.environ.get("VLLM_BOLE_TEST_GPU_SHARE")
+        if share:
+            # Engines side by side on one GPU (pytest -n): each takes this share, with a fixed KV cache so that
+            # no engine's memory profile counts another's allocations.
+            kwargs["gpu_memory_utilization"] = float(share)
+            kwargs["kv_cache_memory_bytes"] = 1 << 30
     if kind == "qwen3_5":
         kwargs["language_model_only"] = True
     else:
