@@ -26,6 +26,7 @@ one run; --rederive re-applies the current rules to the rows of --out (no GPU ne
 
 Usage: python benchmarks/tree_attention.py [--quick] [--batch ..] [--prefix ..] [--nodes ..] [--append]
        [--shapes B,P,T ..] [--configs ..] [--block-size N] [--reps N] [--sets N] [--flex-dynamic] [--rederive]
+       [--no-flex] [--no-check] [--commit C] [--kernels]
        (--append merges the rows into an existing --out file, so a sweep can run in parts)
 Needs a CUDA build of vLLM 0.26 (FlashAttention 3 on Hopper).
 """
@@ -65,8 +66,8 @@ SWEEP = dict(batch=(1, 8, 32), prefix=(128, 1024, 4096), nodes=(4, 16, 64))
 QUICK = ((1, 128, 4), (1, 4096, 16), (8, 1024, 16), (32, 128, 64), (32, 4096, 64))
 ROUTES = ("split", "single")
 # Launch configurations of the tree kernel timed at every shape (names as triton_tree_attn.config_name).
-CANDIDATES = ("r64n32w8s1", "r16n32w4s2", "r16n64w4s2", "r32n32w4s2", "r64n32w8s2", "r64n64w8s2", "r128n32w8s2",
-              "r16n32w4s2m168", "r32n32w4s2m168", "r64n32w4s2m168", "r32n64w4s3m168")
+CANDIDATES = ("r16n32w4s3", "r16n32w4s2", "r64n32w8s1", "r64n16w4s3", "r64n32w4s3v2", "r32n32w4s3", "r64n32w8s3",
+              "r128n32w8s3")
 DEV = "cuda"
 
 
@@ -168,8 +169,7 @@ def make_impl():
 
 
 def parse_config(name, max_rows):
-    r, n, w, s, m = re.fullmatch(r"r(\d+)n(\d+)w(\d+)s(\d+)(?:m(\d+))?", name).groups()
-    return triton_tree_attn.tile_config(int(r), int(n), int(w), int(s), HQ // HKV, max_rows, m and int(m))
+    return triton_tree_attn.parse_config(name, HQ // HKV, max_rows)
 
 
 def with_route(route, fn, config=None):
@@ -191,8 +191,9 @@ def apply_rules(row):
     group, dev = HQ // HKV, torch.device("cuda")
     row["route"] = "single" if tree_attn_gpu.reads_prefix_itself(row["prefix"] + row["nodes"],
                                                                  row["B"] * row["nodes"]) else "split"
-    name = triton_tree_attn.config_name(triton_tree_attn.launch_config(group, D, row["nodes"], row["B"], dev), group)
-    for route in ROUTES:   # one launch configuration serves both routes
+    for route in ROUTES:
+        cfg = triton_tree_attn.launch_config(group, D, row["nodes"], row["B"], dev, merge=route == "split")
+        name = triton_tree_attn.config_name(cfg, group)
         row[f"{route}_config"] = name
         row[f"{route}_us"] = row["configs"][route].get(name)
     row["tree_us"] = row[f"{row['route']}_us"]
@@ -218,8 +219,9 @@ def self_check(impl, flex, block_sizes, configs, sweep_block_size):
             for route in ROUTES:
                 results[f"{route} {name}"] = with_route(route, lambda: step.tree(impl).clone(), cfg)
         try:
-            step.build_flex()
-            results["flex"] = step.flex_attention(flex)
+            if flex is not None:
+                step.build_flex()
+                results["flex"] = step.flex_attention(flex)
         except Exception as e:  # Flex's templates may not fit every shape; the sweep then reports no time
             print(f"check block size {bs}: FlexAttention failed: {type(e).__name__}: {e}", flush=True)
         for name, got in results.items():
@@ -247,9 +249,11 @@ def bench_point(batch, prefix, nodes, args, timer, impl, flex):
         impl, s.query, s.kv_cache, s.meta, s.rows.prefix_lens(s.meta.seq_lens), s.output) for s in steps])
     row["fa3_us"] = timer([lambda s=s: s.chain(impl) for s in steps])
     try:
-        for s in steps:
-            s.build_flex()
-        row["flex_us"] = timer([lambda s=s: s.flex_attention(flex) for s in steps])
+        row["flex_us"] = None
+        if flex is not None:
+            for s in steps:
+                s.build_flex()
+            row["flex_us"] = timer([lambda s=s: s.flex_attention(flex) for s in steps])
     except Exception as e:  # Flex's templates may not fit every shape
         print(f"B={batch} P={prefix} T={nodes}: FlexAttention failed: {type(e).__name__}: {e}", flush=True)
         row["flex_us"] = None
@@ -272,6 +276,10 @@ def main():
     ap.add_argument("--rederive", action="store_true", help="re-apply the rules to --out's rows and print")
     ap.add_argument("--flex-dynamic", action="store_true",
                     help="compile FlexAttention once with dynamic shapes (faster sweep, slower Flex kernels)")
+    ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its compiles take minutes)")
+    ap.add_argument("--no-check", action="store_true", help="skip the check against the reference (the tests' job)")
+    ap.add_argument("--commit", help="recorded in every row (the code's commit)")
+    ap.add_argument("--kernels", action="store_true", help="print every compiled tree kernel's registers at the end")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--sets", type=int, default=4, help="rotated input sets per timing")
     ap.add_argument("--reps", type=int, default=30)
@@ -287,9 +295,10 @@ def main():
     impl = make_impl()
     # FlexAttention's mask functions differ per input set, and per-shape compiles recompile for every shape.
     torch._dynamo.config.recompile_limit = 1024
-    flex = torch.compile(flex_attention, dynamic=None if args.flex_dynamic else False)
+    flex = None if args.no_flex else torch.compile(flex_attention, dynamic=None if args.flex_dynamic else False)
     print(f"device: {gpu}; FlashAttention {impl.vllm_flash_attn_version}; block size {args.block_size}", flush=True)
-    self_check(impl, flex, sorted({16, 272, 528, args.block_size}), args.configs, args.block_size)
+    if not args.no_check:
+        self_check(impl, flex, sorted({16, 272, 528, args.block_size}), args.configs, args.block_size)
     timer = Timer(DEV, args.reps)
     points = QUICK if args.quick else [(b, p, t) for t in args.nodes for p in args.prefix for b in args.batch]
     if args.shapes:
@@ -301,13 +310,31 @@ def main():
     for batch, prefix, nodes in points:
         row = bench_point(batch, prefix, nodes, args, timer, impl, flex)
         row["gpu"] = gpu
-        row["flex_compile"] = "dynamic" if args.flex_dynamic else "per-shape"
+        row["flex_compile"] = None if args.no_flex else "dynamic" if args.flex_dynamic else "per-shape"
+        if args.commit:
+            row["commit"] = args.commit
         rows.append(row)
         print(json.dumps(row), flush=True)
         all_rows = sorted(kept + rows, key=lambda r: (r["nodes"], r["prefix"], r["B"]))
         out.write_text(json.dumps(all_rows, indent=1) + "\n")     # after every point: a cut-short run keeps its rows
 
     print_table(all_rows)
+    if args.kernels:
+        kernel_report()
+
+
+def kernel_report():
+    """Registers, spills and shared memory of every tree-kernel variant this process compiled."""
+    fn = triton_tree_attn._tree_attn_kernel
+    names = fn.arg_names
+    for kernel_cache, *_ in fn.device_caches.values():
+        for ck in kernel_cache.values():
+            c = {names[k[0]]: v for k, v in ck.src.constants.items() if names[k[0]].isupper()}
+            md = ck.metadata
+            print(f"tree kernel BM={c.get('BM')} BN={c.get('BN')} DV={c.get('DV')} NPG={c.get('NPG')} "
+                  f"MERGE={c.get('MERGE')} EARLY={c.get('EARLY')} warps={md.num_warps} stages={md.num_stages}: "
+                  f"{getattr(ck, 'n_regs', '?')} registers, {getattr(ck, 'n_spills', '?')} spilled, "
+                  f"{md.shared} B shared", flush=True)
 
 
 def print_table(rows):

@@ -120,7 +120,8 @@ MODES = ("inline", "merge", "merge_in_place")
 
 
 def run_kernel(batch: Batch, mode: str, *, config=None, max_rows=None):
-    """The kernel's output (on the host) with untouched rows set to 7."""
+    """The kernel's output (on the host) with untouched rows set to 7. The single route gets the batch's longest
+    sequence as its bound, as the backend passes it (its blocks then come from a table where they are few)."""
     dq, dkv = _to_dev_view(batch.q), _to_dev_view(batch.kv)
     rows = DeviceTreeRows.pack(batch.tree_rows, DEV)
     out = torch.full_like(dq, 7.0)
@@ -134,7 +135,7 @@ def run_kernel(batch: Batch, mode: str, *, config=None, max_rows=None):
     got = ta.tree_attention_paged(dq, dkv, batch.block_table.to(DEV),
                                   torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEV), rows.meta,
                                   rows.bits, batch.scale, max_rows=max_rows or rows.max_rows, out=out,
-                                  config=config, **kw)
+                                  config=config, max_seq_len=max(batch.seq_lens), **kw)
     assert got is out and got.dtype == batch.q.dtype
     return got.cpu()
 
@@ -247,6 +248,41 @@ def test_tile_sizes(block_m, block_n):
                 seed_params=(block_m, block_n)), config=cfg)
 
 
+@pytest.mark.parametrize("table", [0, 1, 4, 16])
+@pytest.mark.parametrize("bs", [16, 64])
+def test_block_table_in_registers_or_read_per_key(table, bs):
+    # The key loop's blocks from a table of the first blocks it reads (single route: the sequence's; split
+    # route: from the region's first block on) or read per key (0). Regions that start inside a block and
+    # cross one, trees longer than a block, prefixes of whole blocks and none.
+    spec = [("random", 20), ("kary3", 13), ("chain", 3), ("deep", 37), ("single", 1)]
+    prefixes = [2 * bs - 5, bs, 0, 3, 0] if table != 1 else [bs - 7, 0, bs + 2, 1, 2 * bs]
+    if table == 1:     # one block: every region within one block
+        spec = [("random", 7), ("kary3", 5), ("chain", 3), ("single", 1), ("star", 4)]
+        prefixes = [3, 0, bs + 2, 1, 2 * bs]
+    batch = Batch(spec, prefixes, bs=bs, seed_params=("table", table, bs))
+    cfg = ta.tile_config(16, 16, 4, 1, 2, max(batch.rows_of)) | {"table_blocks": table}
+    modes = MODES if table in (0, 16) else ("merge",)      # a table covers a whole sequence only when it is large
+    check(batch, config=cfg, modes=modes)
+
+
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_value_parts_and_prefix_partial_timing(early, parts):
+    # Programs of one tile each accumulating half the value columns; the prefix partial read before or after
+    # the key loop.
+    cfg = ta.tile_config(32, 32, 4, 2, 4, 64, value_parts=parts) | {"early": early}
+    check(Batch([("random", 23), ("chain", 6), ("kary2", 40, 9)], [50, 0, 17], hq=8, hkv=2, d=32,
+                seed_params=("parts", parts, early)), config=cfg)
+
+
+def test_config_names_round_trip():
+    for name in ("r16n32w4s3", "r64n32w4s3v2", "r64n32w8s1", "r32n16w4s2m168", "r128n64w8s4v2m200"):
+        assert ta.config_name(ta.parse_config(name, 4, 64), 4) == name
+    assert ta.table_blocks(304, 64, None, True) == 2 and ta.table_blocks(16, 64, None, True) == 8
+    assert ta.table_blocks(304, 64, 512, False) == 2 and ta.table_blocks(16, 64, 512, False) == 0
+    assert ta.table_blocks(16, 64, None, False) == 0 and ta.table_blocks(304, 32, 4160, False) == 16
+
+
 def test_capacity_grid_and_requests_without_trees():
     # Batch requests without a tree (no TreeRows) and a grid sized for capacity, not for the step's rows.
     batch = Batch([("random", 12), ("chain", 5), ("kary2", 6)], [20, 3, 8], gap_rows=1, seed_params=("capacity",))
@@ -287,21 +323,23 @@ def test_launch_config_fits_every_step(group, max_rows, num_trees):
     assert cfg["block_m"] * gp == (16 if small else max(16, min(64, gp * (1 << (max_rows - 1).bit_length()))))
 
 
-# Launch configurations the benchmark times (rows, keys per step, warps, stages, register cap).
-GPU_TILES = [(64, 32, 8, 1, None), (16, 32, 4, 2, None), (16, 64, 4, 2, None), (32, 32, 4, 2, None),
-             (64, 32, 8, 2, None), (64, 64, 8, 2, None), (128, 32, 8, 2, None), (16, 32, 4, 2, 168),
-             (32, 32, 4, 2, 168), (64, 32, 4, 2, 168), (32, 64, 4, 3, 168)]
+# Launch configurations the benchmark times (benchmarks/tree_attention.py's CANDIDATES) and the rule's.
+GPU_TILES = ["r16n32w4s3", "r16n32w4s2", "r64n32w8s1", "r64n16w4s3", "r64n32w4s3v2", "r32n32w4s3", "r64n32w8s3",
+             "r128n32w8s3"]
 
 
 @needs_gpu
-@pytest.mark.parametrize("tile", GPU_TILES, ids=lambda t: ta.config_name(ta.tile_config(*t[:4], 4, 64, t[4]), 4))
-def test_real_shape_launch_configs(tile):
+@pytest.mark.parametrize("name", GPU_TILES)
+def test_real_shape_launch_configs(name):
     # The benchmark's block size; a wide tree, a drafter level, a deep one, a single node, a small chain.
     spec = [("kary4", 64), ("random", 40, 33), ("deep", 37), ("single", 1), ("chain", 5)]
     batch = Batch(spec, [4000, 300, 0, 1200, 77], hq=16, hkv=4, d=256, bs=304, dtype=torch.bfloat16,
-                  layout="heads_inner", seed_params=tile)
-    rows, block_n, warps, stages, cap = tile
-    check(batch, config=ta.tile_config(rows, block_n, warps, stages, 4, 64, cap))
+                  layout="heads_inner", seed_params=(name,))
+    check(batch, config=ta.parse_config(name, 4, 64))
+    # Short sequences: the single route's blocks from a table.
+    short = Batch([("kary4", 64), ("random", 40, 33), ("single", 1), ("chain", 5)], [128, 300, 0, 500], hq=16,
+                  hkv=4, d=256, bs=304, dtype=torch.bfloat16, layout="heads_inner", seed_params=(name, "short"))
+    check(short, config=ta.parse_config(name, 4, 64))
 
 
 # --------------------------------------------------------------------------------------------------------

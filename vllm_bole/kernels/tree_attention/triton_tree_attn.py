@@ -12,18 +12,21 @@ Tree rows (built once per forward by ``worker.forest_context.DeviceTreeRows``): 
 its committed prefix, and its n query rows are the region's last n positions. Query row r sees region key j
 iff bit ``j % 32`` of ``bits[first + r, j // 32]`` is set (its ancestors and itself).
 
-:func:`tree_attention_paged`: one program per (tree request, KV head, tile of ``BM`` rows), every query head of
-that KV head's GQA group in the same tile (``BM * group`` query rows), online softmax in fp32 over the region
-keys its rows see. The committed prefix either comes from FlashAttention's non-causal pass over it
+:func:`tree_attention_paged`: one program per (tile of ``BM`` rows [, part of the value columns], KV head, tree
+request), every query head of that KV head's GQA group in the same tile (``BM * group`` query rows), online
+softmax in fp32 over one loop of key tiles: the committed prefix, then the region keys its rows see (tiles aligned
+to the ancestor-bit words). The committed prefix either comes from FlashAttention's non-causal pass over it
 (``prefix_out`` / ``prefix_lse``, merged in the epilogue; FlashAttention splits long prefixes over the whole
-GPU) or is read by the same programs first (one launch, for short prefixes). No host sync and no allocation,
-so it can run between CUDA-graph pieces or inside a graph.
+GPU) or is read by the same programs first (one launch, for short prefixes). Where the loop spans few cache
+blocks their ids sit in registers, so no load of the loop depends on another and the key tiles are fetched
+stages ahead. No host sync and no allocation, so it can run between CUDA-graph pieces or inside a graph.
 
 :func:`compact_kv_paged`: moves K/V from source slots to destination slots for every layer in one launch,
 layers reached through a table of cache base addresses (like the GDN commit).
 """
 
 import math
+import re
 
 import torch
 import triton
@@ -44,18 +47,30 @@ def _interpreting() -> bool:
 # Tree attention
 # ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def _attend(Q, m_i, l_i, acc, kv_head, bt_row, pos, pos_ok, visible, scale_log2, kv_s0, kv_s2, kv_s3,
-            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """One online-softmax step over the keys at request positions ``pos`` (``visible``: [rows, keys])."""
-    blk = tl.load(bt_row + pos // BS, mask=pos_ok, other=0).to(tl.int64)
+def _kv_tile(kv_head, bt_row, table, pg0, pos, ok, kv_s0, kv_s2, kv_s3, dv0, D: tl.constexpr, DP: tl.constexpr,
+             DV: tl.constexpr, BS: tl.constexpr, NPG: tl.constexpr, DOT_F32: tl.constexpr):
+    """K ``[keys, DP]`` and the program's V columns ``dv0 ..`` ``[keys, DV]`` at request positions ``pos``
+    (zeros where not ``ok``: nothing outside the request is read). With ``NPG`` the blocks come from ``table``
+    (the request's blocks from block ``pg0`` on, in registers), so the loads of a key tile depend on no other
+    load of the loop and the compiler can issue them stages ahead."""
+    if NPG > 0:
+        blk = tl.gather(table, tl.minimum(tl.maximum(pos // BS - pg0, 0), NPG - 1), 0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // BS, mask=ok, other=0).to(tl.int64)
     base = blk * kv_s0 + (pos % BS).to(tl.int64) * kv_s2
     d = tl.arange(0, DP)
-    m2 = pos_ok[:, None] & (d < D)[None, :]
-    K = tl.load(kv_head + base[:, None] + d[None, :] * kv_s3, mask=m2, other=0.0)
-    V = tl.load(kv_head + base[:, None] + (d + D)[None, :] * kv_s3, mask=m2, other=0.0)
+    e = dv0 + tl.arange(0, DV)
+    K = tl.load(kv_head + base[:, None] + d[None, :] * kv_s3, mask=ok[:, None] & (d < D)[None, :], other=0.0)
+    V = tl.load(kv_head + base[:, None] + (e + D)[None, :] * kv_s3, mask=ok[:, None] & (e < D)[None, :], other=0.0)
     if DOT_F32:
         K = K.to(tl.float32)
         V = V.to(tl.float32)
+    return K, V
+
+
+@triton.jit
+def _attend(Q, m_i, l_i, acc, K, V, visible, scale_log2, PREC: tl.constexpr):
+    """One online-softmax step over a key tile (``visible``: [rows, keys])."""
     s = tl.dot(Q, tl.trans(K), input_precision=PREC) * scale_log2
     s = tl.where(visible, s, float("-inf"))
     # m_i starts finite (-1e30), so a row with nothing visible in this tile gets p = 0 and alpha = 1.
@@ -68,13 +83,12 @@ def _attend(Q, m_i, l_i, acc, kv_head, bt_row, pos, pos_ok, visible, scale_log2,
 
 
 @triton.jit
-def _prefix_partial(prefix_out, prefix_lse, row, head, d, md, has, p_s0, p_s1, lse_s0, lse_s1):
-    """FlashAttention's prefix partial of the tile's rows: LSE in log2 units and the normalised output. An
-    empty prefix is never read (its rows may hold anything), so the LSE sentinels of FA2 (+inf) and FA3
-    (-inf) never matter."""
-    lse_p = tl.load(prefix_lse + head * lse_s0 + row * lse_s1, mask=has, other=float("-inf"))
-    o_p = tl.load(prefix_out + (row * p_s0 + head * p_s1)[:, None] + d[None, :], mask=has[:, None] & md,
-                  other=0.0)
+def _prefix_partial(prefix_out, prefix_lse, row, head, e, me, row_ok, p_s0, p_s1, lse_s0, lse_s1):
+    """FlashAttention's prefix partial of the tile's rows (LSE in log2 units, normalised output columns ``e``).
+    Read whatever the prefix length: rows of an empty prefix may hold anything (FA2 writes +inf LSE, FA3 -inf,
+    NaN elsewhere) and the epilogue selects them away, so the loads need not wait for ``seq_lens``."""
+    lse_p = tl.load(prefix_lse + head * lse_s0 + row * lse_s1, mask=row_ok, other=float("-inf"))
+    o_p = tl.load(prefix_out + (row * p_s0 + head * p_s1)[:, None] + e[None, :], mask=me, other=0.0)
     return lse_p * 1.4426950408889634, o_p
 
 
@@ -82,10 +96,16 @@ def _prefix_partial(prefix_out, prefix_lse, row, head, d, md, has, p_s0, p_s1, l
 def _tree_attn_kernel(
     q, kv, out, prefix_out, prefix_lse, block_table, seq_lens, meta, bits, words, scale_log2, meta_s0,
     q_s0, q_s1, o_s0, o_s1, p_s0, p_s1, lse_s0, lse_s1, kv_s0, kv_s1, kv_s2, kv_s3, bt_s0,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, MERGE: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, NPG: tl.constexpr, MERGE: tl.constexpr, EARLY: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
-    i, hkv, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Tiles (and value-column parts) of one (request, KV head) are neighbours in launch order, so they read
+    # that request's K/V from L2 at about the same time.
+    pid, hkv, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NDV: tl.constexpr = DP // DV
+    tile = pid // NDV
+    dv0 = (pid % NDV) * DV
     fields = meta + i * meta_s0
     b = tl.load(fields)
     row0 = tl.load(fields + 1)
@@ -95,7 +115,6 @@ def _tree_attn_kernel(
     m0 = tile * BM
     if m0 >= n:
         return
-    prefix = tl.load(seq_lens + b) - t
     R: tl.constexpr = BM * GP
     r = tl.arange(0, R)
     node = m0 + r // GP                      # query row of the request
@@ -104,71 +123,106 @@ def _tree_attn_kernel(
     head = hkv * G + g
     row = (row0 + node).to(tl.int64)
     d = tl.arange(0, DP)
-    md = row_ok[:, None] & (d < D)[None, :]
-    Q = tl.load(q + (row * q_s0 + head * q_s1)[:, None] + d[None, :], mask=md, other=0.0)
+    Q = tl.load(q + (row * q_s0 + head * q_s1)[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :],
+                other=0.0)
     if DOT_F32:
         Q = Q.to(tl.float32)
+    e = dv0 + tl.arange(0, DV)
+    me = row_ok[:, None] & (e < D)[None, :]
     if MERGE:
-        # Small tiles load the prefix partial now, so its latency hides behind the key loop.
-        if R <= 64:
-            lse_p, o_p = _prefix_partial(prefix_out, prefix_lse, row, head, d, md, row_ok & (prefix > 0),
-                                         p_s0, p_s1, lse_s0, lse_s1)
+        if EARLY:   # its latency hides behind the keys
+            lse_p, o_p = _prefix_partial(prefix_out, prefix_lse, row, head, e, me, row_ok, p_s0, p_s1, lse_s0,
+                                         lse_s1)
+    prefix = tl.load(seq_lens + b) - t
     m_i = tl.full([R], -1e30, tl.float32)
     l_i = tl.zeros([R], tl.float32)
-    acc = tl.zeros([R, DP], tl.float32)
+    acc = tl.zeros([R, DV], tl.float32)
     bt_row = block_table + b.to(tl.int64) * bt_s0
     kv_head = kv + hkv.to(tl.int64) * kv_s1
-    cols = tl.arange(0, BN)
-    bit_row = (bit0 + node).to(tl.int64) * words
 
-    # One loop over the keys: the committed prefix (every key visible; read here only without MERGE), then
-    # the region up to the tile's last row (a row sees no key after its own, region position t - n + node),
-    # so blocks after it are never read.
-    lo = prefix if MERGE else 0
-    hi = prefix + tl.minimum(t, t - n + m0 + BM)
-    for start in range(lo, hi, BN):
-        pos = start + cols
-        ok = pos < hi
-        j = tl.maximum(pos - prefix, 0)      # region key index (prefix keys: masked off below)
-        in_region = ok & (pos >= prefix)
-        word = tl.load(bits + bit_row[:, None] + (j // 32)[None, :], mask=row_ok[:, None] & in_region[None, :],
-                       other=0)
-        vis = (((word >> (j % 32)[None, :]) & 1) != 0) | (ok & (pos < prefix))[None, :]
-        m_i, l_i, acc = _attend(Q, m_i, l_i, acc, kv_head, bt_row, pos, ok, vis, scale_log2,
-                                kv_s0, kv_s2, kv_s3, D, DP, BS, DOT_F32, PREC)
+    # One loop over key tiles: first the committed prefix (only without MERGE; every key visible to every row,
+    # no bits read), then the region up to the tile's last row (a row sees no key after its own, region key
+    # t - n + node) in tiles aligned to the bit words: one word per row and tile (two for 64 keys), no per-key
+    # gather. One loop keeps one software pipeline across both parts.
+    tl.static_assert(BN == 16 or BN == 32 or BN == 64)
+    cols = tl.arange(0, BN)
+    nr = tl.minimum(t, t - n + m0 + BM)
+    n_pre = 0 if MERGE else tl.cdiv(prefix, BN)
+    bit_row = bits + (bit0 + node).to(tl.int64) * words
+    pg0 = prefix // BS if MERGE else 0               # first block the loop reads
+    if NPG > 0:
+        pg = pg0 + tl.arange(0, NPG)
+        table = tl.load(bt_row + pg, mask=pg < tl.cdiv(prefix + t, BS), other=0)
+    else:
+        table = pg0                                  # not read
+    for it in range(0, n_pre + tl.cdiv(nr, BN)):
+        in_pre = it < n_pre
+        j0 = tl.maximum(it - n_pre, 0) * BN          # region key of the tile's first column
+        start = tl.where(in_pre, it * BN, prefix + j0)
+        ok = tl.where(in_pre, start + cols < prefix, j0 + cols < nr)
+        w = j0 // 32
+        in_reg = row_ok & (it >= n_pre)
+        if BN == 64:
+            lo_w = tl.load(bit_row + w, mask=in_reg, other=0)
+            hi_w = tl.load(bit_row + w + 1, mask=in_reg & (w + 1 < words), other=0)
+            word = tl.where((cols < 32)[None, :], lo_w[:, None], hi_w[:, None])
+            seen = (word >> (cols % 32)[None, :]) & 1
+        else:
+            word = tl.load(bit_row + w, mask=in_reg, other=0)
+            seen = (word[:, None] >> ((j0 % 32) + cols)[None, :]) & 1
+        vis = ((seen != 0) | in_pre) & ok[None, :]
+        K, V = _kv_tile(kv_head, bt_row, table, pg0, start + cols, ok, kv_s0, kv_s2, kv_s3, dv0, D, DP, DV, BS, NPG,
+                        DOT_F32)
+        m_i, l_i, acc = _attend(Q, m_i, l_i, acc, K, V, vis, scale_log2, PREC)
 
     if MERGE:
-        if R > 64:
-            lse_p, o_p = _prefix_partial(prefix_out, prefix_lse, row, head, d, md, row_ok & (prefix > 0),
-                                         p_s0, p_s1, lse_s0, lse_s1)
+        if not EARLY:
+            lse_p, o_p = _prefix_partial(prefix_out, prefix_lse, row, head, e, me, row_ok, p_s0, p_s1, lse_s0,
+                                         lse_s1)
+        has = prefix > 0
+        lse_p = tl.where(has, lse_p, float("-inf"))
         m_all = tl.maximum(m_i, lse_p)
         w_tree = tl.exp2(m_i - m_all)
         w_prefix = tl.exp2(lse_p - m_all)
         den = l_i * w_tree + w_prefix
         den = tl.where(den > 0, den, 1.0)
-        o = (acc * w_tree[:, None] + o_p.to(tl.float32) * w_prefix[:, None]) / den[:, None]
+        o_p = tl.where(has, o_p.to(tl.float32), 0.0)
+        o = (acc * w_tree[:, None] + o_p * w_prefix[:, None]) / den[:, None]
     else:
         l_i = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_i[:, None]
-    tl.store(out + (row * o_s0 + head * o_s1)[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=md)
+    tl.store(out + (row * o_s0 + head * o_s1)[:, None] + e[None, :], o.to(out.dtype.element_ty), mask=me)
 
 
 def tile_config(rows: int, block_n: int, num_warps: int, num_stages: int, group: int, max_rows: int,
-                maxnreg: int | None = None) -> dict:
+                maxnreg: int | None = None, value_parts: int = 1) -> dict:
     """A tile of about ``rows`` query rows (``block_m`` tree rows times ``next_pow2(group)`` heads, at least 16
-    for tl.dot, no more tree rows than ``max_rows`` needs) and ``block_n`` keys per step; ``maxnreg`` caps the
-    registers per thread (more programs per multiprocessor)."""
+    for tl.dot, no more tree rows than ``max_rows`` needs) and ``block_n`` keys per step (16, 32 or 64);
+    ``value_parts`` programs share a tile, each accumulating its part of the value columns (fewer registers,
+    more programs, the scores computed once per part); ``maxnreg`` caps the registers per thread."""
     gp = triton.next_power_of_2(group)
     bm = min(max(1, rows // gp), triton.next_power_of_2(max(max_rows, 1)))
     bm = max(bm, triton.cdiv(16, gp))
-    return {"block_m": bm, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
+    return {"block_m": bm, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+            "value_parts": value_parts, "maxnreg": maxnreg}
 
 
 def config_name(cfg: dict, group: int) -> str:
-    """``r{rows}n{keys}w{warps}s{stages}[m{maxnreg}]`` of a launch configuration (rows: query rows of a tile)."""
+    """``r{rows}n{keys}w{warps}s{stages}[v{value parts}][m{maxnreg}]`` of a launch configuration (rows: query
+    rows of a tile)."""
     rows = cfg["block_m"] * triton.next_power_of_2(group)
+    parts = f"v{cfg['value_parts']}" if cfg.get("value_parts", 1) > 1 else ""
     cap = f"m{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
-    return f"r{rows}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}{cap}"
+    return f"r{rows}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}{parts}{cap}"
+
+
+def parse_config(name: str, group: int, max_rows: int) -> dict:
+    """The launch configuration named ``name`` (:func:`config_name`) for trees of up to ``max_rows`` rows."""
+    m = re.fullmatch(r"r(\d+)n(\d+)w(\d+)s(\d+)(?:v(\d+))?(?:m(\d+))?", name)
+    if m is None:
+        raise ValueError(f"not a launch configuration name: {name!r}")
+    r, n, w, s, v, cap = (int(x) if x else None for x in m.groups())
+    return tile_config(r, n, w, s, group, max_rows, cap, v or 1)
 
 
 # Steps of at most this many tree rows (requests times the largest tree) run 16-row tiles: their few programs
@@ -177,9 +231,10 @@ def config_name(cfg: dict, group: int) -> str:
 SMALL_STEP_ROWS = 128
 
 
-def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, device: torch.device) -> dict:
+def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, device: torch.device,
+                  merge: bool = False) -> dict:
     """The tile for a launch of ``num_trees`` requests of at most ``max_rows`` rows (host values only, so a
-    CUDA graph's capacity bounds pick the same tile at every replay); the same for both routes."""
+    CUDA graph's capacity bounds pick the same tile at every replay); ``merge``: the split route's launch."""
     if device.type != "cuda":
         return tile_config(16, 32, 4, 1, group, max_rows)
     if num_trees * max_rows <= SMALL_STEP_ROWS:
@@ -187,8 +242,27 @@ def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, dev
     return tile_config(64, 32, 8 if head_size >= 256 else 4, 1, group, max_rows)
 
 
+# A launch reads the blocks of its key loop from a table in registers (no dependent load in the loop) when the
+# loop spans at most this many cache blocks.
+MAX_TABLE_BLOCKS = 16
+
+
+def table_blocks(block_size: int, region_keys: int, max_seq_len: int | None, merge: bool) -> int:
+    """Cache blocks the key loop of one program may touch (a power of two), or 0 for more than
+    ``MAX_TABLE_BLOCKS`` or an unknown bound: the split route's loop spans the region (at most
+    ``region_keys``, from any offset), the single route's the whole sequence (at most ``max_seq_len``)."""
+    if merge:
+        blocks = triton.cdiv(max(region_keys - 1, 0), block_size) + 1
+    elif max_seq_len is None:
+        return 0
+    else:
+        blocks = max(triton.cdiv(max_seq_len, block_size), 1)
+    blocks = triton.next_power_of_2(blocks)
+    return blocks if blocks <= MAX_TABLE_BLOCKS else 0
+
+
 def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, *, max_rows, out=None,
-                         prefix_out=None, prefix_lse=None, config=None):
+                         prefix_out=None, prefix_lse=None, config=None, max_seq_len=None):
     """Ancestor-masked attention of every tree row over its request's paged KV (see the module docstring).
 
     q: ``[num_tokens, Hq, d]``; kv_cache: ``[num_blocks, Hkv, block_size, 2d]`` (any strides); block_table:
@@ -196,7 +270,8 @@ def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, 
     max_rows: the largest request's rows (or a capacity: it sizes the grid). prefix_out ``[num_tokens, Hq, d]``
     and prefix_lse ``[Hq, num_tokens]``: FlashAttention's non-causal pass over every tree request's prefix
     (may be ``out`` itself); without them the kernel reads the prefix too. Rows outside every tree are left as
-    they are in ``out`` (zeros when out is None).
+    they are in ``out`` (zeros when out is None). max_seq_len: a host bound on every tree request's sequence
+    length (None: unknown), so a short single-route loop reads its blocks from a table.
     """
     _, hkv, bs, two_d = kv_cache.shape
     _, hq, d = q.shape
@@ -217,18 +292,25 @@ def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, 
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
     assert meta.shape[1] == META_FIELDS and meta.stride(1) == 1 and bits.is_contiguous()
     group = hq // hkv
-    cfg = config or launch_config(group, d, max_rows, meta.shape[0], q.device)
+    cfg = config or launch_config(group, d, max_rows, meta.shape[0], q.device, merge)
     bm, bn = cfg["block_m"], cfg["block_n"]
-    assert bm * triton.next_power_of_2(group) >= 16 and bn >= 16
+    parts = cfg.get("value_parts", 1)
+    dp = max(16, triton.next_power_of_2(d))
+    rows = bm * triton.next_power_of_2(group)
+    assert rows >= 16 and bn in (16, 32, 64) and dp % parts == 0 and dp // parts >= 16
+    dv = dp // parts
+    # The prefix partial is loaded before the key loops where it costs at most 32 registers a thread.
+    early = cfg.get("early", rows * dv <= 2048 * cfg["num_warps"])
     dot_f32 = q.dtype == torch.float32 or _interpreting()
-    grid = (meta.shape[0], hkv, triton.cdiv(max_rows, bm))
+    npg = cfg.get("table_blocks", table_blocks(bs, 32 * bits.shape[1], max_seq_len, merge))
+    grid = (triton.cdiv(max_rows, bm) * parts, hkv, meta.shape[0])
     _tree_attn_kernel[grid](
         q, kv_cache, out, prefix_out, prefix_lse, block_table, seq_lens, meta, bits, bits.shape[1],
         scale * math.log2(math.e), meta.stride(0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), prefix_out.stride(0), prefix_out.stride(1),
         prefix_lse.stride(0), prefix_lse.stride(1), *kv_cache.stride(), block_table.stride(0),
-        G=group, GP=triton.next_power_of_2(group), D=d, DP=max(16, triton.next_power_of_2(d)), BS=bs,
-        BM=bm, BN=bn, MERGE=merge, DOT_F32=dot_f32, PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
+        G=group, GP=triton.next_power_of_2(group), D=d, DP=dp, DV=dv, BS=bs, BM=bm, BN=bn, NPG=npg, MERGE=merge,
+        EARLY=merge and early, DOT_F32=dot_f32, PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
     )
     return out
