@@ -66,8 +66,8 @@ SWEEP = dict(batch=(1, 8, 32), prefix=(128, 1024, 4096), nodes=(4, 16, 64))
 QUICK = ((1, 128, 4), (1, 4096, 16), (8, 1024, 16), (32, 128, 64), (32, 4096, 64))
 ROUTES = ("split", "single")
 # Launch configurations of the tree kernel timed at every shape (names as triton_tree_attn.config_name).
-CANDIDATES = ("r16n32w4s3", "r16n32w4s2", "r64n32w8s1", "r64n16w4s3", "r64n32w4s3v2", "r32n32w4s3", "r64n32w8s3",
-              "r128n32w8s3")
+CANDIDATES = ("r16n32w4s3", "r16n32w4s2", "r16n32w8s1", "r64n16w4s3", "r128n32w8s3", "r64n32w8s1", "r64n32w4s3v2",
+              "r32n32w4s3", "r64n32w8s3")
 DEV = "cuda"
 
 

@@ -312,20 +312,26 @@ def test_real_shape_fp32_many_requests():
     check(Batch(spec, [(37 * i) % 1500 for i in range(64)], hq=16, hkv=4, d=256, bs=16))
 
 
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
-@pytest.mark.parametrize("max_rows,num_trees", [(1, 1), (4, 32), (16, 8), (64, 1), (64, 32), (300, 64)])
-def test_launch_config_fits_every_step(group, max_rows, num_trees):
+@pytest.mark.parametrize("max_rows,num_trees", [(1, 1), (4, 32), (16, 8), (64, 1), (64, 2), (64, 16), (64, 32),
+                                                (300, 64)])
+def test_launch_config_fits_every_step(group, max_rows, num_trees, merge):
     gp = 1 << (group - 1).bit_length()
-    cfg = ta.launch_config(group, 256, max_rows, num_trees, torch.device("cuda"))
-    assert cfg["block_m"] * gp >= 16 and cfg["block_n"] >= 16
+    cfg = ta.launch_config(group, 256, max_rows, num_trees, torch.device("cuda"), merge=merge)
+    assert cfg["block_m"] * gp >= 16 and cfg["block_n"] in (16, 32, 64)
     assert cfg["block_m"] <= max(1 << (max_rows - 1).bit_length(), -(-16 // gp))
-    small = num_trees * max_rows <= ta.SMALL_STEP_ROWS
-    assert cfg["block_m"] * gp == (16 if small else max(16, min(64, gp * (1 << (max_rows - 1).bit_length()))))
+    rows = num_trees * max_rows
+    want = (16 if rows <= ta.SMALL_STEP_ROWS else 64 if rows <= ta.LARGE_STEP_ROWS else 128)
+    assert cfg["block_m"] * gp == max(16, min(want, gp * (1 << (max_rows - 1).bit_length())))
+    one_tile = merge and rows <= ta.SMALL_STEP_ROWS and max_rows <= 32
+    assert (cfg["num_warps"], cfg["num_stages"]) == ((8, 1) if one_tile else (4, 2) if merge and rows <= ta.SMALL_STEP_ROWS
+                                                      else (4, 3) if rows <= ta.LARGE_STEP_ROWS else (8, 3))
 
 
 # Launch configurations the benchmark times (benchmarks/tree_attention.py's CANDIDATES) and the rule's.
-GPU_TILES = ["r16n32w4s3", "r16n32w4s2", "r64n32w8s1", "r64n16w4s3", "r64n32w4s3v2", "r32n32w4s3", "r64n32w8s3",
-             "r128n32w8s3"]
+GPU_TILES = ["r16n32w4s3", "r16n32w4s2", "r16n32w8s1", "r64n16w4s3", "r128n32w8s3", "r64n32w8s1", "r64n32w4s3v2",
+             "r32n32w4s3", "r64n32w8s3"]
 
 
 @needs_gpu

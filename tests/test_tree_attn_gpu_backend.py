@@ -167,8 +167,8 @@ def test_route_rule_reads_host_values(monkeypatch):
     monkeypatch.setattr(tree_attn_gpu, "_FORCED_MAX_SEQ", None)
     monkeypatch.setattr(tree_attn_gpu, "INLINE_PREFIX_MAX_SEQ", 512)
     assert tree_attn_gpu.reads_prefix_itself(132, 32 * 4)         # short prefixes, small trees: one launch
-    assert tree_attn_gpu.reads_prefix_itself(192, 8 * 64)
-    assert not tree_attn_gpu.reads_prefix_itself(192, 32 * 64)    # many wide trees: FlashAttention's pass
+    assert tree_attn_gpu.reads_prefix_itself(192, 32 * 64)
+    assert not tree_attn_gpu.reads_prefix_itself(192, 64 * 64)    # more wide trees than measured: the prefix pass
     assert not tree_attn_gpu.reads_prefix_itself(1028, 4)         # long prefixes
     monkeypatch.setattr(tree_attn_gpu, "_FORCED_MAX_SEQ", "0")   # the environment's one threshold
     monkeypatch.setattr(tree_attn_gpu, "INLINE_PREFIX_MAX_SEQ", 0)

@@ -7,14 +7,14 @@ prefix plus their visible region keys. vLLM 0.26 writes the step's K/V before ``
   it splits long prefixes over the GPU), then the Triton tree kernel over each row's region keys, which merges
   the two in its epilogue;
 - "single": the tree kernel alone reads prefix and region (one launch; each program walks its prefix alone).
-The route rule (:func:`reads_prefix_itself`), fit to the H200 sweep of benchmarks/tree_attention.py (B 1/8/32,
+The route rule (:func:`reads_prefix_itself`), fit to the H200 runs of benchmarks/tree_attention.py (B 1/8/32,
 prefix 128/1024/4096, 4/16/64 nodes per request; Qwen3.5-9B heads): "single" iff the longest sequence is at most
-``INLINE_PREFIX_MAX_SEQ`` (512) keys and the step has at most ``INLINE_MAX_TREE_ROWS`` (1024) tree rows. Measured:
-"single" is faster at every shape with a 128-token prefix up to 512 tree rows (e.g. B=8, 16 nodes: 14.0 vs 17.6
-us), "split" at B=32 x 64 nodes (2048 rows: 65.8 vs 80.3 us) and at every 1024- or 4096-token prefix (e.g. B=32, 4
-nodes, 1024: 49.0 vs 78.4 us). The rule reads host values only (longest sequence, tree rows), so a CUDA graph's key
-carries it: the graphs of worker/verify_graphs.py and spec_decode/{draft,beam}_graphs.py apply it to their padded
-token counts.
+``INLINE_PREFIX_MAX_SEQ`` (512) keys and the step has at most ``INLINE_MAX_TREE_ROWS`` (2048) tree rows. Measured:
+"single" is faster at the 128-token prefixes (e.g. B=8, 64 nodes: 17.1 vs 25.9 us; B=32, 64 nodes,
+2048 rows: 37.3 vs 51.5 us), "split" at every 1024- or 4096-token prefix (e.g. B=32, 64 nodes, 1024: 101.8 vs
+136.8 us; B=1, 4 nodes, 1024: 18.3 vs 59.0 us). The rule reads host values only (longest sequence, tree rows), so
+a CUDA graph's key carries it: the graphs of worker/verify_graphs.py and spec_decode/{draft,beam}_graphs.py apply
+it to their padded token counts.
 When every row of the batch is a tree row, vLLM's causal pass is skipped; otherwise (prefills in the same
 step) it runs first, and the tree kernel overwrites the tree rows.
 """
@@ -34,7 +34,7 @@ from ..worker.forest_context import current_forest
 # sequence (tests use 0 to run the prefix pass on short models).
 _FORCED_MAX_SEQ = os.environ.get("VLLM_BOLE_INLINE_PREFIX_MAX_SEQ")
 INLINE_PREFIX_MAX_SEQ = int(_FORCED_MAX_SEQ or 512)
-INLINE_MAX_TREE_ROWS = 1024
+INLINE_MAX_TREE_ROWS = 2048
 
 
 def reads_prefix_itself(max_seq_len: int, tree_rows: int) -> bool:

@@ -225,10 +225,18 @@ def parse_config(name: str, group: int, max_rows: int) -> dict:
     return tile_config(r, n, w, s, group, max_rows, cap, v or 1)
 
 
-# Steps of at most this many tree rows (requests times the largest tree) run 16-row tiles: their few programs
-# are latency-bound, and small tiles spread them over more multiprocessors. Larger steps run 64-row tiles
-# without pipelining, which beat pipelined and register-capped ones there (benchmarks/tree_attention.py, H200).
+# Launch configurations fit to the H200 runs of benchmarks/tree_attention.py (Qwen3.5-9B heads, block size 304):
+# - steps of at most SMALL_STEP_ROWS tree rows (requests times the largest tree) run 16-row tiles, whose few
+#   programs are latency-bound: the single route's loop over prefix and region pipelined three deep (B=1,
+#   prefix 1024, 4 nodes: 59.0 us against 63.0 two deep); the split route's region loop, one key tile long
+#   while the trees have at most 32 rows, with 8 warps and nothing to pipeline (18.3 against 19.0 us at that
+#   shape), else two deep (25.2 us at 64 nodes);
+# - larger steps run 64-row tiles of 16 keys three deep, two programs a multiprocessor (B=8 x 64 nodes, prefix
+#   128: 17.1 us against 23.7 for the unpipelined 64-row tile of 8 warps);
+# - steps of more than LARGE_STEP_ROWS rows run 128-row tiles of 8 warps, which read each request's keys half
+#   as often (B=32 x 64 nodes, prefix 128: 37.3 against 43.2 us; prefix 1024, split route: 101.8 against 102.7).
 SMALL_STEP_ROWS = 128
+LARGE_STEP_ROWS = 1024
 
 
 def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, device: torch.device,
@@ -237,9 +245,15 @@ def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, dev
     CUDA graph's capacity bounds pick the same tile at every replay); ``merge``: the split route's launch."""
     if device.type != "cuda":
         return tile_config(16, 32, 4, 1, group, max_rows)
-    if num_trees * max_rows <= SMALL_STEP_ROWS:
-        return tile_config(16, 32, 4, 2, group, max_rows)
-    return tile_config(64, 32, 8 if head_size >= 256 else 4, 1, group, max_rows)
+    rows = num_trees * max_rows
+    if rows <= SMALL_STEP_ROWS:
+        if not merge:
+            return tile_config(16, 32, 4, 3, group, max_rows)
+        return tile_config(16, 32, 8, 1, group, max_rows) if max_rows <= 32 else tile_config(16, 32, 4, 2, group,
+                                                                                               max_rows)
+    if rows <= LARGE_STEP_ROWS:
+        return tile_config(64, 16, 4, 3, group, max_rows)
+    return tile_config(128, 32, 8, 3, group, max_rows)
 
 
 # A launch reads the blocks of its key loop from a table in registers (no dependent load in the loop) when the
