@@ -128,6 +128,7 @@ def test_verify_launch_configs(config):
 
 
 SPLIT_SPECS = {"small": [("kary2", 9), ("single", 1), ("chain", 16), ("star", 5)],       # one 16-row tile each
+               "upto32": [("random", 30), ("deep", 32), ("kary2", 9), ("single", 1)],
                "upto64": [("deep", 64), ("random", 50), ("kary3", 40), ("single", 1)],
                "large": [("deep", 40), ("random", 70), ("forest", 33), ("single", 1)]}
 SPLIT_CONFIGS = {
@@ -135,16 +136,27 @@ SPLIT_CONFIGS = {
     "value-tile-spans-two": dict(matrices_block_t=16, matrices_num_warps=2, block_t=32, block_v=32, num_warps=4),
     "matrix-tile-spans-two": dict(matrices_block_t=32, matrices_num_warps=2, block_t=16, block_v=16, num_warps=2),
     "one-64-tile": dict(matrices_block_t=64, matrices_num_warps=4, block_t=64, block_v=32, num_warps=4),
+    "one-64-tile-regcap": dict(matrices_block_t=64, matrices_num_warps=4, block_t=64, block_v=32, num_warps=4,
+                               maxnreg=128),
 }
 
 
 @pytest.mark.parametrize("config,spec", [(c, s) for c in SPLIT_CONFIGS for s in SPLIT_SPECS
-                                         if c != "one-64-tile" or s != "large"])
+                                         if not c.startswith("one-64-tile") or s != "large"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verify_split_kernels(config, spec, dtype):
     """Per-tree matrices, then value blocks: the same function as the fused kernel."""
     check_verify(SPLIT_SPECS[spec], 2, 4, 16, 32, dtype=dtype, config=SPLIT_CONFIGS[config],
                  seed_params=("split", spec))
+
+
+@pytest.mark.parametrize("config,spec", [("one-64-tile", "upto64"), ("many-tiles", "small"),
+                                         ("matrix-tile-spans-two", "upto32")])
+@pytest.mark.parametrize("hk,hv,dk", [(1, 3, 16), (1, 4, 16), (2, 8, 32)])
+def test_verify_split_key_head_groups(config, spec, hk, hv, dk):
+    """The value heads of a key head store its k in equal column shares, or its first head stores all of it
+    where the share would not be a power of two of at least 8."""
+    check_verify(SPLIT_SPECS[spec], hk, hv, dk, 16, config=SPLIT_CONFIGS[config], seed_params=("groups", hk, hv))
 
 
 # Both paths whatever launch_config would pick at these small shapes on this device.

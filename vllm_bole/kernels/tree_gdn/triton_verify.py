@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .reference import TreeFactors
-from .triton_tiles import coupling, load_qk, tile_ancestor_mask, tile_log_decay, unit_lower_inverse
+from .triton_tiles import coupling, diagonal_tile, tile_log_decay
 from .triton_verify_split import verify_split
 
 
@@ -76,40 +76,33 @@ def _tree_gdn_verify_kernel(
     b, hv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = hv // (HV // HK)
     bos = tl.load(cu_seqlens + b).to(tl.int64)
-    t = tl.load(cu_seqlens + b + 1).to(tl.int64) - bos
+    t = tl.load(cu_seqlens + b + 1) - tl.load(cu_seqlens + b)
     n_tiles = tl.cdiv(t, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     mk = o_k < DK
-    writes_k = (split == 0) & (hv % (HV // HK) == 0)
+    # The first value split of a key head's first value head stores k.
+    k_part = tl.where((split == 0) & (hv % (HV // HK) == 0), 0, -1)
     # The committed state is read in place from the request's cache slot (no gathered copy).
     slot = tl.load(state_idx + b).to(tl.int64)
     h0_head = h0 + slot * stride_h_slot + hv * stride_h_head
+    # This head's rows of u and o (row pitch HV * DV).
+    uo = (bos * HV + hv) * DV
 
     # log P_i = sum of g over the ancestors of i and i itself.
     for r in range(n_tiles):
         rows = r * BT + o_t
-        tl.store(g_cum + (bos + rows) * HV + hv, tile_log_decay(g, bits, bos, rows, r, hv, o_t, t, stride_g, BT, W),
+        tl.store(g_cum + bos * HV + hv + rows * HV, tile_log_decay(g, bits, bos, rows, r, hv, o_t, t, stride_g, BT, W),
                  mask=rows < t)
     tl.debug_barrier()
 
     for r in range(n_tiles):
         rows = r * BT + o_t
         mr = rows < t
-        q_r, fq_r = load_qk(q, stride_q, bos, rows, hk, o_k, t, scale, HK, DK, L2NORM, BF16_DOTS)
-        k_r, fk_r = load_qk(k, stride_k, bos, rows, hk, o_k, t, 1.0, HK, DK, L2NORM, BF16_DOTS)
-        tl.store(k_out + ((bos + rows) * HK + hk)[:, None] * DK + o_k[None, :],
-                 k_r.to(tl.float32) * fk_r[:, None], mask=(mr & writes_k)[:, None] & mk[None, :])
-        g_r = tl.load(g_cum + (bos + rows) * HV + hv, mask=mr, other=0.0)
-        beta_r = tl.load(beta + (bos + rows) * stride_beta + hv, mask=mr, other=0.0).to(tl.float32)
+        M, C, q_r, k_r, fq_r, fk_r, g_r, beta_r = diagonal_tile(
+            q, k, g, beta, k_out, g_cum, bits, bos, r, hv, hk, o_t, o_k, t, scale, k_part, stride_q,
+            stride_k, stride_g, stride_beta, HK, HV, DK, BT, LOG_BT, W, 0, L2NORM, PREC, BF16_DOTS, 2)
         p_r = tl.exp(g_r)
-
-        anc = tile_ancestor_mask(bits, bos, rows, rows, t, W)
-        decay = tl.where(anc, tl.exp(tl.minimum(g_r[:, None] - g_r[None, :], 0.0)), 0.0)
-        kk = tl.dot(k_r, tl.trans(k_r), input_precision=PREC) * fk_r[:, None] * fk_r[None, :]
-        G = tl.where(o_t[:, None] != o_t[None, :], beta_r[:, None] * decay * kk, 0.0)
-        C = decay * tl.dot(q_r, tl.trans(k_r), input_precision=PREC) * fq_r[:, None] * fk_r[None, :]
-        M = unit_lower_inverse(G, BT, LOG_BT, PREC)
 
         # The previous tile's coupling is shared by all value blocks (trees up to 2 tiles need no other);
         # older tiles are rebuilt per value block, keeping the register footprint flat.
@@ -124,9 +117,9 @@ def _tree_gdn_verify_kernel(
             o_v = (split * NVB + vb) * BV + tl.arange(0, BV)
             mv = o_v < DV
             # S^T block [BV, BK] of the committed state (vLLM's [dv, dk] layout).
-            s_t = tl.load(h0_head + o_v[:, None] * stride_h_v + o_k[None, :],
+            s_t = tl.load(h0_head + (o_v[:, None] * stride_h_v + o_k[None, :]),
                           mask=mv[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            b_v = tl.load(v + (bos + rows)[:, None] * stride_v + hv * DV + o_v[None, :],
+            b_v = tl.load(v + bos * stride_v + hv * DV + (rows[:, None] * stride_v + o_v[None, :]),
                           mask=mr[:, None] & mv[None, :], other=0.0).to(tl.float32)
             if BF16_DOTS:
                 # K S feeds u, which the commit folds into the state: S as bf16 hi + lo, two exact-product
@@ -141,7 +134,7 @@ def _tree_gdn_verify_kernel(
             R = beta_r[:, None] * (b_v - (p_r * fk_r)[:, None] * ks)
             O = (p_r * fq_r)[:, None] * qs
             if r > 0:
-                u_p = tl.load(u_out + ((bos + cols_p) * HV + hv)[:, None] * DV + o_v[None, :],
+                u_p = tl.load(u_out + uo + (cols_p[:, None] * (HV * DV) + o_v[None, :]),
                               mask=mv[None, :], other=0.0)
                 R -= tl.dot(G_p, u_p, input_precision=PREC)
                 O += tl.dot(C_p, u_p, input_precision=PREC)
@@ -149,16 +142,16 @@ def _tree_gdn_verify_kernel(
                 G_rc, C_rc, cols = coupling(q_r, k_r, fq_r, fk_r, g_r, beta_r, k, stride_k, bits, g_cum, bos,
                                              rows, c, hv, hk, o_t, o_k, t, HK, HV, DK, BT, W, L2NORM, PREC,
                                              BF16_DOTS)
-                u_c = tl.load(u_out + ((bos + cols) * HV + hv)[:, None] * DV + o_v[None, :],
+                u_c = tl.load(u_out + uo + (cols[:, None] * (HV * DV) + o_v[None, :]),
                               mask=mv[None, :], other=0.0)
                 R -= tl.dot(G_rc, u_c, input_precision=PREC)
                 O += tl.dot(C_rc, u_c, input_precision=PREC)
             U = tl.dot(M, R, input_precision=PREC)
             O += tl.dot(C, U, input_precision=PREC)
             m2 = mr[:, None] & mv[None, :]
-            tl.store(u_out + ((bos + rows) * HV + hv)[:, None] * DV + o_v[None, :], U, mask=m2)
-            tl.store(o + ((bos + rows) * HV + hv)[:, None] * DV + o_v[None, :], O.to(o.dtype.element_ty),
-                     mask=m2)
+            p_out = rows[:, None] * (HV * DV) + o_v[None, :]
+            tl.store(u_out + uo + p_out, U, mask=m2)
+            tl.store(o + uo + p_out, O.to(o.dtype.element_ty), mask=m2)
         # Later tiles read this tile's u.
         tl.debug_barrier()
 
@@ -181,7 +174,8 @@ def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.d
     block) measured fastest for trees of 33 to 64 nodes at every batch, each tree one 64-row tile; for trees
     of up to 32 nodes from half a program per SM on, and for trees of up to 16 from two. From two programs
     per SM on, the matrices take 16-row tiles with 2 warps: a longer chain per program, but half the
-    registers, so twice the programs in flight. Elsewhere the fused kernel: under half a program per SM every
+    registers, so twice the programs in flight. The value kernel of 64-row tiles is capped at 128 registers
+    (``maxnreg``). Elsewhere the fused kernel: under half a program per SM every
     32-wide value block gets its own program (each rebuilds G and C) with 16-node tiles, otherwise one
     program per (request, head) walks value blocks of 64 with row tiles of up to 32 nodes.
     """
@@ -189,9 +183,13 @@ def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.d
     tile = max(16, triton.next_power_of_2(max_seqlen))
     if tile == 64 or (tile <= 32 and programs >= (2 * sms if tile == 16 else sms // 2)):
         matrices_tile = 16 if tile <= 32 and programs >= 2 * sms else tile
-        return {"matrices_block_t": matrices_tile, "matrices_num_warps": 2 if matrices_tile == 16 else 4,
-                "block_t": tile, "block_v": min(32 if tile == 16 else 64, max(16, triton.next_power_of_2(dv))),
-                "num_warps": 4, "num_stages": 1}
+        cfg = {"matrices_block_t": matrices_tile, "matrices_num_warps": 2 if matrices_tile == 16 else 4,
+               "block_t": tile, "block_v": min(32 if tile == 16 else 64, max(16, triton.next_power_of_2(dv))),
+               "num_warps": 4, "num_stages": 1}
+        if tile == 64:
+            # 64-row value tiles at 128 registers: four programs per SM instead of three.
+            cfg["maxnreg"] = 128
+        return cfg
     if programs < sms // 2:
         block_t, block_v = 16, min(32, max(16, triton.next_power_of_2(dv)))
         splits = triton.cdiv(dv, block_v)
@@ -251,8 +249,8 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
     bf16_dots = q.dtype == torch.bfloat16 and not _interpreting()
     if n and batch and "matrices_block_t" in cfg:
 
-        verify_split(q, k, v, g, beta, h0, state_indices, bits, cu_seqlens, max_seqlen, o, out_factors, scale,
-                     use_qk_l2norm_in_kernel, cfg, prec, bf16_dots)
+        verify_split(q, k, v, g, beta, h0, state_indices, bits, cu_seqlens, max_seqlen, o, out_factors,
+                     scale, use_qk_l2norm_in_kernel, cfg, prec, bf16_dots)
     elif n and batch:
         block_v, splits = cfg["block_v"], cfg["v_splits"]
         nvb = triton.cdiv(triton.cdiv(dv, block_v), splits)
