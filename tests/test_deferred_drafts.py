@@ -30,7 +30,7 @@ def _runner():
     runner = _Runner.__new__(_Runner)
     runner._bole_pending, runner._bole_profiler, runner._bole_forest = None, None, None
     runner._bole_trees, runner._draft_token_ids, runner._bole_last_nodes = {}, None, 0
-    runner._bole_commit = None
+    runner._bole_commit, runner._bole_first_pass = None, None
     runner.bole_drafter = SimpleNamespace(selects=True, own_kv_layers=lambda: ("mtp.attn",))
     return runner
 

@@ -23,7 +23,7 @@ PROBS = np.array([0.5, 0.25, 0.125, 0.0625])
 def _stand_in(k, depth, synthetic=None):
     """An MTPTreeDrafter without an engine: writes, forwards and top children recorded and faked."""
     drafter = MTPTreeDrafter.__new__(MTPTreeDrafter)
-    drafter.bole_config = SimpleNamespace(topk=k, max_depth=depth)
+    drafter.bole_config = SimpleNamespace(topk=k, max_depth=depth, max_nodes_per_request=depth * k)
     drafter.synthetic, drafter._synthetic_scores, drafter.graphs = synthetic, {}, None
     drafter.levels = []
     words = -(-(depth * k + 1) // 32)

@@ -19,7 +19,7 @@ from vllm_bole.worker.forest_context import DeviceTreeRows, TreeRows
 def _graphs(k=2, depth=3, max_reqs=8):
     drafter = SimpleNamespace(
         runner=SimpleNamespace(max_num_reqs=max_reqs, device=torch.device("cpu"), max_model_len=512),
-        bole_config=SimpleNamespace(topk=k, max_depth=depth),
+        bole_config=SimpleNamespace(topk=k, max_depth=depth, max_nodes_per_request=depth * k),
         _request_tensors=MTPTreeDrafter._request_tensors, _metadata=lambda *args: "per-layer metadata")
     graphs = DraftGraphs(drafter)
     snapshots, captures = [], []

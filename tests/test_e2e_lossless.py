@@ -115,6 +115,9 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     print(f"{name}: near-tie divergences {len(divs)}; counters {counters}; graphs {out['bole_graphs']}")
     assert_graphs_used(out, drafter=True)
     assert (out["queued_trees"] > 0) == (selection == "per_request"), out["queued_trees"]
+    # Once the sampled request is done and every request drafts, the drafter's first pass runs over every
+    # verified node before the walk (the steps before catch up after it): both ways are in this run.
+    assert out["first_pass_steps"] > 0, out["first_pass_steps"]
     if os.environ.get("VLLM_BOLE_HOST_DRAFT_LEVELS") != "1":
         assert out["device_levels"], "the MTP drafter grew no level on the device"
     assert counters["mean_acceptance_length"] > 1.5, counters

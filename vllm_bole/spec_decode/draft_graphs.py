@@ -16,7 +16,7 @@ import time
 
 import torch
 from vllm.config import CUDAGraphMode
-from vllm.utils.math_utils import next_power_of_2
+from vllm.utils.math_utils import cdiv, next_power_of_2
 
 from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
@@ -38,12 +38,16 @@ class DraftGraphs:
         self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=dev)
         self.block_table = None                      # [reqs, blocks] once the KV cache exists
         # Tree rows: a level has at most topk queries per request, over at most depth * topk + 1 region keys; the
-        # catch-up forward at most depth + 1 rows per request (the accepted path and the bonus token).
+        # catch-up forward at most depth + 1 rows per request (the accepted path and the bonus token); the first
+        # pass over a verified forest (MTPTreeDrafter.first_pass_all_rows) a whole tree per request. Rows wider
+        # than a forward's region keep stale bits there, which the kernel never reads (keys past the region).
         depth = drafter.bole_config.max_depth
         self.words = region_words(depth, topk)
         self.catch_up_rows = depth + 1
+        self.tree_rows = drafter.bole_config.max_nodes_per_request + 1
         self.meta = torch.zeros(reqs, 5, dtype=torch.int32, device=dev)
-        self.bits = torch.zeros(reqs * max(topk, self.catch_up_rows), self.words, dtype=torch.int32, device=dev)
+        self.bits = torch.zeros(reqs * max(topk, self.catch_up_rows, self.tree_rows),
+                                max(self.words, cdiv(self.tree_rows, 32)), dtype=torch.int32, device=dev)
         self.pool = None   # at the first capture; not shared with the verification graphs' pool
         self.graphs: dict[tuple, tuple] = {}
         self.replays = 0

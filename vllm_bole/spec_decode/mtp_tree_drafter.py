@@ -131,6 +131,17 @@ class MTPTreeDrafter(TreeDrafter):
         proposer._get_slot_mapping(padded, _to_device(slots, device))
         return n, padded, mode
 
+    def _write_device(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      hidden: torch.Tensor):
+        """:meth:`_write_arrays` of rows whose tokens, positions and KV slots are device tensors (no host copy)."""
+        proposer, n = self.proposer, hidden.shape[0]
+        mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
+        proposer.input_ids[:n].copy_(tokens)
+        proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if self.runner.uses_mrope else positions)
+        proposer.hidden_states[:n].copy_(hidden)
+        proposer._get_slot_mapping(padded, slots.long())
+        return n, padded, mode
+
     @staticmethod
     def _request_tensors(cm: CommonAttentionMetadata, chunks, num_reqs: int | None = None):
         """Host query_start_loc and seq_lens of ``chunks`` (padded with empty requests to ``num_reqs``), and
@@ -229,6 +240,42 @@ class MTPTreeDrafter(TreeDrafter):
                      for i, (start, c) in enumerate(zip(starts, chunks))]
         return self._tree_level(cm, chunks, hidden, tree_rows, max_rows=graphs.catch_up_rows)
 
+    def first_pass_all_rows(self, cm: CommonAttentionMetadata, forest: StepForest, next_tokens: torch.Tensor,
+                            positions: torch.Tensor, slots: torch.Tensor, seq_lens: list[int],
+                            hidden: torch.Tensor):
+        """The MTP forward over every node of a verified forest whose trees are all the step's requests, in batch
+        order: (MTP hidden states ``[N, H]``, top children ``[N, 2k]``). It needs no accepted path, so the runner
+        queues it right behind the target forward, before the walk: row i reads the target's hidden state at
+        node i and ``next_tokens[i]``, the token the target emits after node i (its argmax for greedy requests),
+        and writes node i's MTP K/V at node i's slot and RoPE position (prefix + depth), seeing its prefix and its
+        ancestors. On the accepted path that is exactly the catch-up's input; once the runner has moved the path's
+        MTP K/V to contiguous slots, the root rows of the next trees are the path ends' rows. ``positions``,
+        ``slots``: the verification's ``[N]`` device tensors; ``seq_lens``: each tree's prefix + size (host)."""
+        sizes = [forest.query_starts[i + 1] - forest.query_starts[i] for i in range(len(forest.query_starts) - 1)]
+        n = hidden.shape[0]
+        sizes.append(n - forest.query_starts[-1])
+        chunks = [(r, range(size), None, int(seq_len), None)
+                  for r, size, seq_len in zip(forest.tree_req_indices, sizes, seq_lens)]
+        written = self._write_device(next_tokens[:n], positions[:n], slots[:n], hidden)
+        if hidden.device.type == "cpu":   # the CPU backend recomputes tree rows from host masks
+            tree_rows = [TreeRows(req_index=i, row_start=row.row_start, region_mask=row.region_mask)
+                         for i, row in enumerate(forest.rows())]
+            out = self._forward_written(cm, chunks, tree_rows, *written)
+            return out, self._top_rows(out)
+        # The region of each tree is the tree; its bits are the verification's ancestor bits.
+        meta = torch.tensor([[i, start, size, size, start] for i, (start, size) in
+                             enumerate(zip(forest.query_starts, sizes))], dtype=torch.int32).reshape(-1, 5)
+        bits = forest.device_bits()[:n]
+        max_rows = max(forest.max_nodes, max(sizes))   # a graph-mode forest's bound: fewer graph keys
+        if self.graphs is not None and max_rows <= self.graphs.tree_rows:
+            out = self.graphs.level(cm, chunks, (meta, bits), *written, max_rows=max_rows)
+            if out is not None:
+                return out
+        device_rows = DeviceTreeRows(meta=meta.to(hidden.device, non_blocking=True), bits=bits, num_rows=n,
+                                     max_rows=max_rows)
+        out = self._forward_written(cm, chunks, [], *written, device_rows=device_rows)
+        return out, self._top_rows(out)
+
     def _slots(self, r, positions) -> np.ndarray:
         """KV slots of batch request ``r`` at ``positions`` (or of requests ``r`` ``[G, 1]`` at ``[G, n]``
         positions), from the host copy of the MTP group's block table: no device round trip."""
@@ -250,23 +297,29 @@ class MTPTreeDrafter(TreeDrafter):
         def rows_of(values, hidden):  # rows of a hidden-state tensor, in one gather
             return hidden[torch.tensor(values, dtype=torch.long).to(hidden.device, non_blocking=True)]
 
-        # 1. Catch up on the committed tokens (every request that ran this step keeps its MTP KV in step).
+        # 1. Catch up on the committed tokens (every request that ran this step keeps its MTP KV in step), unless
+        # the first pass over every verified node did (then each path's last row is its root's row).
+        all_rows = step.all_rows is not None
         chunks, hidden_rows, last_rows, growing = [], [], [], []
         drafts = drafting(step.contexts)
         for r, fp in enumerate(step.first_pass):
             if fp is None:
                 continue
             rows, tokens, positions = fp
-            chunks.append((r, tokens, positions, positions[-1] + 1, self._slots(r, positions).tolist()))
+            chunks.append((r, tokens, positions, positions[-1] + 1,
+                           None if all_rows else self._slots(r, positions).tolist()))
             hidden_rows += rows
-            last_rows.append(len(hidden_rows) - 1)
+            last_rows.append(rows[-1] if all_rows else len(hidden_rows) - 1)
             if drafts[r]:
                 growing.append((r, len(chunks) - 1))
         out = [DraftTree() for _ in step.req_ids]
         if not chunks:
             return lambda: out
-        with record_function_or_nullcontext("bole: catch_up"):
-            mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states))
+        if all_rows:
+            mtp_hidden, top = step.all_rows
+        else:
+            with record_function_or_nullcontext("bole: catch_up"):
+                mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states))
         if not growing:
             return lambda: out
         # 2. Grow the trees from the hidden state that predicts each root's children.

@@ -92,7 +92,8 @@ def run(spec: dict) -> dict:
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
             "queued_trees": getattr(_runner(llm), "bole_queued_trees", None),
-            "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None)}
+            "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None),
+            "first_pass_steps": getattr(_runner(llm), "bole_first_pass_steps", None)}
 
 
 def main() -> None:

@@ -50,8 +50,9 @@ def compact_layers(kv_caches, src_slots, dst_slots) -> None:
             triton_tree_attn.compact_kv_paged(caches, torch.stack(src), torch.stack(dst))
 
 
-def compact_accepted_kv(runner, forest, skip=()) -> None:
-    """Moves the accepted K/V of every attention layer but those named in ``skip``."""
+def compact_accepted_kv(runner, forest, skip=(), only=None) -> None:
+    """Moves the accepted K/V of every attention layer but those named in ``skip`` (of those named in ``only``,
+    if given)."""
     rows = accepted_row_moves(forest)
     if not rows[0]:
         return
@@ -60,7 +61,7 @@ def compact_accepted_kv(runner, forest, skip=()) -> None:
     for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         if not isinstance(group.kv_cache_spec, AttentionSpec):
             continue
-        names = [name for name in group.layer_names if name not in skip]
+        names = [name for name in group.layer_names if name not in skip and (only is None or name in only)]
         if not names:
             continue
         s, d = accepted_slot_moves(forest, runner.input_batch.block_table[gid].slot_mapping.gpu, rows)

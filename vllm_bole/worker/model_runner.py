@@ -8,6 +8,7 @@ slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and appli
 """
 
 import functools
+import os
 import time
 
 import numpy as np
@@ -55,6 +56,13 @@ class BoleModelRunnerMixin:
         self._bole_clock = StepClock()   # budget_rule "step": the step time besides the target forward
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
         self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
+        self._bole_seq_lens: list[int] = []   # per tree of the step's forest: prefix + tree size
+        # The drafter's first pass over every node of this step's forest, queued behind the target forward:
+        # (the rows' argmax on its way to the host, its event, the drafter's (hidden, top children))
+        self._bole_first_pass = None
+        self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
+        # VLLM_BOLE_FIRST_PASS=0: the drafter always catches up after the walk (to compare the two)
+        self._bole_first_pass_on = os.environ.get("VLLM_BOLE_FIRST_PASS", "1") != "0"
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -113,14 +121,51 @@ class BoleModelRunnerMixin:
         # commit of a step whose drafter did not run (vLLM skips it when the batch does not fit the drafter).
         self._commit()
         self._finish_drafts()
+        self._bole_first_pass = None
         try:
             with profiled(self._bole_profiler, "forward"):
-                return super().execute_model(scheduler_output, intermediate_tensors)
+                output = super().execute_model(scheduler_output, intermediate_tensors)
+            if output is None and self.execute_model_state is not None:
+                self._bole_first_pass = self._first_pass_all_rows(scheduler_output)
+            return output
         finally:
             set_current_forest(None)
             # Queued drafts serve the step right after the one that drafted them (its forest keeps what it read);
             # placeholders scheduled later are verified as chains (_build_forest).
             self._bole_queued = None
+
+    def _first_pass_all_rows(self, scheduler_output):
+        """Queue the drafter's first pass over every verified node right behind the target forward, while the
+        host is idle until the walk (``MTPTreeDrafter.first_pass_all_rows``): for steps of plain greedy trees
+        only, since a row's input is its argmax. The argmax goes to the host first, so the walk waits for the
+        forward alone. None when the step does not qualify (the drafter then catches up after the walk)."""
+        drafter, forest, state = self.bole_drafter, self._bole_forest, self.execute_model_state
+        num_reqs = self.input_batch.num_reqs
+        if (forest is None or not self._bole_first_pass_on or not hasattr(drafter, "first_pass_all_rows")
+                or not forest.tree_only
+                or forest.plain_decodes or forest.tree_req_indices != list(range(num_reqs))
+                or state.logits is None or state.spec_decode_common_attn_metadata is None
+                or state.logits.shape[0] != scheduler_output.total_num_scheduled_tokens):
+            return None
+        metadata = self.input_batch.sampling_metadata
+        if (not tree_rows_supported(metadata)
+                or not all(is_plain_greedy(self.requests[r].sampling_params) for r in self.input_batch.req_ids)):
+            return None
+        with record_function_or_nullcontext("bole: first_pass"):
+            argmax = state.logits.argmax(dim=-1)
+            host, event = argmax, None
+            if argmax.is_cuda:
+                host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
+                host.copy_(argmax, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            n = argmax.numel()
+            slots = self.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
+            rows = drafter.first_pass_all_rows(state.spec_decode_common_attn_metadata, forest, argmax,
+                                               self.positions[:n], slots, self._bole_seq_lens,
+                                               state.hidden_states[:n])
+        self.bole_first_pass_steps += 1
+        return host, event, rows
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -201,6 +246,7 @@ class BoleModelRunnerMixin:
             flat = torch.tensor(parent + cu, dtype=torch.int32).to(self.device, non_blocking=True)
             parent, cu_seqlens = flat[:n], flat[n:]
         seq_lens = self.input_batch.num_computed_tokens_cpu[:len(req_ids)] + num_scheduled_tokens[:len(req_ids)]
+        self._bole_seq_lens = [int(seq_lens[r]) for r in forest_req]
         forest = StepForest(
             req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
             parent=parent, cu_seqlens=cu_seqlens, tokens=tokens, tree_parents=tree_parents,
@@ -311,7 +357,13 @@ class BoleModelRunnerMixin:
                 drawn.append(r)
         targets = {}  # batch index -> the target's token after each of its tree rows
         if greedy:
-            argmax = logits.argmax(dim=-1).tolist()
+            first = self._bole_first_pass
+            if first is not None:   # already on its way to the host (the drafter's first pass runs behind it)
+                if first[1] is not None:
+                    first[1].synchronize()
+                argmax = first[0].tolist()
+            else:
+                argmax = logits.argmax(dim=-1).tolist()
             targets |= {r: argmax[row_start[r]:row_start[r] + num_rows[r]] for r in greedy}
         if drawn:  # one draw per tree row of every sampled request, in one call
             rows = [row_start[r] + j for r in drawn for j in range(num_rows[r])]
@@ -386,6 +438,10 @@ class BoleModelRunnerMixin:
             # Only the next verification reads the committed GDN state and moved K/V: the commit is queued after
             # the drafter's levels (propose_draft_token_ids), so its host work overlaps them on the device.
             self._bole_commit = forest
+            if self._bole_first_pass is not None:
+                # The first pass wrote the drafter's K/V at every node's slot: the levels read the accepted
+                # path's at contiguous slots, so it moves now (the commit leaves the drafter's layers out).
+                compact_accepted_kv(self, forest, only=self.bole_drafter.own_kv_layers())
 
     def _commit(self) -> None:
         """The accepted paths' GDN state, conv windows and K/V of the last verified step, if not yet committed.
@@ -420,6 +476,8 @@ class BoleModelRunnerMixin:
         # (The last step's drafts were finished when this step's execute_model began.)
         with profiled(self._bole_profiler, "draft"):
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
+            if self._bole_first_pass is not None:
+                step.all_rows = self._bole_first_pass[2]
             num_reqs = len(step.req_ids)
             context = self.input_batch.num_computed_tokens_cpu[:num_reqs]
             context_len = int(context.mean()) if num_reqs else None
