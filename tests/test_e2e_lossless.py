@@ -100,7 +100,12 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
 # the places of finished ones, and their prompts run in chunks (no drafts) between requests that draft.
 @pytest.mark.parametrize("selection,seqs,tokens", [("global", 16, None), ("per_request", 16, None),
                                                    ("per_request", 4, 48)])
-def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, reference, selection, seqs, tokens):
+def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, reference, selection, seqs, tokens,
+                                                  monkeypatch):
+    # The per-request cases run the drafter's first pass over every verified node before the walk (opt-in),
+    # the global one its catch-up after the walk.
+    first_pass = selection == "per_request"
+    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1" if first_pass else "0")
     reqs = [dict(r) for r in requests_]
     reqs.append({"prompt": requests_[3]["prompt"], "max_tokens": 20, "temperature": 0.8, "seed": 7})
     name = f"mtp_{selection}" + (f"_seqs{seqs}_tokens{tokens}" if tokens else "")
@@ -115,16 +120,18 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     print(f"{name}: near-tie divergences {len(divs)}; counters {counters}; graphs {out['bole_graphs']}")
     assert_graphs_used(out, drafter=True)
     assert (out["queued_trees"] > 0) == (selection == "per_request"), out["queued_trees"]
-    # Once the sampled request is done and every request drafts, the drafter's first pass runs over every
-    # verified node before the walk (the steps before catch up after it): both ways are in this run.
-    assert out["first_pass_steps"] > 0, out["first_pass_steps"]
+    # With the first pass on, it runs once the sampled request is done and every request drafts (the steps
+    # before catch up after the walk): both ways are in such a run.
+    assert (out["first_pass_steps"] > 0) == first_pass, out["first_pass_steps"]
     if os.environ.get("VLLM_BOLE_HOST_DRAFT_LEVELS") != "1":
         assert out["device_levels"], "the MTP drafter grew no level on the device"
     assert counters["mean_acceptance_length"] > 1.5, counters
 
 
-def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, reference):
-    """``draft_vocab``: the drafter proposes the lower half of the vocabulary only; the output stays exact."""
+def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, reference, monkeypatch):
+    """``draft_vocab``: the drafter proposes the lower half of the vocabulary only; the output stays exact (with
+    the drafter's first pass over every verified node)."""
+    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1")
     vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
     engine = bole_engine(tmp, "mtp_vocab", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16)
     engine["speculative_config"]["draft_vocab"] = vocab // 2
@@ -136,6 +143,7 @@ def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, 
     assert ids is not None and ids[:vocab // 2] == list(range(vocab // 2)) and len(ids) <= vocab // 2 + 2, ids
     assert_graphs_used(out, drafter=True)
     assert counters["num_accepted_tokens"] > 0, counters
+    assert out["first_pass_steps"] > 0, out["first_pass_steps"]
 
 
 def test_stop_token_inside_accepted_paths(tmp, model, requests_, reference):

@@ -251,6 +251,8 @@ class MTPTreeDrafter(TreeDrafter):
         ancestors. On the accepted path that is exactly the catch-up's input; once the runner has moved the path's
         MTP K/V to contiguous slots, the root rows of the next trees are the path ends' rows. ``positions``,
         ``slots``: the verification's ``[N]`` device tensors; ``seq_lens``: each tree's prefix + size (host)."""
+        if len(seq_lens) != len(forest.tree_req_indices):
+            raise ValueError(f"first pass: {len(seq_lens)} sequence lengths for {len(forest.tree_req_indices)} trees")
         sizes = [forest.query_starts[i + 1] - forest.query_starts[i] for i in range(len(forest.query_starts) - 1)]
         n = hidden.shape[0]
         sizes.append(n - forest.query_starts[-1])

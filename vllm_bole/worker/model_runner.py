@@ -56,13 +56,14 @@ class BoleModelRunnerMixin:
         self._bole_clock = StepClock()   # budget_rule "step": the step time besides the target forward
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
         self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
-        self._bole_seq_lens: list[int] = []   # per tree of the step's forest: prefix + tree size
+        self._bole_seq_lens = None   # per batch request of the step: prefix + scheduled tokens (numpy)
         # The drafter's first pass over every node of this step's forest, queued behind the target forward:
         # (the rows' argmax on its way to the host, its event, the drafter's (hidden, top children))
         self._bole_first_pass = None
         self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
-        # VLLM_BOLE_FIRST_PASS=0: the drafter always catches up after the walk (to compare the two)
-        self._bole_first_pass_on = os.environ.get("VLLM_BOLE_FIRST_PASS", "1") != "0"
+        # VLLM_BOLE_FIRST_PASS=1: the drafter's first pass over every node before the walk (opt-in until it has
+        # run on a GPU: tested lossless on CPU); otherwise it catches up after the walk
+        self._bole_first_pass_on = os.environ.get("VLLM_BOLE_FIRST_PASS", "0") == "1"
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -162,7 +163,7 @@ class BoleModelRunnerMixin:
             n = argmax.numel()
             slots = self.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
             rows = drafter.first_pass_all_rows(state.spec_decode_common_attn_metadata, forest, argmax,
-                                               self.positions[:n], slots, self._bole_seq_lens,
+                                               self.positions[:n], slots, self._bole_seq_lens[:num_reqs].tolist(),
                                                state.hidden_states[:n])
         self.bole_first_pass_steps += 1
         return host, event, rows
@@ -246,7 +247,7 @@ class BoleModelRunnerMixin:
             flat = torch.tensor(parent + cu, dtype=torch.int32).to(self.device, non_blocking=True)
             parent, cu_seqlens = flat[:n], flat[n:]
         seq_lens = self.input_batch.num_computed_tokens_cpu[:len(req_ids)] + num_scheduled_tokens[:len(req_ids)]
-        self._bole_seq_lens = [int(seq_lens[r]) for r in forest_req]
+        self._bole_seq_lens = seq_lens   # per batch request (plain decodes may become trees in the forward)
         forest = StepForest(
             req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
             parent=parent, cu_seqlens=cu_seqlens, tokens=tokens, tree_parents=tree_parents,
