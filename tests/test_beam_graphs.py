@@ -89,7 +89,8 @@ def _eager(k, depth, synthetic, reqs, roots, hidden, per_request, budget):
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("per_request,budget", [(32, 64), (6, 9), (3, 40)])
-def test_graph_levels_grow_the_eager_trees_across_steps(seed, per_request, budget, stand_in_capture):
+@pytest.mark.parametrize("device_roots", [False, True])
+def test_graph_levels_grow_the_eager_trees_across_steps(seed, per_request, budget, device_roots, stand_in_capture):
     k, depth, _, _, synthetic = _case(seed)
     rng = random.Random(100 + seed)
     drafter = _graph_drafter(k, depth, synthetic)
@@ -106,7 +107,10 @@ def test_graph_levels_grow_the_eager_trees_across_steps(seed, per_request, budge
         hidden = torch.tensor([[float(rng.randint(1, 10**6))] for _ in reqs])
         want, want_levels = _eager(k, depth, synthetic, reqs, roots, hidden, per_request, budget)
         drafter.graph_levels = []
-        got = beam.grow(step, cm, reqs, roots, hidden)
+        if device_roots:   # the level plan from device roots: the graphs' buffers filled on the device
+            got = beam.grow(step, cm, reqs, torch.tensor(roots), hidden, root_bound=max(roots))
+        else:
+            got = beam.grow(step, cm, reqs, roots, hidden)
         assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
         assert len(drafter.graph_levels) == len(want_levels)
         for level, w in zip(drafter.graph_levels, want_levels):

@@ -53,14 +53,17 @@ def _stand_in(k, depth, synthetic=None):
 
     drafter._top_rows, drafter._write_arrays, drafter._forward_written = top_rows, write_arrays, forward_written
     drafter._slots = lambda r, positions: np.asarray(positions, dtype=np.int64) + 10000 * (r + 1)
+    drafter._device_slots = lambda r, positions: positions + 10000 * (r + 1)
     return drafter
 
 
-def _grow(drafter, beam, reqs, roots, per_request=None, budget=None):
+def _grow(drafter, beam, reqs, roots, per_request=None, budget=None, device_roots=False):
     drafter.levels = []
     step = DraftStep(req_ids=[], contexts=[], per_request=per_request, budget=budget)
     hidden = torch.tensor([[float(7 + 13 * r)] for r in reqs])
-    if beam:
+    if beam and device_roots:   # roots not on the host: the level plan from a device tensor and a bound
+        trees = DeviceBeam(drafter).grow(step, None, reqs, torch.tensor(roots), hidden, root_bound=max(roots))
+    elif beam:
         trees = DeviceBeam(drafter).grow(step, None, reqs, roots, hidden)
     else:
         trees = drafter._grow_on_host(step, None, reqs, roots, hidden)
@@ -77,11 +80,12 @@ def _case(seed):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_device_levels_match_host_levels_without_pruning(seed):
+@pytest.mark.parametrize("device_roots", [False, True])
+def test_device_levels_match_host_levels_without_pruning(seed, device_roots):
     k, depth, reqs, roots, synthetic = _case(seed)
     drafter = _stand_in(k, depth, synthetic)
     host_trees, host_levels = _grow(drafter, False, reqs, roots)
-    beam_trees, beam_levels = _grow(drafter, True, reqs, roots)
+    beam_trees, beam_levels = _grow(drafter, True, reqs, roots, device_roots=device_roots)
     assert len(host_levels) == depth - 1
     assert beam_levels == host_levels        # queries, positions, slots, hidden rows, lengths, tree rows
     for h, b in zip(host_trees, beam_trees):
@@ -92,11 +96,12 @@ def test_device_levels_match_host_levels_without_pruning(seed):
 
 @pytest.mark.parametrize("seed", range(16))
 @pytest.mark.parametrize("per_request,budget", [(32, 128), (6, 9), (12, 16), (3, 4), (32, 0), (100, 1000)])
-def test_device_levels_select_what_pruned_host_levels_select(seed, per_request, budget):
+@pytest.mark.parametrize("device_roots", [False, True])
+def test_device_levels_select_what_pruned_host_levels_select(seed, per_request, budget, device_roots):
     k, depth, reqs, roots, synthetic = _case(seed)
     drafter = _stand_in(k, depth, synthetic)
     host_trees, host_levels = _grow(drafter, False, reqs, roots, per_request, budget)
-    beam_trees, beam_levels = _grow(drafter, True, reqs, roots, per_request, budget)
+    beam_trees, beam_levels = _grow(drafter, True, reqs, roots, per_request, budget, device_roots)
     want = select_step(host_trees, per_request, budget)
     assert [(t.tokens, t.parents) for t in beam_trees] == [(t.tokens, t.parents) for t in want]
     assert len(beam_levels) <= depth - 1

@@ -79,22 +79,30 @@ class BeamGraphs:
         # Padding requests: no query rows (meta rows 0, its own batch index), no keys, KV slot -1.
         qsl = np.full(bucket + 1, rows, dtype=np.int32)
         qsl[:g + 1] = np.arange(g + 1) * k
-        seq_lens = np.zeros((levels, bucket), dtype=np.int32)
-        seq_lens[:, :g] = plan.seq_lens
         meta = np.zeros((levels, bucket, 5), dtype=np.int32)
         meta[:, :g] = plan.meta
         meta[:, g:, 0] = np.arange(g, bucket)
-        pos_slots = np.zeros((2, levels, bucket * k), dtype=np.int64)
-        pos_slots[1] = PADDING_SLOT_ID
-        pos_slots[0, :, :rows], pos_slots[1, :, :rows] = plan.positions, plan.slots
-        dev = hidden.device
         self.query_start_loc[:bucket + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
-        self.seq_lens[:levels, :bucket].copy_(torch.from_numpy(seq_lens), non_blocking=True)
         self.meta[:levels, :bucket].copy_(torch.from_numpy(meta), non_blocking=True)
         self.budget.fill_(budget if budget is not None else 1 << 40)
-        pos_slots = torch.from_numpy(pos_slots).to(dev, non_blocking=True)
-        self.positions[:levels, :bucket * k].copy_(pos_slots[0])
-        self.slots[:levels, :bucket * k].copy_(pos_slots[1])
+        if isinstance(plan.seq_lens, torch.Tensor):   # from device roots: device to device
+            self.seq_lens[:levels, g:bucket].zero_()
+            self.seq_lens[:levels, :g].copy_(plan.seq_lens)
+            self.positions[:levels, rows:bucket * k].zero_()
+            self.positions[:levels, :rows].copy_(plan.positions)
+            self.slots[:levels, rows:bucket * k].fill_(PADDING_SLOT_ID)
+            self.slots[:levels, :rows].copy_(plan.slots)
+        else:
+            seq_lens = np.zeros((levels, bucket), dtype=np.int32)
+            seq_lens[:, :g] = plan.seq_lens
+            pos_slots = np.zeros((2, levels, bucket * k), dtype=np.int64)
+            pos_slots[1] = PADDING_SLOT_ID
+            pos_slots[0, :, :rows], pos_slots[1, :, :rows] = plan.positions, plan.slots
+            self.seq_lens[:levels, :bucket].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+            pos_slots = torch.from_numpy(pos_slots).to(hidden.device, non_blocking=True)
+            self.positions[:levels, :bucket * k].copy_(pos_slots[0])
+            self.slots[:levels, :bucket * k].copy_(pos_slots[1])
+        dev = hidden.device
         self.block_table[:g].copy_(cm.block_table_tensor[torch.from_numpy(np.asarray(reqs)).to(dev,
                                                                                                 non_blocking=True)])
         state = self._views(bucket)
@@ -119,7 +127,7 @@ class BeamGraphs:
         if self.disabled:
             return False
         bucket, padded = self._step
-        long_prefix = not reads_prefix_itself(int(plan.seq_lens[d - 1].max()), padded)
+        long_prefix = not reads_prefix_itself(plan.seq_max[d - 1], padded)
         key = (bucket, d, long_prefix, per_request)
         graph = self.graphs.get(key)
         if graph is not None:
@@ -133,7 +141,7 @@ class BeamGraphs:
             return False
         start = time.perf_counter()
         k = self.k
-        chunks = [(r, range(k), None, int(s), None) for r, s in zip(reqs, plan.seq_lens[d - 1])]
+        chunks = [(r, range(k), None, s, None) for r, s in zip(reqs, plan.host_seq_lens(d))]
         views = (self.query_start_loc[:bucket + 1], self.seq_lens[d - 1, :bucket], self.block_table[:bucket])
         per_layer = self.drafter._metadata(cm, chunks, bucket * k, views)
 

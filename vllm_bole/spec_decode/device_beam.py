@@ -180,27 +180,48 @@ class BeamState:
 
 @dataclass
 class LevelPlan:
-    """The host side of a step's levels, from the roots alone: level d's query c*k + j (request c) sits at
-    position root + d - 1 with its KV at position root + (d-1)k + j; the request's region is its d*k queries."""
+    """What a step's levels read besides the beam, from the roots alone: level d's query c*k + j (request c) sits
+    at position root + d - 1 with its KV at position root + (d-1)k + j; the request's region is its d*k queries.
+    From host roots the arrays are numpy; from device roots (roots not yet known on the host: the runner drafts
+    before it walks) positions, slots and seq_lens are device tensors, and ``seq_max`` is a host bound."""
 
-    positions: np.ndarray   # [L, G*k] int64
-    slots: np.ndarray       # [L, G*k] int64 KV slots
-    seq_lens: np.ndarray    # [L, G] int64
-    meta: np.ndarray        # [L, G, 5] int32 tree-row metadata (DeviceTreeRows.meta)
+    positions: "np.ndarray | torch.Tensor"   # [L, G*k] int64
+    slots: "np.ndarray | torch.Tensor"       # [L, G*k] int64 KV slots
+    seq_lens: "np.ndarray | torch.Tensor"    # [L, G] int64
+    meta: np.ndarray                         # [L, G, 5] int32 tree-row metadata (DeviceTreeRows.meta)
+    seq_max: list[int]                       # per level: the longest sequence (or a bound on it)
 
     @classmethod
-    def of(cls, drafter, reqs: list[int], roots: np.ndarray, levels: int, k: int) -> "LevelPlan":
+    def of(cls, drafter, reqs: list[int], roots, levels: int, k: int, root_bound: int | None = None) -> "LevelPlan":
+        """``roots``: ``[G]`` root positions, numpy or a device tensor (then ``root_bound`` bounds them)."""
         g = len(reqs)
+        c = np.arange(g, dtype=np.int32)
+        meta = np.zeros((levels, g, 5), dtype=np.int32)
+        meta[:, :, 0], meta[:, :, 1], meta[:, :, 2], meta[:, :, 4] = c, c * k, k, c * k
+        meta[:, :, 3] = np.arange(1, levels + 1)[:, None] * k
+        if isinstance(roots, torch.Tensor):
+            dev = roots.device
+            roots = roots.long()
+            d = torch.arange(1, levels + 1, device=dev)[:, None]                   # [L, 1]
+            positions = (roots[None, :] + d - 1).repeat_interleave(k, dim=1)       # [L, G*k]
+            kv_pos = (roots[None, :, None] + (d[:, :, None] - 1) * k
+                      + torch.arange(k, device=dev)).reshape(levels, g * k)
+            r = torch.tensor(reqs, dtype=torch.long).repeat_interleave(k).to(dev, non_blocking=True)
+            slots = drafter._device_slots(r[None, :], kv_pos)
+            return cls(positions=positions, slots=slots, seq_lens=roots[None, :] + d * k, meta=meta,
+                       seq_max=[root_bound + (i + 1) * k for i in range(levels)])
         d = np.arange(1, levels + 1)[:, None]                                        # [L, 1]
         positions = np.repeat(roots[None, :] + d - 1, k, axis=1)                     # [L, G*k]
         kv_pos = (roots[None, :, None] + (d[:, :, None] - 1) * k + np.arange(k)).reshape(levels, g * k)
         slots = drafter._slots(np.repeat(np.asarray(reqs, dtype=np.int64), k)[None, :], kv_pos)
-        c = np.arange(g, dtype=np.int32)
-        meta = np.zeros((levels, g, 5), dtype=np.int32)
-        meta[:, :, 0], meta[:, :, 1], meta[:, :, 2], meta[:, :, 4] = c, c * k, k, c * k
-        meta[:, :, 3] = d * k
+        seq_lens = roots[None, :] + d * k
         return cls(positions=positions, slots=np.asarray(slots, dtype=np.int64).reshape(levels, g * k),
-                   seq_lens=roots[None, :] + d * k, meta=meta)
+                   seq_lens=seq_lens, meta=meta, seq_max=[int(x) for x in seq_lens.max(axis=1)])
+
+    def host_seq_lens(self, d: int) -> list[int]:
+        """Level ``d``'s sequence lengths on the host (from device roots: a copy that waits for them)."""
+        row = self.seq_lens[d - 1]
+        return row.tolist() if isinstance(row, torch.Tensor) else [int(x) for x in row]
 
 
 class DeviceBeam:
@@ -243,18 +264,20 @@ class DeviceBeam:
             deepest = min(deepest, budget)
         return max(deepest - 1, 0)
 
-    def grow(self, step, cm, reqs: list[int], roots: list[int], hidden: torch.Tensor,
-             top: torch.Tensor | None = None) -> list[DraftTree]:
+    def grow(self, step, cm, reqs: list[int], roots, hidden: torch.Tensor,
+             top: torch.Tensor | None = None, root_bound: int | None = None) -> list[DraftTree]:
         """The selected trees of batch requests ``reqs`` (root positions ``roots``); ``hidden`` ``[G, H]``: the
         MTP hidden state that predicts each root's children; ``top``: its top children, if already computed."""
-        return self.grow_deferred(step, cm, reqs, roots, hidden, top)()
+        return self.grow_deferred(step, cm, reqs, roots, hidden, top, root_bound)()
 
-    def grow_deferred(self, step, cm, reqs: list[int], roots: list[int], hidden: torch.Tensor,
-                      top: torch.Tensor | None = None):
+    def grow_deferred(self, step, cm, reqs: list[int], roots, hidden: torch.Tensor,
+                      top: torch.Tensor | None = None, root_bound: int | None = None):
         """:meth:`grow` with every level and the selection queued on the device: returns ``finish()``, which
         waits for the selection's copy to the host and builds the trees (meanwhile the host may do other work).
         With ``step.quotas`` the selection keeps each request's quota of nodes, no level waits for the host, and
-        ``step.queued`` holds the selected trees on the device (``spec_decode/queued_drafts.py``)."""
+        ``step.queued`` holds the selected trees on the device (``spec_decode/queued_drafts.py``). ``roots``: host
+        positions, or a ``[G]`` device tensor of them (the runner drafting before its walk) with ``root_bound`` a
+        host bound on them."""
         k, g, device = self.k, len(reqs), hidden.device
         quotas = None if step.quotas is None else [step.quotas[r] for r in reqs]
         if quotas is not None and max(quotas, default=0) <= 0:
@@ -269,7 +292,9 @@ class DeviceBeam:
             levels = min(bound, self._level_hint.get(max(quotas), bound))
         m = k + levels * k * k
         top = (top if top is not None else self.drafter._top_rows(hidden)).double()   # [G, 2k]
-        plan = LevelPlan.of(self.drafter, reqs, np.asarray(roots, dtype=np.int64), levels, k) if levels else None
+        if not isinstance(roots, torch.Tensor):
+            roots = np.asarray(roots, dtype=np.int64)
+        plan = LevelPlan.of(self.drafter, reqs, roots, levels, k, root_bound) if levels else None
         graphs = self.graphs if levels and not self.host_rows(hidden) else None
         state = graphs.start(cm, reqs, plan, hidden, top, step.budget) if graphs is not None else None
         if state is None:
@@ -442,7 +467,7 @@ class DeviceBeam:
         drafter, k, g = self.drafter, self.k, len(reqs)
         rows = g * k
         # What the metadata reads of a chunk: batch request, query count, sequence length.
-        chunks = [(r, range(k), None, int(s), None) for r, s in zip(reqs, plan.seq_lens[d - 1])]
+        chunks = [(r, range(k), None, s, None) for r, s in zip(reqs, plan.host_seq_lens(d))]
         written = drafter._write_arrays(tokens, plan.positions[d - 1], plan.slots[d - 1], hidden)
         if self.host_rows(hidden):   # the CPU backend recomputes tree rows from host masks
             tree_rows = [TreeRows(req_index=i, row_start=i * k, region_mask=visible[i]) for i in range(g)]

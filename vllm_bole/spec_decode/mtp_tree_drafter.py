@@ -30,6 +30,8 @@ logger = init_logger(__name__)
 
 
 def _to_device(values, device, dtype=torch.long) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):   # already computed on the device
+        return values.to(device=device, dtype=dtype)
     # non-blocking: the GPU queue keeps running meanwhile
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
@@ -284,6 +286,13 @@ class MTPTreeDrafter(TreeDrafter):
         table = self.runner.input_batch.block_table[self.proposer.kv_cache_gid]
         pos, size = np.asarray(positions, dtype=np.int64), table.block_size
         return table.block_table.np[r, pos // size].astype(np.int64) * size + pos % size
+
+    def _device_slots(self, r: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`_slots` on the device, from the MTP group's device block table (positions a device tensor)."""
+        table = self.runner.input_batch.block_table[self.proposer.kv_cache_gid]
+        size = table.block_size
+        blocks = table.block_table.gpu.to(positions.device)
+        return blocks[r.expand_as(positions), positions // size].long() * size + positions % size
 
     def own_kv_layers(self) -> tuple[str, ...]:
         # The catch-up writes the MTP layer's K/V at every committed position of every request that ran.
