@@ -85,3 +85,55 @@ def test_deep_acceptance_under_later_siblings():
                        torch.tensor([0, 63], dtype=torch.int32), 5)
     assert walk.host_paths([0]) == [path]
     assert walk.emitted[0].tolist() == [tokens[j] for j in path[1:]] + [0]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_walked_moves_are_the_host_paths_moves(seed):
+    """The KV moves of a device walk (kv_compaction.walked_row_moves) are the host paths' moves, in path order."""
+    from types import SimpleNamespace
+
+    from vllm_bole.worker.kv_compaction import accepted_row_moves, walked_row_moves
+
+    rng = random.Random(seed)
+    trees = _case(rng, rng.choice([3, 1000]))
+    parent = torch.tensor([p for t in trees for p in t[0]], dtype=torch.int32)
+    tokens = torch.tensor([x for t in trees for x in t[1]])
+    argmax = torch.tensor([x for t in trees for x in t[2]])
+    cu = [0]
+    for t in trees:
+        cu.append(cu[-1] + len(t[0]))
+    depth = max(max(_depths(t[0])) for t in trees)
+    walk = greedy_walk(argmax, tokens, parent, torch.tensor(cu, dtype=torch.int32), depth)
+    forest = SimpleNamespace(accepted_paths=walk.host_paths(cu[:-1]), query_starts=cu[:-1])
+    src, dst = walked_row_moves(walk, torch.tensor(cu[:-1]))
+    keep = src >= 0
+    assert bool(((src >= 0) == (dst >= 0)).all())
+    assert (src[keep].tolist(), dst[keep].tolist()) == accepted_row_moves(forest)
+
+
+def test_synthetic_targets_accept_like_the_host_synthetic_walk():
+    """Synthetic acceptance on the device: the accepted depth and the rank path of full 3-ary trees follow the
+    host walk's distribution (``SyntheticAcceptance.walk``), over many trees."""
+    from collections import Counter
+
+    from vllm_bole.spec_decode.device_walk import synthetic_targets
+    from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
+
+    synthetic = SyntheticAcceptance(rates=(0.9, 0.7, 0.5, 0.3), sibling_rates=(0.4, 0.25), seed=3)
+    parents = [-1] + [(i - 1) // 3 for i in range(1, 121)]           # full 3-ary tree of depth 4
+    trees = 3000
+    parent = torch.tensor(parents * trees, dtype=torch.int32)
+    tokens = torch.tensor(list(range(len(parents))) * trees)
+    cu = torch.arange(trees + 1, dtype=torch.int32) * len(parents)
+    gen = torch.Generator().manual_seed(0)
+    targets = synthetic_targets(tokens, parent, cu, 4, synthetic, gen)
+    walk = greedy_walk(targets, tokens, parent, cu, 4, bonus=torch.zeros_like(tokens))
+    device = Counter(tuple(p) for p in walk.host_paths(cu[:-1].tolist()))
+    host = Counter(tuple(synthetic.walk(parents)) for _ in range(trees))
+    # Paths by sibling ranks: compare the frequencies of the commonest ones (3000 draws: ~0.03 sampling error).
+    for path, count in host.most_common(8):
+        assert abs(device[path] - count) / trees < 0.04, (path, device[path], count)
+    mean = lambda c: sum((len(p) - 1) * n for p, n in c.items()) / trees   # noqa: E731
+    assert abs(mean(device) - mean(host)) < 0.08, (mean(device), mean(host))
+    assert max(len(p) for p in device) == 5      # deep acceptance occurs
+    assert all(t == 0 for t in walk.emitted.gather(1, (walk.length - 1)[:, None]).flatten().tolist())   # bonus

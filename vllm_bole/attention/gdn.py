@@ -233,8 +233,10 @@ def commit_step(forest) -> None:
     if scratch is None or not scratch.layers:
         return
     slots = torch.stack(scratch.slots).to(torch.int32).contiguous()       # [L, B]
-    # pinned: the commit is queued after the drafter's levels, and its host work should not wait for them
-    accepted = async_tensor_h2d(forest.accepted, slots.device, torch.int32)
+    if forest.accepted_device is not None:   # the device walk's (the host may not know the paths yet)
+        accepted = forest.accepted_device.to(torch.int32)
+    else:   # pinned: the commit is queued after the drafter's levels, and its host work should not wait for them
+        accepted = async_tensor_h2d(forest.accepted, slots.device, torch.int32)
     factors, conv_inputs = scratch.used()
     views = [_cache_views(layer) for layer in scratch.layers]
     kernels.commit_accepted_inplace([v[0] for v in views], slots, factors, accepted, forest.parent, forest.cu_seqlens)

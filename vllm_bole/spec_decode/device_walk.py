@@ -29,20 +29,66 @@ class DeviceWalk:
         return [[r - start for r in row[:n]] for row, n, start in zip(rows, length, query_starts)]
 
 
+def _forest_rows(parent: torch.Tensor, cu_seqlens: torch.Tensor):
+    """(rows ``[N]``, tree of each row, first row of each tree, root mask, global parent (a root: itself))."""
+    n, device = parent.numel(), parent.device
+    rows = torch.arange(n, device=device)
+    tree = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)
+    start = cu_seqlens[:-1].long()
+    is_root = parent < 0
+    return rows, tree, start, is_root, torch.where(is_root, rows, start[tree] + parent.long())
+
+
+def _depths(is_root: torch.Tensor, grow: torch.Tensor, max_depth: int) -> torch.Tensor:
+    depth = torch.zeros(grow.numel(), dtype=torch.long, device=grow.device)
+    for _ in range(max_depth):   # parents first: depth d settles in d rounds
+        depth = torch.where(is_root, 0, depth[grow] + 1)
+    return depth
+
+
+def synthetic_targets(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: torch.Tensor, max_depth: int,
+                      synthetic, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``[N]`` the target's token after each row under synthetic acceptance (``spec_decode/synthetic.py``), drawn
+    on the device: the token of the child whose sibling rank ``synthetic.draw_rank`` returns at the row's depth + 1
+    (independent draws with its probabilities), or -1, which no child carries, when it draws none or that rank
+    has no child. :func:`greedy_walk` on these targets accepts what ``synthetic.walk`` accepts, in distribution."""
+    n, device = parent.numel(), parent.device
+    rows, _, _, is_root, grow = _forest_rows(parent, cu_seqlens)
+    depth = _depths(is_root, grow, max_depth)
+    siblings = len(synthetic.sibling_rates)
+    ranks = 1 + siblings
+    # Sibling rank of every child: its order among its parent's children (parents before children, so by row).
+    key = torch.where(is_root, n + rows, grow)
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    rank = torch.empty(n, dtype=torch.long, device=device)
+    rank[order] = torch.arange(n, device=device) - torch.searchsorted(sorted_key, sorted_key)
+    child_at = torch.full((n * ranks,), -1, dtype=torch.long, device=device)
+    child = ~is_root & (rank < ranks)
+    child_at[(grow * ranks + rank)[child]] = rows[child]
+    # The rank drawn at each row: rank 1 with the conditional rate at its children's depth, else the first
+    # sibling rank whose rate the draws pass.
+    first = torch.tensor([synthetic.rank1_rate(d) for d in range(1, max_depth + 2)], dtype=torch.float32,
+                         device=device)[depth]
+    u = torch.rand(n, ranks, generator=generator, device=device)
+    drawn = torch.where(u[:, 0] < first, 0, -1)
+    for r in range(siblings, 0, -1):   # the lowest passing rank wins
+        rate = synthetic.sibling_rates[r - 1]
+        drawn = torch.where((drawn != 0) & (u[:, r] < rate), r, drawn)
+    pick = torch.where(drawn >= 0, child_at[rows * ranks + drawn.clamp(min=0)], -1)
+    return torch.where(pick >= 0, tokens.long()[pick.clamp(min=0)], -1)
+
+
 def greedy_walk(argmax: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_depth: int) -> DeviceWalk:
+                max_depth: int, bonus: torch.Tensor | None = None) -> DeviceWalk:
     """``argmax``: ``[N]`` the target's token after each row; ``tokens``: ``[N]`` each row's token (roots: any);
     ``parent``: ``[N]`` int32 local parent within the row's tree (-1: the root, local node 0); ``cu_seqlens``:
     ``[B+1]`` int32 tree offsets (rows of tree b: ``cu[b]:cu[b+1]``, every tree non-empty); ``max_depth``: no
-    node lies deeper (the root at depth 0)."""
+    node lies deeper (the root at depth 0); ``bonus``: ``[N]`` the token emitted after a path's last node, if
+    not ``argmax`` (synthetic targets match children only)."""
     n, device = parent.numel(), parent.device
     b = cu_seqlens.numel() - 1
-    rows = torch.arange(n, device=device)
-    tree = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)          # [N] tree of each row
-    start = cu_seqlens[:-1].long()
-    local_parent = parent.long()
-    is_root = local_parent < 0
-    grow = torch.where(is_root, rows, start[tree] + local_parent)               # global parent (root: itself)
+    rows, tree, start, is_root, grow = _forest_rows(parent, cu_seqlens)
     match = ~is_root & (tokens.long() == argmax.long()[grow])
     # Only the first matching child of a node counts (the host walk follows that one).
     first = torch.full((n,), n, dtype=torch.long, device=device)
@@ -71,5 +117,6 @@ def greedy_walk(argmax: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor
     # Emitted: the drafted token of path node j + 1, then the bonus (the argmax at the last node).
     after = torch.cat([path[:, 1:], path.new_full((b, 1), -1)], dim=1)
     emitted = torch.where(after >= 0, tokens.long()[after.clamp(min=0)], -1)
-    emitted = torch.where(col[None, :] == length[:, None] - 1, argmax.long()[last][:, None], emitted)
+    bonus = argmax if bonus is None else bonus
+    emitted = torch.where(col[None, :] == length[:, None] - 1, bonus.long()[last][:, None], emitted)
     return DeviceWalk(rows=path, length=length, deepest=last - start, emitted=emitted.to(torch.int32))

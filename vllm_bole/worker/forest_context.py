@@ -100,6 +100,7 @@ class StepForest:
     # The GDN layers' step-wide buffers (factors, conv inputs, slots; see attention/gdn.py) for the commit
     gdn_scratch: object = None
     accepted_paths: list[list[int]] | None = None  # per tree request, accepted local nodes, root first
+    accepted_device: torch.Tensor | None = None    # per tree request, its deepest accepted node (a device walk)
     # per tree request: row of its first node (the root) in the step's flat token arrays
     query_starts: list[int] = field(default_factory=list)
     # every scheduled token of the step is a tree node or a plain decode (no prefill beside the trees)

@@ -36,6 +36,15 @@ def accepted_slot_moves(forest, slot_mapping: torch.Tensor, rows=None) -> tuple[
     return slots[:len(src)], slots[len(src):]
 
 
+def walked_row_moves(walk, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The moves of a device walk (``spec_decode.device_walk.DeviceWalk``; ``starts``: ``[B]`` first row of each
+    tree), on the device: ``[B * W]`` source and destination rows in path order, -1 where nothing moves."""
+    col = torch.arange(walk.rows.shape[1], device=walk.rows.device)
+    dst = starts.long()[:, None] + col[None, :]
+    moves = (walk.rows >= 0) & (walk.rows != dst)
+    return torch.where(moves, walk.rows, -1).flatten(), torch.where(moves, dst, -1).flatten()
+
+
 def compact_layers(kv_caches, src_slots, dst_slots) -> None:
     """GPU: move ``src_slots[i] -> dst_slots[i]`` in each layer's FlashAttention cache, one launch per cache
     layout; layers that share one slot tensor (one KV-cache group) share it in the launch too."""
@@ -50,12 +59,16 @@ def compact_layers(kv_caches, src_slots, dst_slots) -> None:
             triton_tree_attn.compact_kv_paged(caches, torch.stack(src), torch.stack(dst))
 
 
-def compact_accepted_kv(runner, forest, skip=(), only=None) -> None:
+def compact_accepted_kv(runner, forest, skip=(), only=None, walk=None) -> None:
     """Moves the accepted K/V of every attention layer but those named in ``skip`` (of those named in ``only``,
-    if given)."""
-    rows = accepted_row_moves(forest)
-    if not rows[0]:
-        return
+    if given). ``walk``: the step's device walk, whose paths the host does not know yet (the forest's trees are
+    then all the step's requests, in batch order); else the forest's host paths."""
+    if walk is None:
+        rows = accepted_row_moves(forest)
+        if not rows[0]:
+            return
+    else:
+        src_rows, dst_rows = walked_row_moves(walk, forest.cu_seqlens[:-1])
     layers = runner.compilation_config.static_forward_context
     caches, src, dst = [], [], []
     for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
@@ -64,7 +77,12 @@ def compact_accepted_kv(runner, forest, skip=(), only=None) -> None:
         names = [name for name in group.layer_names if name not in skip and (only is None or name in only)]
         if not names:
             continue
-        s, d = accepted_slot_moves(forest, runner.input_batch.block_table[gid].slot_mapping.gpu, rows)
+        slot_mapping = runner.input_batch.block_table[gid].slot_mapping.gpu
+        if walk is None:
+            s, d = accepted_slot_moves(forest, slot_mapping, rows)
+        else:   # -1 stays -1: the kernel skips it
+            s = torch.where(src_rows >= 0, slot_mapping[src_rows.clamp(min=0)].long(), -1)
+            d = torch.where(dst_rows >= 0, slot_mapping[dst_rows.clamp(min=0)].long(), -1)
         for name in names:
             caches.append(layers[name].kv_cache)
             src.append(s)
@@ -73,6 +91,7 @@ def compact_accepted_kv(runner, forest, skip=(), only=None) -> None:
         from ..attention.tree_attn_cpu import CPUPagedKV
 
         for cache, s, d in zip(caches, src, dst):
-            compact_kv(CPUPagedKV(cache), s, d)
+            keep = s >= 0
+            compact_kv(CPUPagedKV(cache), s[keep], d[keep])
         return
     compact_layers(caches, src, dst)
