@@ -149,7 +149,7 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
                         lambda runner, forest, skip: calls.append(("kv", forest, skip)))
     runner = _runner()
     runner.device = SimpleNamespace(type="cpu")
-    forest = runner._bole_forest = SimpleNamespace(accepted_paths=[[0, 2]])
+    forest = runner._bole_forest = SimpleNamespace(accepted_paths=[[0, 2]], accepted_device=None)
     runner._update_states_after_model_execute(SimpleNamespace(device=SimpleNamespace(type="cpu")), None)
     assert calls == [] and runner._bole_commit is forest and runner.vllm_updates == 1
     runner._bole_forest = None

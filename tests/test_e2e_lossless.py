@@ -123,6 +123,8 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     # With the first pass on, it runs once the sampled request is done and every request drafts (the steps
     # before catch up after the walk): both ways are in such a run.
     assert (out["first_pass_steps"] > 0) == first_pass, out["first_pass_steps"]
+    # ... and then queues the levels and the commit before the walk too (device walk, device level plan)
+    assert (out["early_draft_steps"] > 0) == first_pass, out["early_draft_steps"]
     if os.environ.get("VLLM_BOLE_HOST_DRAFT_LEVELS") != "1":
         assert out["device_levels"], "the MTP drafter grew no level on the device"
     assert counters["mean_acceptance_length"] > 1.5, counters
@@ -143,7 +145,7 @@ def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, 
     assert ids is not None and ids[:vocab // 2] == list(range(vocab // 2)) and len(ids) <= vocab // 2 + 2, ids
     assert_graphs_used(out, drafter=True)
     assert counters["num_accepted_tokens"] > 0, counters
-    assert out["first_pass_steps"] > 0, out["first_pass_steps"]
+    assert out["first_pass_steps"] > 0 and out["early_draft_steps"] > 0, out
 
 
 def test_stop_token_inside_accepted_paths(tmp, model, requests_, reference):

@@ -86,12 +86,16 @@ def test_defaults():
 
 
 @pytest.mark.vllm
-def test_synthetic_run_through_vllm(tmp_path):
+@pytest.mark.parametrize("before_walk", [False, True])
+def test_synthetic_run_through_vllm(tmp_path, before_walk, monkeypatch):
+    """Also with the drafting queued before the walk (``VLLM_BOLE_FIRST_PASS=1``), where the synthetic targets are
+    drawn on the device."""
     import json
 
     from e2e_support import bole_engine, random_requests, run_engine
     from vllm_bole.testing.tiny_models import tiny_model_dir
 
+    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1" if before_walk else "0")
     model = tiny_model_dir("qwen3_5")
     vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
     engine = bole_engine(tmp_path, "syn", 4, 2, 256, drafter="mtp", max_num_seqs=8)
@@ -106,6 +110,7 @@ def test_synthetic_run_through_vllm(tmp_path):
         expected.append(expected[-1] * (rate + (1 - rate) * 0.35))
     print("synthetic per-depth acceptance", per_pos, "expected about", expected)
     assert all(len(o["tokens"]) == 64 for o in out["outputs"])
+    assert (out["early_draft_steps"] > 0) == before_walk, out["early_draft_steps"]
     # Both depth-1 children are always in the tree; deeper, a drawn rank may be missing (only the best nodes of
     # a level are expanded and each request keeps 8 nodes), which can only lower acceptance.
     assert abs(per_pos[0] - expected[0]) < 0.08, (per_pos, expected)

@@ -68,8 +68,9 @@ def synthetic_targets(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: to
     child_at[(grow * ranks + rank)[child]] = rows[child]
     # The rank drawn at each row: rank 1 with the conditional rate at its children's depth, else the first
     # sibling rank whose rate the draws pass.
-    first = torch.tensor([synthetic.rank1_rate(d) for d in range(1, max_depth + 2)], dtype=torch.float32,
-                         device=device)[depth]
+    # (a non-blocking copy: a blocking one would wait for the forward queued before it)
+    first = torch.tensor([synthetic.rank1_rate(d) for d in range(1, max_depth + 2)],
+                         dtype=torch.float32).to(device, non_blocking=True)[depth]
     u = torch.rand(n, ranks, generator=generator, device=device)
     drawn = torch.where(u[:, 0] < first, 0, -1)
     for r in range(siblings, 0, -1):   # the lowest passing rank wins

@@ -360,6 +360,31 @@ class MTPTreeDrafter(TreeDrafter):
 
         return trees
 
+    def propose_from_walk(self, step: DraftStep, walk, first_pass, positions: torch.Tensor, root_bound: int):
+        """:meth:`propose_deferred` before the host knows the accepted paths: the runner's device walk (``walk``,
+        ``spec_decode/device_walk.py``) of a forest whose trees are all the step's requests, after
+        :meth:`first_pass_all_rows` (``first_pass``) and once the paths' MTP K/V moved. Each tree grows from its
+        path end's row, its root at that node's position + 1 (``positions``: the verification's), all on the
+        device (the level plan from device roots, bounded by ``root_bound``); needs the device beam."""
+        mtp_hidden, top = first_pass
+        reqs = [r for r, d in enumerate(drafting(step.contexts)) if d]
+        out = [DraftTree() for _ in step.req_ids]
+        if not reqs:
+            return lambda: out
+        last = walk.rows.gather(1, (walk.length - 1)[:, None])[:, 0]
+        index = torch.tensor(reqs, dtype=torch.long).to(last.device, non_blocking=True)
+        last = last[index]
+        with record_function_or_nullcontext("bole: levels"):
+            finish = self.beam.grow_deferred(step, step.common_attn_metadata, reqs, positions[last].long() + 1,
+                                             mtp_hidden[last], top[last], root_bound)
+
+        def trees() -> list[DraftTree]:
+            for r, tree in zip(reqs, finish()):
+                out[r] = tree
+            return out
+
+        return trees
+
     def _grow_on_host(self, step: DraftStep, cm, reqs: list[int], roots: list[int], prev: torch.Tensor,
                       top: torch.Tensor | None = None):
         """Trees of batch requests ``reqs`` (root positions ``roots``) grown with host bookkeeping, one MTP

@@ -93,7 +93,8 @@ def run(spec: dict) -> dict:
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
             "queued_trees": getattr(_runner(llm), "bole_queued_trees", None),
             "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None),
-            "first_pass_steps": getattr(_runner(llm), "bole_first_pass_steps", None)}
+            "first_pass_steps": getattr(_runner(llm), "bole_first_pass_steps", None),
+            "early_draft_steps": getattr(_runner(llm), "bole_early_draft_steps", None)}
 
 
 def main() -> None:

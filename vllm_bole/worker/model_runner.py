@@ -22,6 +22,7 @@ from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import StepClock, node_budget, verify_ms
+from ..spec_decode.device_walk import greedy_walk, synthetic_targets
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
@@ -61,6 +62,7 @@ class BoleModelRunnerMixin:
         # (the rows' argmax on its way to the host, its event, the drafter's (hidden, top children))
         self._bole_first_pass = None
         self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
+        self.bole_early_draft_steps = 0   # steps whose whole drafting and commit were queued before the walk
         # VLLM_BOLE_FIRST_PASS=1: the drafter's first pass over every node before the walk (opt-in until it has
         # run on a GPU: tested lossless on CPU); otherwise it catches up after the walk
         self._bole_first_pass_on = os.environ.get("VLLM_BOLE_FIRST_PASS", "0") == "1"
@@ -139,7 +141,9 @@ class BoleModelRunnerMixin:
         """Queue the drafter's first pass over every verified node right behind the target forward, while the
         host is idle until the walk (``MTPTreeDrafter.first_pass_all_rows``): for steps of plain greedy trees
         only, since a row's input is its argmax. The argmax goes to the host first, so the walk waits for the
-        forward alone. None when the step does not qualify (the drafter then catches up after the walk)."""
+        forward alone. With the device beam the whole drafting follows on the device before the host walks
+        (:meth:`_draft_before_walk`). None when the step does not qualify (the drafter then catches up after the
+        walk)."""
         drafter, forest, state = self.bole_drafter, self._bole_forest, self.execute_model_state
         num_reqs = self.input_batch.num_reqs
         if (forest is None or not self._bole_first_pass_on or not hasattr(drafter, "first_pass_all_rows")
@@ -152,21 +156,81 @@ class BoleModelRunnerMixin:
         if (not tree_rows_supported(metadata)
                 or not all(is_plain_greedy(self.requests[r].sampling_params) for r in self.input_batch.req_ids)):
             return None
+        cm = state.spec_decode_common_attn_metadata
+        early = (getattr(drafter, "beam", None) is not None and self._bole_profiler is None
+                 and self.bole_config.selection == "per_request" and self._input_fits_in_drafter(cm)
+                 and (metadata.max_num_logprobs is None or self.model_config.logprobs_mode == "raw_logprobs"))
         with record_function_or_nullcontext("bole: first_pass"):
             argmax = state.logits.argmax(dim=-1)
-            host, event = argmax, None
-            if argmax.is_cuda:
-                host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
-                host.copy_(argmax, non_blocking=True)
+            n = argmax.numel()
+            walk = None
+            if early:   # the walk's paths and emitted tokens go to the host instead of the argmax
+                tokens, parent = self.input_ids.gpu[:n], forest.parent[:n]
+                targets, bonus = argmax, None
+                if self._bole_synthetic is not None:   # benchmarks: the targets drawn from the given rates
+                    targets = synthetic_targets(tokens, parent, forest.cu_seqlens, forest.depth_bound,
+                                                self._bole_synthetic, self._synthetic_generator(argmax.device))
+                    bonus = argmax
+                walk = greedy_walk(targets, tokens, parent, forest.cu_seqlens, forest.depth_bound, bonus)
+                payload = torch.cat([walk.rows, walk.emitted.long(), walk.length[:, None]], dim=1)
+            else:
+                payload = argmax
+            host, event = payload, None
+            if payload.is_cuda:
+                host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+                host.copy_(payload, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-            n = argmax.numel()
             slots = self.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
-            rows = drafter.first_pass_all_rows(state.spec_decode_common_attn_metadata, forest, argmax,
-                                               self.positions[:n], slots, self._bole_seq_lens[:num_reqs].tolist(),
+            seq_lens = self._bole_seq_lens[:num_reqs].tolist()
+            rows = drafter.first_pass_all_rows(cm, forest, argmax, self.positions[:n], slots, seq_lens,
                                                state.hidden_states[:n])
         self.bole_first_pass_steps += 1
-        return host, event, rows
+        if walk is not None:
+            self._draft_before_walk(forest, walk, rows, cm, max(seq_lens))
+        return host, event, rows, walk
+
+    def _synthetic_generator(self, device) -> torch.Generator:
+        gen = getattr(self, "_bole_synthetic_gen", None)
+        if gen is None or gen.device != torch.device(device):
+            gen = self._bole_synthetic_gen = torch.Generator(device=device)
+            gen.manual_seed(self._bole_synthetic.seed)
+        return gen
+
+    def _draft_before_walk(self, forest, walk, first_pass, cm, root_bound: int) -> None:
+        """The rest of the step on the device, queued before the host reads the walk: the paths' MTP K/V to
+        contiguous slots, the next trees' levels from the path ends (their drafts stay queued for the next step,
+        as ``propose_draft_token_ids`` would leave them), then the commit (GDN state, conv windows, the other
+        layers' K/V) from the device paths. vLLM's drafting call then finds it done."""
+        drafter = self.bole_drafter
+        num_reqs = self.input_batch.num_reqs
+        self.bole_early_draft_steps += 1
+        forest.accepted_device = walk.deepest
+        compact_accepted_kv(self, forest, only=drafter.own_kv_layers(), walk=walk)
+        step = DraftStep(req_ids=list(self.input_batch.req_ids), contexts=[()] * num_reqs,
+                         common_attn_metadata=cm)
+        self._plan_budget(step)
+        step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+        finish = drafter.propose_from_walk(step, walk, first_pass, self.positions, root_bound)
+        self._bole_pending = (step, finish)
+        commit_step(forest)
+        compact_accepted_kv(self, forest, skip=drafter.own_kv_layers(), walk=walk)
+
+    def _plan_budget(self, step: DraftStep) -> None:
+        """The step's per-request cap and node budget (``budget_rule "step"``: the clock ticks here)."""
+        num_reqs = len(step.req_ids)
+        context = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        context_len = int(context.mean()) if num_reqs else None
+        step.per_request = self.speculative_config.num_speculative_tokens
+        rest_ms = None
+        if self.bole_config.budget_rule == "step":   # the step just run verified the last drafts
+            forest = self._bole_forest
+            self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
+                                  verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
+                                            self.model_config))
+            rest_ms = self._bole_clock.rest_ms(num_reqs)
+        step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
+                                  context_len=context_len, rest_ms=rest_ms)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -193,6 +257,7 @@ class BoleModelRunnerMixin:
         queued, self._bole_queued = self._bole_queued, None
         forest_req, tree_parents, tokens, q_starts = [], [], [], []
         fix_rows, fix_shift = [], []  # flat rows whose position is prefix + depth, not prefix + index
+        depth_bound = 0   # no node deeper: queued trees grow at most max_depth levels
         plain = []  # (batch index, first row) of decodes without drafts: one-node trees if a graph runs
         from_device = []  # (tree index, batch index, drafts) of trees whose nodes come from the queued drafts
         stale = []        # tree indices of placeholder drafts without queued ones: chains whose tokens go up
@@ -205,6 +270,7 @@ class BoleModelRunnerMixin:
                 continue
             if drafts[0] == PLACEHOLDER and queued is not None and len(drafts) <= queued[0].count(req_id):
                 from_device.append((len(forest_req), r, len(drafts)))
+                depth_bound = max(depth_bound, min(len(drafts), self.bole_config.max_depth))
                 forest_req.append(r)
                 tree_parents.append(None)
                 tokens.append(None)
@@ -222,6 +288,7 @@ class BoleModelRunnerMixin:
                 tree = DraftTree(list(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
             tree = tree.truncated(len(drafts))
             depths = [0] + tree.depths()
+            depth_bound = max(depth_bound, max(depths))
             forest_req.append(r)
             tree_parents.append(tree.verify_parents())
             tokens.append([-1] + tree.tokens)
@@ -255,7 +322,8 @@ class BoleModelRunnerMixin:
             tree_only=(len(forest_req) + len(plain) == len(req_ids)
                        and n + len(plain) == int(num_scheduled_tokens.sum())),
             max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
-            plain_decodes=[(r, req_ids[r], row) for r, row in plain], attention_rows=None)
+            plain_decodes=[(r, req_ids[r], row) for r, row in plain], attention_rows=None,
+            depth_bound=depth_bound)
         if any(p is None for p in tree_parents):
             forest.on_host = functools.partial(self._queued_trees, queued, from_device)
         if fix_rows:
@@ -329,6 +397,8 @@ class BoleModelRunnerMixin:
         forest = self._bole_forest
         if forest is not None:
             forest.materialize()
+        if self._bole_first_pass is not None and self._bole_first_pass[3] is not None:
+            return self._walked_output(logits, forest, spec_decode_metadata)
         if spec_decode_metadata is None or forest is None:
             self._bole_paths = None
             if forest is not None and forest.tree_req_indices:
@@ -406,6 +476,26 @@ class BoleModelRunnerMixin:
         return SamplerOutput(sampled_token_ids=sampled,
                              logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
 
+    def _walked_output(self, logits, forest, spec_decode_metadata):
+        """The step's tokens from the device walk (:meth:`_first_pass_all_rows`): its copy waits for the forward
+        and the walk only, not for the drafting queued behind them."""
+        host, event, _, walk = self._bole_first_pass
+        if event is not None:
+            event.synchronize()
+        w = walk.rows.shape[1]
+        table = host.tolist()
+        starts = forest.query_starts
+        paths = [[r - start for r in row[:row[-1]]] for row, start in zip(table, starts)]
+        outputs = [row[w:w + row[-1]] for row in table]
+        forest.accepted_paths = paths
+        self._bole_paths = paths
+        sampled = pad_outputs(outputs, "cpu", min_width=2)
+        if self.input_batch.sampling_metadata.max_num_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+        row_start = starts   # every request is a tree, in batch order
+        return SamplerOutput(sampled_token_ids=sampled,
+                             logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
+
     def _path_logprobs(self, logits, sampled, paths, row_start):
         """Raw logprobs of every emitted token, from the logits row of the node that produced it; laid out
         ``[num_reqs * width]`` like vLLM's rejection sampler (padding rows are filtered out by vLLM)."""
@@ -438,8 +528,11 @@ class BoleModelRunnerMixin:
         if forest is not None and forest.accepted_paths is not None:
             # Only the next verification reads the committed GDN state and moved K/V: the commit is queued after
             # the drafter's levels (propose_draft_token_ids), so its host work overlaps them on the device.
-            self._bole_commit = forest
-            if self._bole_first_pass is not None:
+            if forest.accepted_device is not None:
+                pass   # committed before the walk (_draft_before_walk)
+            else:
+                self._bole_commit = forest
+            if self._bole_first_pass is not None and forest.accepted_device is None:
                 # The first pass wrote the drafter's K/V at every node's slot: the levels read the accepted
                 # path's at contiguous slots, so it moves now (the commit leaves the drafter's layers out).
                 compact_accepted_kv(self, forest, only=self.bole_drafter.own_kv_layers())
@@ -475,23 +568,13 @@ class BoleModelRunnerMixin:
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
         # (The last step's drafts were finished when this step's execute_model began.)
+        if self._bole_first_pass is not None and self._bole_first_pass[3] is not None:
+            return []   # drafted before the walk (_draft_before_walk): pending already
         with profiled(self._bole_profiler, "draft"):
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             if self._bole_first_pass is not None:
                 step.all_rows = self._bole_first_pass[2]
-            num_reqs = len(step.req_ids)
-            context = self.input_batch.num_computed_tokens_cpu[:num_reqs]
-            context_len = int(context.mean()) if num_reqs else None
-            step.per_request = self.speculative_config.num_speculative_tokens
-            rest_ms = None
-            if self.bole_config.budget_rule == "step":   # the step just run verified the last drafts
-                forest = self._bole_forest
-                self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
-                                      verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
-                                                self.model_config))
-                rest_ms = self._bole_clock.rest_ms(num_reqs)
-            step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
-                                      context_len=context_len, rest_ms=rest_ms)
+            self._plan_budget(step)
             if self._queues_drafts(step):
                 step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
             finish = self.bole_drafter.propose_deferred(step)
