@@ -261,7 +261,7 @@ class MTPTreeDrafter(TreeDrafter):
         chunks = [(r, range(size), None, int(seq_len), None)
                   for r, size, seq_len in zip(forest.tree_req_indices, sizes, seq_lens)]
         written = self._write_device(next_tokens[:n], positions[:n], slots[:n], hidden)
-        if hidden.device.type == "cpu":   # the CPU backend recomputes tree rows from host masks
+        if self._host_tree_rows(hidden):
             tree_rows = [TreeRows(req_index=i, row_start=row.row_start, region_mask=row.region_mask)
                          for i, row in enumerate(forest.rows())]
             out = self._forward_written(cm, chunks, tree_rows, *written)
@@ -279,6 +279,11 @@ class MTPTreeDrafter(TreeDrafter):
                                      max_rows=max_rows)
         out = self._forward_written(cm, chunks, [], *written, device_rows=device_rows)
         return out, self._top_rows(out)
+
+    @staticmethod
+    def _host_tree_rows(hidden: torch.Tensor) -> bool:
+        """Whether the attention backend reads tree rows as host masks (the CPU backend recomputes them)."""
+        return hidden.device.type == "cpu"
 
     def _slots(self, r, positions) -> np.ndarray:
         """KV slots of batch request ``r`` at ``positions`` (or of requests ``r`` ``[G, 1]`` at ``[G, n]``
