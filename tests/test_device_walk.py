@@ -42,18 +42,23 @@ def _case(rng: random.Random, vocab: int):
     return trees
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_device_walk_matches_the_host_walk(seed):
-    rng = random.Random(seed)
-    vocab = rng.choice([2, 3, 8, 1000])   # small vocabularies repeat tokens among siblings
-    trees = _case(rng, vocab)
+def _packed(trees):
+    """(parent, tokens, argmax, cu_seqlens as a list, deepest depth) of a case's trees, packed."""
     parent = torch.tensor([p for t in trees for p in t[0]], dtype=torch.int32)
     tokens = torch.tensor([x for t in trees for x in t[1]])
     argmax = torch.tensor([x for t in trees for x in t[2]])
     cu = [0]
     for t in trees:
         cu.append(cu[-1] + len(t[0]))
-    depth = max(max(_depths(t[0])) for t in trees)
+    return parent, tokens, argmax, cu, max(max(_depths(t[0])) for t in trees)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_device_walk_matches_the_host_walk(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 3, 8, 1000])   # small vocabularies repeat tokens among siblings
+    trees = _case(rng, vocab)
+    parent, tokens, argmax, cu, depth = _packed(trees)
     walk = greedy_walk(argmax, tokens, parent, torch.tensor(cu, dtype=torch.int32), depth + rng.randint(0, 2))
     paths = walk.host_paths(cu[:-1])
     for i, (parents, toks, targets, planted) in enumerate(trees):
@@ -96,13 +101,7 @@ def test_walked_moves_are_the_host_paths_moves(seed):
 
     rng = random.Random(seed)
     trees = _case(rng, rng.choice([3, 1000]))
-    parent = torch.tensor([p for t in trees for p in t[0]], dtype=torch.int32)
-    tokens = torch.tensor([x for t in trees for x in t[1]])
-    argmax = torch.tensor([x for t in trees for x in t[2]])
-    cu = [0]
-    for t in trees:
-        cu.append(cu[-1] + len(t[0]))
-    depth = max(max(_depths(t[0])) for t in trees)
+    parent, tokens, argmax, cu, depth = _packed(trees)
     walk = greedy_walk(argmax, tokens, parent, torch.tensor(cu, dtype=torch.int32), depth)
     forest = SimpleNamespace(accepted_paths=walk.host_paths(cu[:-1]), query_starts=cu[:-1])
     src, dst = walked_row_moves(walk, torch.tensor(cu[:-1]))

@@ -22,7 +22,7 @@ import torch
 from vllm.utils.math_utils import cdiv
 from vllm.utils.torch_utils import async_tensor_h2d
 
-from ..worker.forest_context import DeviceTreeRows, TreeRows
+from ..worker.forest_context import TreeRows
 from .tree import DraftTree
 
 
@@ -473,13 +473,5 @@ class DeviceBeam:
             tree_rows = [TreeRows(req_index=i, row_start=i * k, region_mask=visible[i]) for i in range(g)]
             out = drafter._forward_written(cm, chunks, tree_rows, *written)
             return out, drafter._top_rows(out)
-        meta = torch.from_numpy(plan.meta[d - 1])
         bits = pack_bits(visible.reshape(rows, d * k), self.words)
-        if drafter.graphs is not None:
-            out = drafter.graphs.level(cm, chunks, (meta, bits), *written)
-            if out is not None:
-                return out
-        device_rows = DeviceTreeRows(meta=meta.to(hidden.device, non_blocking=True), bits=bits, num_rows=rows,
-                                     max_rows=k)
-        out = drafter._forward_written(cm, chunks, [], *written, device_rows=device_rows)
-        return out, drafter._top_rows(out)
+        return drafter.forward_device_rows(cm, chunks, torch.from_numpy(plan.meta[d - 1]), bits, written, k)

@@ -269,13 +269,20 @@ class MTPTreeDrafter(TreeDrafter):
         # The region of each tree is the tree; its bits are the verification's ancestor bits.
         meta = torch.tensor([[i, start, size, size, start] for i, (start, size) in
                              enumerate(zip(forest.query_starts, sizes))], dtype=torch.int32).reshape(-1, 5)
-        bits = forest.device_bits()[:n]
         max_rows = max(forest.max_nodes, max(sizes))   # a graph-mode forest's bound: fewer graph keys
-        if self.graphs is not None and max_rows <= self.graphs.tree_rows:
+        graph = self.graphs is not None and max_rows <= self.graphs.tree_rows
+        return self.forward_device_rows(cm, chunks, meta, forest.device_bits()[:n], written, max_rows, graph)
+
+    def forward_device_rows(self, cm: CommonAttentionMetadata, chunks, meta: torch.Tensor, bits: torch.Tensor,
+                            written, max_rows: int, graph: bool = True):
+        """(MTP hidden, top children) of rows written by :meth:`_write_arrays` / :meth:`_write_device`, with tree
+        rows given as host ``meta`` and device ``bits`` (``DeviceTreeRows``): from a drafter graph if there is
+        one (and ``graph``), else eagerly."""
+        if graph and self.graphs is not None:
             out = self.graphs.level(cm, chunks, (meta, bits), *written, max_rows=max_rows)
             if out is not None:
                 return out
-        device_rows = DeviceTreeRows(meta=meta.to(hidden.device, non_blocking=True), bits=bits, num_rows=n,
+        device_rows = DeviceTreeRows(meta=meta.to(bits.device, non_blocking=True), bits=bits, num_rows=written[0],
                                      max_rows=max_rows)
         out = self._forward_written(cm, chunks, [], *written, device_rows=device_rows)
         return out, self._top_rows(out)
