@@ -62,7 +62,11 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  # The drafter proposes from the 32768 lowest token ids only. Synthetic acceptance draws the
                  # accepted paths by rank, so this row cannot show the acceptance such a subset costs on real text.
                  "bole_vocab32k": {"draft_vocab": 32768},
-                 "bole_step_vocab32k": {"budget_rule": "step", "draft_vocab": 32768}}
+                 "bole_step_vocab32k": {"budget_rule": "step", "draft_vocab": 32768},
+                 # Drafting queued before the walk (the environment below turns it on for these workers).
+                 "bole_early": {}, "bole_vocab32k_early": {"draft_vocab": 32768}}
+# Environment of a configuration's worker, beside the speculative config.
+CONFIG_ENV = {"bole_early": {"VLLM_BOLE_FIRST_PASS": "1"}, "bole_vocab32k_early": {"VLLM_BOLE_FIRST_PASS": "1"}}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
@@ -355,7 +359,7 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
     for name in args.configs:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                    VLLM_CACHE_ROOT=str(Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache/vllm"))
-                                       / f"e2e-{name}"))
+                                       / f"e2e-{name}"), **CONFIG_ENV.get(name, {}))
         log = open(run_dir / f"{name}.log", "w")
         procs[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--worker", name,
                                         "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -445,7 +449,8 @@ def markdown(rows: list[dict]) -> str:
     for variant, keys in BOLE_VARIANTS.items():
         if not any(f"{variant}_tok_s" in r for r in rows):
             continue
-        title = ", ".join(f"{k} {v!r}" for k, v in keys.items()).replace("'", '"')
+        title = ", ".join([f"{k} {v!r}" for k, v in keys.items()]
+                          + [f"{k}={v}" for k, v in CONFIG_ENV.get(variant, {}).items()]).replace("'", '"')
         lines += ["", f"Bole with {title} ({variant}):", "| B | tok/s | tokens/step | budget (last) | vs MTP |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['B']} | {f(r.get(f'{variant}_tok_s'))} | {f(r.get(f'{variant}_mean_accepted'), '.2f')} | "
