@@ -148,6 +148,20 @@ def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, 
     assert out["first_pass_steps"] > 0 and out["early_draft_steps"] > 0, out
 
 
+def test_drafting_after_the_walk_when_drafting_before_it_fails(tmp, model, requests_, reference, monkeypatch):
+    """With the drafting before the walk on, a failure of it (here planted in its third step) leaves that step
+    to the drafting after the walk, and turns it off for the engine: the outputs stay exact."""
+    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1")
+    engine = bole_engine(tmp, "mtp_fail", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16)
+    engine["speculative_config"] |= {"drafter": "vllm_bole.testing.faulty_drafter:FailOnceBeforeWalk",
+                                     "drafter_args": {"fail_at": 3}}
+    out = run_engine(tmp, "mtp_fail", {"model": model, "requests": requests_, "logprobs": 2, "engine": engine})
+    assert_lossless(reference, out, max_near_ties=2)
+    # Three steps drafted (or tried to) before the walk; later ones ran only the first pass before it.
+    assert out["early_draft_steps"] == 3 and out["first_pass_steps"] > 3, out
+    assert out["counters"]["mean_acceptance_length"] > 1.5, out["counters"]
+
+
 def test_stop_token_inside_accepted_paths(tmp, model, requests_, reference):
     """Each request stops at a token of its reference continuation; deep planted chains carry tokens past it,
     so the stop lands inside accepted paths and vLLM must cut the output there."""

@@ -10,6 +10,7 @@ slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and appli
 import functools
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,6 +35,22 @@ from .kv_compaction import compact_accepted_kv
 from .step_profile import StepProfiler, profiled
 
 logger = init_logger(__name__)
+
+
+@dataclass
+class FirstPass:
+    """A step whose drafting started behind its target forward (``_first_pass_all_rows``)."""
+
+    host: torch.Tensor                  # on its way to the host: the rows' argmax, or the walk's paths and tokens
+    event: object                       # its copy's CUDA event (None on CPU)
+    rows: tuple | None                  # the drafter's (hidden, top children) per verified node; None: catch up
+    walk: object = None                 # the device walk (DeviceWalk) whose copy ``host`` is, if any
+    drafted: bool = False               # levels and commit queued too (_draft_before_walk)
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
 
 
 class BoleModelRunnerMixin:
@@ -66,6 +83,7 @@ class BoleModelRunnerMixin:
         # VLLM_BOLE_FIRST_PASS=1: the drafter's first pass over every node before the walk (opt-in until it has
         # run on a GPU: tested lossless on CPU); otherwise it catches up after the walk
         self._bole_first_pass_on = os.environ.get("VLLM_BOLE_FIRST_PASS", "0") == "1"
+        self._bole_early_on = True   # off after a failure of the drafting before the walk
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -157,7 +175,7 @@ class BoleModelRunnerMixin:
                 or not all(is_plain_greedy(self.requests[r].sampling_params) for r in self.input_batch.req_ids)):
             return None
         cm = state.spec_decode_common_attn_metadata
-        early = (getattr(drafter, "beam", None) is not None and self._bole_profiler is None
+        early = (self._bole_early_on and getattr(drafter, "beam", None) is not None and self._bole_profiler is None
                  and self.bole_config.selection == "per_request" and self._input_fits_in_drafter(cm)
                  and (metadata.max_num_logprobs is None or self.model_config.logprobs_mode == "raw_logprobs"))
         with record_function_or_nullcontext("bole: first_pass"):
@@ -186,9 +204,17 @@ class BoleModelRunnerMixin:
             rows = drafter.first_pass_all_rows(cm, forest, argmax, self.positions[:n], slots, seq_lens,
                                                state.hidden_states[:n])
         self.bole_first_pass_steps += 1
+        first = FirstPass(host=host, event=event, rows=rows, walk=walk)
         if walk is not None:
-            self._draft_before_walk(forest, walk, rows, cm, max(seq_lens))
-        return host, event, rows, walk
+            try:
+                self._draft_before_walk(forest, walk, rows, cm, max(seq_lens))
+                first.drafted = True
+            except Exception as e:   # drafts only: this step drafts after the walk, with its catch-up
+                logger.warning("Bole's drafting before the walk is off: it failed (%s: %s); drafting after it",
+                               type(e).__name__, e)
+                self._bole_early_on = False
+                forest.accepted_device, self._bole_pending, first.rows = None, None, None
+        return first
 
     def _synthetic_generator(self, device) -> torch.Generator:
         gen = getattr(self, "_bole_synthetic_gen", None)
@@ -397,7 +423,7 @@ class BoleModelRunnerMixin:
         forest = self._bole_forest
         if forest is not None:
             forest.materialize()
-        if self._bole_first_pass is not None and self._bole_first_pass[3] is not None:
+        if self._bole_first_pass is not None and self._bole_first_pass.walk is not None:
             return self._walked_output(logits, forest, spec_decode_metadata)
         if spec_decode_metadata is None or forest is None:
             self._bole_paths = None
@@ -430,9 +456,7 @@ class BoleModelRunnerMixin:
         if greedy:
             first = self._bole_first_pass
             if first is not None:   # already on its way to the host (the drafter's first pass runs behind it)
-                if first[1] is not None:
-                    first[1].synchronize()
-                argmax = first[0].tolist()
+                argmax = first.wait().tolist()
             else:
                 argmax = logits.argmax(dim=-1).tolist()
             targets |= {r: argmax[row_start[r]:row_start[r] + num_rows[r]] for r in greedy}
@@ -479,11 +503,9 @@ class BoleModelRunnerMixin:
     def _walked_output(self, logits, forest, spec_decode_metadata):
         """The step's tokens from the device walk (:meth:`_first_pass_all_rows`): its copy waits for the forward
         and the walk only, not for the drafting queued behind them."""
-        host, event, _, walk = self._bole_first_pass
-        if event is not None:
-            event.synchronize()
-        w = walk.rows.shape[1]
-        table = host.tolist()
+        first = self._bole_first_pass
+        w = first.walk.rows.shape[1]
+        table = first.wait().tolist()
         starts = forest.query_starts
         paths = [[r - start for r in row[:row[-1]]] for row, start in zip(table, starts)]
         outputs = [row[w:w + row[-1]] for row in table]
@@ -528,11 +550,10 @@ class BoleModelRunnerMixin:
         if forest is not None and forest.accepted_paths is not None:
             # Only the next verification reads the committed GDN state and moved K/V: the commit is queued after
             # the drafter's levels (propose_draft_token_ids), so its host work overlaps them on the device.
-            if forest.accepted_device is not None:
-                pass   # committed before the walk (_draft_before_walk)
-            else:
+            if forest.accepted_device is None:   # (else committed before the walk: _draft_before_walk)
                 self._bole_commit = forest
-            if self._bole_first_pass is not None and forest.accepted_device is None:
+            if self._bole_first_pass is not None and self._bole_first_pass.rows is not None \
+                    and not self._bole_first_pass.drafted:
                 # The first pass wrote the drafter's K/V at every node's slot: the levels read the accepted
                 # path's at contiguous slots, so it moves now (the commit leaves the drafter's layers out).
                 compact_accepted_kv(self, forest, only=self.bole_drafter.own_kv_layers())
@@ -568,12 +589,12 @@ class BoleModelRunnerMixin:
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
         # (The last step's drafts were finished when this step's execute_model began.)
-        if self._bole_first_pass is not None and self._bole_first_pass[3] is not None:
+        if self._bole_first_pass is not None and self._bole_first_pass.drafted:
             return []   # drafted before the walk (_draft_before_walk): pending already
         with profiled(self._bole_profiler, "draft"):
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             if self._bole_first_pass is not None:
-                step.all_rows = self._bole_first_pass[2]
+                step.all_rows = self._bole_first_pass.rows
             self._plan_budget(step)
             if self._queues_drafts(step):
                 step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
