@@ -147,7 +147,8 @@ class BoleModelRunnerMixin:
             with profiled(self._bole_profiler, "forward"):
                 output = super().execute_model(scheduler_output, intermediate_tensors)
             if output is None and self.execute_model_state is not None:
-                self._bole_first_pass = self._first_pass_all_rows(scheduler_output)
+                with torch.inference_mode():   # as vLLM's execute_model and sample_tokens run
+                    self._bole_first_pass = self._first_pass_all_rows(scheduler_output)
             return output
         finally:
             set_current_forest(None)
