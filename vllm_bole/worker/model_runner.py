@@ -10,7 +10,6 @@ slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and appli
 import functools
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,34 +22,18 @@ from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import StepClock, node_budget, verify_ms
-from ..spec_decode.device_walk import greedy_walk, synthetic_targets
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
 from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
                                         tree_rows_supported, walk_tree)
+from . import early_drafting
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 from .step_profile import StepProfiler, profiled
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class FirstPass:
-    """A step whose drafting started behind its target forward (``_first_pass_all_rows``)."""
-
-    host: torch.Tensor                  # on its way to the host: the rows' argmax, or the walk's paths and tokens
-    event: object                       # its copy's CUDA event (None on CPU)
-    rows: tuple | None                  # the drafter's (hidden, top children) per verified node; None: catch up
-    walk: object = None                 # the device walk (DeviceWalk) whose copy ``host`` is, if any
-    drafted: bool = False               # levels and commit queued too (_draft_before_walk)
-
-    def wait(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
 
 
 class BoleModelRunnerMixin:
@@ -148,100 +131,13 @@ class BoleModelRunnerMixin:
                 output = super().execute_model(scheduler_output, intermediate_tensors)
             if output is None and self.execute_model_state is not None:
                 with torch.inference_mode():   # as vLLM's execute_model and sample_tokens run
-                    self._bole_first_pass = self._first_pass_all_rows(scheduler_output)
+                    self._bole_first_pass = early_drafting.launch(self, scheduler_output)
             return output
         finally:
             set_current_forest(None)
             # Queued drafts serve the step right after the one that drafted them (its forest keeps what it read);
             # placeholders scheduled later are verified as chains (_build_forest).
             self._bole_queued = None
-
-    def _first_pass_all_rows(self, scheduler_output):
-        """Queue the drafter's first pass over every verified node right behind the target forward, while the
-        host is idle until the walk (``MTPTreeDrafter.first_pass_all_rows``): for steps of plain greedy trees
-        only, since a row's input is its argmax. The argmax goes to the host first, so the walk waits for the
-        forward alone. With the device beam the whole drafting follows on the device before the host walks
-        (:meth:`_draft_before_walk`). None when the step does not qualify (the drafter then catches up after the
-        walk)."""
-        drafter, forest, state = self.bole_drafter, self._bole_forest, self.execute_model_state
-        num_reqs = self.input_batch.num_reqs
-        if (forest is None or not self._bole_first_pass_on or not hasattr(drafter, "first_pass_all_rows")
-                or not forest.tree_only
-                or forest.plain_decodes or forest.tree_req_indices != list(range(num_reqs))
-                or state.logits is None or state.spec_decode_common_attn_metadata is None
-                or state.logits.shape[0] != scheduler_output.total_num_scheduled_tokens):
-            return None
-        metadata = self.input_batch.sampling_metadata
-        if (not tree_rows_supported(metadata)
-                or not all(is_plain_greedy(self.requests[r].sampling_params) for r in self.input_batch.req_ids)):
-            return None
-        cm = state.spec_decode_common_attn_metadata
-        early = (self._bole_early_on and getattr(drafter, "beam", None) is not None and self._bole_profiler is None
-                 and self.bole_config.selection == "per_request" and self._input_fits_in_drafter(cm)
-                 and (metadata.max_num_logprobs is None or self.model_config.logprobs_mode == "raw_logprobs"))
-        with record_function_or_nullcontext("bole: first_pass"):
-            argmax = state.logits.argmax(dim=-1)
-            n = argmax.numel()
-            walk = None
-            if early:   # the walk's paths and emitted tokens go to the host instead of the argmax
-                tokens, parent = self.input_ids.gpu[:n], forest.parent[:n]
-                targets, bonus = argmax, None
-                if self._bole_synthetic is not None:   # benchmarks: the targets drawn from the given rates
-                    targets = synthetic_targets(tokens, parent, forest.cu_seqlens, forest.depth_bound,
-                                                self._bole_synthetic, self._synthetic_generator(argmax.device))
-                    bonus = argmax
-                walk = greedy_walk(targets, tokens, parent, forest.cu_seqlens, forest.depth_bound, bonus)
-                payload = torch.cat([walk.rows, walk.emitted.long(), walk.length[:, None]], dim=1)
-            else:
-                payload = argmax
-            host, event = payload, None
-            if payload.is_cuda:
-                host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
-                host.copy_(payload, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            slots = self.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
-            seq_lens = self._bole_seq_lens[:num_reqs].tolist()
-            rows = drafter.first_pass_all_rows(cm, forest, argmax, self.positions[:n], slots, seq_lens,
-                                               state.hidden_states[:n])
-        self.bole_first_pass_steps += 1
-        first = FirstPass(host=host, event=event, rows=rows, walk=walk)
-        if walk is not None:
-            try:
-                self._draft_before_walk(forest, walk, rows, cm, max(seq_lens))
-                first.drafted = True
-            except Exception as e:   # drafts only: this step drafts after the walk, with its catch-up
-                logger.warning("Bole's drafting before the walk is off: it failed (%s: %s); drafting after it",
-                               type(e).__name__, e)
-                self._bole_early_on = False
-                forest.accepted_device, self._bole_pending, first.rows = None, None, None
-        return first
-
-    def _synthetic_generator(self, device) -> torch.Generator:
-        gen = getattr(self, "_bole_synthetic_gen", None)
-        if gen is None or gen.device != torch.device(device):
-            gen = self._bole_synthetic_gen = torch.Generator(device=device)
-            gen.manual_seed(self._bole_synthetic.seed)
-        return gen
-
-    def _draft_before_walk(self, forest, walk, first_pass, cm, root_bound: int) -> None:
-        """The rest of the step on the device, queued before the host reads the walk: the paths' MTP K/V to
-        contiguous slots, the next trees' levels from the path ends (their drafts stay queued for the next step,
-        as ``propose_draft_token_ids`` would leave them), then the commit (GDN state, conv windows, the other
-        layers' K/V) from the device paths. vLLM's drafting call then finds it done."""
-        drafter = self.bole_drafter
-        num_reqs = self.input_batch.num_reqs
-        self.bole_early_draft_steps += 1
-        forest.accepted_device = walk.deepest
-        compact_accepted_kv(self, forest, only=drafter.own_kv_layers(), walk=walk)
-        step = DraftStep(req_ids=list(self.input_batch.req_ids), contexts=[()] * num_reqs,
-                         common_attn_metadata=cm)
-        self._plan_budget(step)
-        step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
-        finish = drafter.propose_from_walk(step, walk, first_pass, self.positions, root_bound)
-        self._bole_pending = (step, finish)
-        commit_step(forest)
-        compact_accepted_kv(self, forest, skip=drafter.own_kv_layers(), walk=walk)
 
     def _plan_budget(self, step: DraftStep) -> None:
         """The step's per-request cap and node budget (``budget_rule "step"``: the clock ticks here)."""
@@ -425,7 +321,7 @@ class BoleModelRunnerMixin:
         if forest is not None:
             forest.materialize()
         if self._bole_first_pass is not None and self._bole_first_pass.walk is not None:
-            return self._walked_output(logits, forest, spec_decode_metadata)
+            return early_drafting.walked_output(self, logits, forest)
         if spec_decode_metadata is None or forest is None:
             self._bole_paths = None
             if forest is not None and forest.tree_req_indices:
@@ -501,24 +397,6 @@ class BoleModelRunnerMixin:
         return SamplerOutput(sampled_token_ids=sampled,
                              logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
 
-    def _walked_output(self, logits, forest, spec_decode_metadata):
-        """The step's tokens from the device walk (:meth:`_first_pass_all_rows`): its copy waits for the forward
-        and the walk only, not for the drafting queued behind them."""
-        first = self._bole_first_pass
-        w = first.walk.rows.shape[1]
-        table = first.wait().tolist()
-        starts = forest.query_starts
-        paths = [[r - start for r in row[:row[-1]]] for row, start in zip(table, starts)]
-        outputs = [row[w:w + row[-1]] for row in table]
-        forest.accepted_paths = paths
-        self._bole_paths = paths
-        sampled = pad_outputs(outputs, "cpu", min_width=2)
-        if self.input_batch.sampling_metadata.max_num_logprobs is None:
-            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
-        row_start = starts   # every request is a tree, in batch order
-        return SamplerOutput(sampled_token_ids=sampled,
-                             logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
-
     def _path_logprobs(self, logits, sampled, paths, row_start):
         """Raw logprobs of every emitted token, from the logits row of the node that produced it; laid out
         ``[num_reqs * width]`` like vLLM's rejection sampler (padding rows are filtered out by vLLM)."""
@@ -551,7 +429,7 @@ class BoleModelRunnerMixin:
         if forest is not None and forest.accepted_paths is not None:
             # Only the next verification reads the committed GDN state and moved K/V: the commit is queued after
             # the drafter's levels (propose_draft_token_ids), so its host work overlaps them on the device.
-            if forest.accepted_device is None:   # (else committed before the walk: _draft_before_walk)
+            if forest.accepted_device is None:   # (else committed before the walk: early_drafting)
                 self._bole_commit = forest
             if self._bole_first_pass is not None and self._bole_first_pass.rows is not None \
                     and not self._bole_first_pass.drafted:
@@ -591,7 +469,7 @@ class BoleModelRunnerMixin:
                                 common_attn_metadata, slot_mappings):
         # (The last step's drafts were finished when this step's execute_model began.)
         if self._bole_first_pass is not None and self._bole_first_pass.drafted:
-            return []   # drafted before the walk (_draft_before_walk): pending already
+            return []   # drafted before the walk (early_drafting): pending already
         with profiled(self._bole_profiler, "draft"):
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             if self._bole_first_pass is not None:

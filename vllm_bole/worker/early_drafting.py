@@ -1,0 +1,150 @@
+"""Drafting queued behind the target forward, before the host walks the trees (``VLLM_BOLE_FIRST_PASS=1``).
+
+In a step whose requests are all plain greedy trees nothing the drafter needs waits for the host: right behind
+the forward the device walks the trees (``spec_decode/device_walk.py``), copies the paths and tokens to the host
+once, runs the MTP drafter's first pass over every verified node (``MTPTreeDrafter.first_pass_all_rows``), moves
+the paths' MTP K/V, grows the next trees from the path ends (``MTPTreeDrafter.propose_from_walk``) and commits
+from the device paths. The runner's walk then only reads the copy (:func:`walked_output`), which waits for the
+forward and the walk alone, and vLLM's drafting call finds the drafts pending.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.utils import record_function_or_nullcontext
+
+from ..attention.gdn import commit_step
+from ..logger import init_logger
+from ..spec_decode.device_walk import greedy_walk, synthetic_targets
+from ..spec_decode.drafter import DraftStep, drafting
+from ..spec_decode.queued_drafts import quotas_of
+from ..spec_decode.tree_sampler import is_plain_greedy, pad_outputs, tree_rows_supported
+from .kv_compaction import compact_accepted_kv
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class FirstPass:
+    """A step whose drafting started behind its target forward (:func:`launch`)."""
+
+    host: torch.Tensor                  # on its way to the host: the rows' argmax, or the walk's paths and tokens
+    event: object                       # its copy's CUDA event (None on CPU)
+    rows: tuple | None                  # the drafter's (hidden, top children) per verified node; None: catch up
+    walk: object = None                 # the device walk (DeviceWalk) whose copy ``host`` is, if any
+    drafted: bool = False               # levels and commit queued too (:func:`_draft_before_walk`)
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+def launch(runner, scheduler_output) -> FirstPass | None:
+    """Queue the drafter's first pass over every verified node right behind the target forward, while the
+    host is idle until the walk (``MTPTreeDrafter.first_pass_all_rows``): for steps of plain greedy trees
+    only, since a row's input is its argmax. The argmax goes to the host first, so the walk waits for the
+    forward alone. With the device beam the whole drafting follows on the device before the host walks
+    (:func:`_draft_before_walk`). None when the step does not qualify (the drafter then catches up after the
+    walk)."""
+    drafter, forest, state = runner.bole_drafter, runner._bole_forest, runner.execute_model_state
+    num_reqs = runner.input_batch.num_reqs
+    if (forest is None or not runner._bole_first_pass_on or not hasattr(drafter, "first_pass_all_rows")
+            or not forest.tree_only
+            or forest.plain_decodes or forest.tree_req_indices != list(range(num_reqs))
+            or state.logits is None or state.spec_decode_common_attn_metadata is None
+            or state.logits.shape[0] != scheduler_output.total_num_scheduled_tokens):
+        return None
+    metadata = runner.input_batch.sampling_metadata
+    if (not tree_rows_supported(metadata)
+            or not all(is_plain_greedy(runner.requests[r].sampling_params) for r in runner.input_batch.req_ids)):
+        return None
+    cm = state.spec_decode_common_attn_metadata
+    early = (runner._bole_early_on and getattr(drafter, "beam", None) is not None and runner._bole_profiler is None
+             and runner.bole_config.selection == "per_request" and runner._input_fits_in_drafter(cm)
+             and (metadata.max_num_logprobs is None or runner.model_config.logprobs_mode == "raw_logprobs"))
+    with record_function_or_nullcontext("bole: first_pass"):
+        argmax = state.logits.argmax(dim=-1)
+        n = argmax.numel()
+        walk = None
+        if early:   # the walk's paths and emitted tokens go to the host instead of the argmax
+            tokens, parent = runner.input_ids.gpu[:n], forest.parent[:n]
+            targets, bonus = argmax, None
+            if runner._bole_synthetic is not None:   # benchmarks: the targets drawn from the given rates
+                targets = synthetic_targets(tokens, parent, forest.cu_seqlens, forest.depth_bound,
+                                            runner._bole_synthetic, _synthetic_generator(runner, argmax.device))
+                bonus = argmax
+            walk = greedy_walk(targets, tokens, parent, forest.cu_seqlens, forest.depth_bound, bonus)
+            payload = torch.cat([walk.rows, walk.emitted.long(), walk.length[:, None]], dim=1)
+        else:
+            payload = argmax
+        host, event = payload, None
+        if payload.is_cuda:
+            host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+            host.copy_(payload, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        slots = runner.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
+        seq_lens = runner._bole_seq_lens[:num_reqs].tolist()
+        rows = drafter.first_pass_all_rows(cm, forest, argmax, runner.positions[:n], slots, seq_lens,
+                                           state.hidden_states[:n])
+    runner.bole_first_pass_steps += 1
+    first = FirstPass(host=host, event=event, rows=rows, walk=walk)
+    if walk is not None:
+        try:
+            _draft_before_walk(runner, forest, walk, rows, cm, max(seq_lens))
+            first.drafted = True
+        except Exception as e:   # drafts only: this step drafts after the walk, with its catch-up
+            logger.warning("Bole's drafting before the walk is off: it failed (%s: %s); drafting after it",
+                           type(e).__name__, e)
+            runner._bole_early_on = False
+            forest.accepted_device, runner._bole_pending, first.rows = None, None, None
+    return first
+
+
+def _synthetic_generator(runner, device) -> torch.Generator:
+    gen = getattr(runner, "_bole_synthetic_gen", None)
+    if gen is None or gen.device != torch.device(device):
+        gen = runner._bole_synthetic_gen = torch.Generator(device=device)
+        gen.manual_seed(runner._bole_synthetic.seed)
+    return gen
+
+
+def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int) -> None:
+    """The rest of the step on the device, queued before the host reads the walk: the paths' MTP K/V to
+    contiguous slots, the next trees' levels from the path ends (their drafts stay queued for the next step,
+    as ``propose_draft_token_ids`` would leave them), then the commit (GDN state, conv windows, the other
+    layers' K/V) from the device paths. vLLM's drafting call then finds it done."""
+    drafter = runner.bole_drafter
+    num_reqs = runner.input_batch.num_reqs
+    runner.bole_early_draft_steps += 1
+    forest.accepted_device = walk.deepest
+    compact_accepted_kv(runner, forest, only=drafter.own_kv_layers(), walk=walk)
+    step = DraftStep(req_ids=list(runner.input_batch.req_ids), contexts=[()] * num_reqs,
+                     common_attn_metadata=cm)
+    runner._plan_budget(step)
+    step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+    finish = drafter.propose_from_walk(step, walk, first_pass, runner.positions, root_bound)
+    runner._bole_pending = (step, finish)
+    commit_step(forest)
+    compact_accepted_kv(runner, forest, skip=drafter.own_kv_layers(), walk=walk)
+
+
+def walked_output(runner, logits, forest) -> SamplerOutput:
+    """The step's tokens from the device walk (:func:`launch`): its copy waits for the forward
+    and the walk only, not for the drafting queued behind them."""
+    first = runner._bole_first_pass
+    w = first.walk.rows.shape[1]
+    table = first.wait().tolist()
+    starts = forest.query_starts
+    paths = [[r - start for r in row[:row[-1]]] for row, start in zip(table, starts)]
+    outputs = [row[w:w + row[-1]] for row in table]
+    forest.accepted_paths = paths
+    runner._bole_paths = paths
+    sampled = pad_outputs(outputs, "cpu", min_width=2)
+    if runner.input_batch.sampling_metadata.max_num_logprobs is None:
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+    row_start = starts   # every request is a tree, in batch order
+    return SamplerOutput(sampled_token_ids=sampled,
+                         logprobs_tensors=runner._path_logprobs(logits, sampled, paths, row_start))
