@@ -5,6 +5,8 @@ sampled token), rewrites RoPE positions to prefix length + depth and publishes t
 ``_sample`` walks each tree (by the argmax for greedy requests, sample-then-match for sampled ones);
 ``_update_states_after_model_execute`` commits the accepted path's GDN state and moves its K/V to contiguous
 slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and applies the per-step node budget.
+With ``VLLM_BOLE_FIRST_PASS=1`` a step of plain greedy trees does the walk, the drafting and the commit on the
+device right behind its forward instead (``worker/early_drafting.py``).
 """
 
 import functools
@@ -58,8 +60,7 @@ class BoleModelRunnerMixin:
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
         self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
         self._bole_seq_lens = None   # per batch request of the step: prefix + scheduled tokens (numpy)
-        # The drafter's first pass over every node of this step's forest, queued behind the target forward:
-        # (the rows' argmax on its way to the host, its event, the drafter's (hidden, top children))
+        # This step's drafting queued behind its target forward (early_drafting.FirstPass), if any
         self._bole_first_pass = None
         self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
         self.bole_early_draft_steps = 0   # steps whose whole drafting and commit were queued before the walk
