@@ -99,9 +99,16 @@ def test_reference_is_spread(reference):
 
 # selection None runs the default, per_request: 8 nodes per request (512 over 64), the trees reach the step as
 # placeholders.
-@pytest.mark.parametrize("drafter,selection", [("planted", "global"), ("mtp", "global"), ("planted", None)])
-def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, reference, drafter, selection):
-    name = f"sampled_{drafter}" + (f"_{selection}" if selection else "")
+# "early": the MTP drafter with the drafting queued before the walk (VLLM_BOLE_FIRST_PASS=1), whose device walk
+# matches each row's draw.
+@pytest.mark.parametrize("drafter,selection", [("planted", "global"), ("mtp", "global"), ("planted", None),
+                                               ("mtp", "early")])
+def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, reference, drafter, selection,
+                                                      monkeypatch):
+    early = selection == "early"
+    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1" if early else "0")
+    selection = None if early else selection
+    name = f"sampled_{drafter}" + (f"_{selection}" if selection else "") + ("_early" if early else "")
     engine = bole_engine(tmp, name, depth=2, topk=3, budget=512, drafter=drafter, selection=selection,
                          max_num_seqs=64)
     out = run_engine(tmp, name, {"model": model, "engine": engine, "requests": _sampled_requests(prompt)})
@@ -109,6 +116,7 @@ def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, refere
     counters = out["counters"]
     print(f"{name}: counters {counters}; queued trees {out['queued_trees']}")
     assert (out["queued_trees"] > 0) == (selection != "global"), out["queued_trees"]   # per_request: the default
+    assert (out["early_draft_steps"] > 0) == early, out["early_draft_steps"]
     assert counters["num_accepted_tokens"] > 0, counters
     assert counters["accepted_per_pos"][1] > 0, counters
     samples = {"t2": lambda t: t[1], "t3": lambda t: t[2], "(t1,t2)": lambda t: (t[0], t[1])}

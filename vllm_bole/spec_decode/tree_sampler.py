@@ -80,11 +80,18 @@ def sample_tree_rows(logits: torch.Tensor, row_req: list[int], sampling_metadata
     """One independent draw per tree row from :func:`tree_row_probs`; rows of seeded requests draw from the
     request's own ``torch.Generator`` (``sampling_metadata.generators``, by batch index), the rest from the
     default generator."""
-    req = torch.tensor(row_req, dtype=torch.long, device=logits.device)
+    return draw_tree_rows(logits, row_req, sampling_metadata, use_fp64_gumbel).tolist()
+
+
+def draw_tree_rows(logits: torch.Tensor, row_req: list[int], sampling_metadata: SamplingMetadata,
+                   use_fp64_gumbel: bool = False) -> torch.Tensor:
+    """:func:`sample_tree_rows` on the logits' device (no copy to the host)."""
+    # (a non-blocking copy: a blocking one would wait for the work queued before it)
+    req = torch.tensor(row_req, dtype=torch.long).to(logits.device, non_blocking=True)
     probs = tree_row_probs(logits, req, sampling_metadata)
     gens = sampling_metadata.generators
     row_generators = {i: gens[r] for i, r in enumerate(row_req) if r in gens}
-    return random_sample(probs, row_generators, use_fp64_gumbel).tolist()
+    return random_sample(probs, row_generators, use_fp64_gumbel)
 
 
 def walk_tree(parents: list[int], tokens: list[int], targets: list[int]) -> list[int]:

@@ -1,7 +1,7 @@
 """Drafting queued behind the target forward, before the host walks the trees (``VLLM_BOLE_FIRST_PASS=1``).
 
-In a step whose requests are all plain greedy trees nothing the drafter needs waits for the host: right behind
-the forward the device walks the trees (``spec_decode/device_walk.py``), copies the paths and tokens to the host
+In a step whose requests are all trees, greedy or sampled without other settings, nothing the drafter needs
+waits for the host: right behind the forward the device walks the trees (``spec_decode/device_walk.py``), copies the paths and tokens to the host
 once, runs the MTP drafter's first pass over every verified node (``MTPTreeDrafter.first_pass_all_rows``), moves
 the paths' MTP K/V, grows the next trees from the path ends (``MTPTreeDrafter.propose_from_walk``) and commits
 from the device paths. The runner's walk then only reads the copy (:func:`walked_output`), which waits for the
@@ -19,7 +19,8 @@ from ..logger import init_logger
 from ..spec_decode.device_walk import greedy_walk, synthetic_targets
 from ..spec_decode.drafter import DraftStep, drafting
 from ..spec_decode.queued_drafts import quotas_of
-from ..spec_decode.tree_sampler import is_plain_greedy, pad_outputs, tree_rows_supported
+from ..spec_decode.tree_sampler import (draw_tree_rows, is_plain_greedy, is_plain_random, pad_outputs,
+                                        tree_rows_supported)
 from .kv_compaction import compact_accepted_kv
 
 logger = init_logger(__name__)
@@ -43,11 +44,12 @@ class FirstPass:
 
 def launch(runner, scheduler_output) -> FirstPass | None:
     """Queue the drafter's first pass over every verified node right behind the target forward, while the
-    host is idle until the walk (``MTPTreeDrafter.first_pass_all_rows``): for steps of plain greedy trees
-    only, since a row's input is its argmax. The argmax goes to the host first, so the walk waits for the
-    forward alone. With the device beam the whole drafting follows on the device before the host walks
-    (:func:`_draft_before_walk`). None when the step does not qualify (the drafter then catches up after the
-    walk)."""
+    host is idle until the walk (``MTPTreeDrafter.first_pass_all_rows``), for steps whose requests are all
+    trees, greedy or sampled without other settings: a row's input is the target's token after it (the argmax,
+    or for a sampled request the row's draw, which the walk then matches). With the device beam the walk and
+    the whole drafting follow on the device before the host walks (:func:`_draft_before_walk`); without it,
+    greedy steps send the argmax to the host first, so the host walk waits for the forward alone. None when
+    the step does not qualify (the drafter then catches up after the walk)."""
     drafter, forest, state = runner.bole_drafter, runner._bole_forest, runner.execute_model_state
     num_reqs = runner.input_batch.num_reqs
     if (forest is None or not runner._bole_first_pass_on or not hasattr(drafter, "first_pass_all_rows")
@@ -57,25 +59,38 @@ def launch(runner, scheduler_output) -> FirstPass | None:
             or state.logits.shape[0] != scheduler_output.total_num_scheduled_tokens):
         return None
     metadata = runner.input_batch.sampling_metadata
-    if (not tree_rows_supported(metadata)
-            or not all(is_plain_greedy(runner.requests[r].sampling_params) for r in runner.input_batch.req_ids)):
+    params = [runner.requests[r].sampling_params for r in runner.input_batch.req_ids]
+    sampled = [b for b, p in enumerate(params) if not is_plain_greedy(p)]
+    if not tree_rows_supported(metadata) or not all(is_plain_random(params[b]) for b in sampled):
         return None
     cm = state.spec_decode_common_attn_metadata
     early = (runner._bole_early_on and getattr(drafter, "beam", None) is not None and runner._bole_profiler is None
              and runner.bole_config.selection == "per_request" and runner._input_fits_in_drafter(cm)
              and (metadata.max_num_logprobs is None or runner.model_config.logprobs_mode == "raw_logprobs"))
+    if sampled and not early:   # the host walk would draw again: the first pass would read other tokens
+        return None
     with record_function_or_nullcontext("bole: first_pass"):
         argmax = state.logits.argmax(dim=-1)
         n = argmax.numel()
+        # The target's token after each row: the argmax, or for sampled requests one draw per row ("sample,
+        # then match", as the host walk draws them; tree_sampler.draw_tree_rows).
+        after = argmax
+        if sampled:
+            starts = forest.query_starts + [n]
+            rows = [j for b in sampled for j in range(starts[b], starts[b + 1])]
+            row_req = [b for b in sampled for _ in range(starts[b], starts[b + 1])]
+            index = torch.tensor(rows, dtype=torch.long).to(argmax.device, non_blocking=True)
+            after = argmax.clone()
+            after[index] = draw_tree_rows(state.logits[index], row_req, metadata,
+                                          runner.sampler.use_fp64_gumbel).to(argmax.dtype)
         walk = None
         if early:   # the walk's paths and emitted tokens go to the host instead of the argmax
             tokens, parent = runner.input_ids.gpu[:n], forest.parent[:n]
-            targets, bonus = argmax, None
+            targets = after
             if runner._bole_synthetic is not None:   # benchmarks: the targets drawn from the given rates
                 targets = synthetic_targets(tokens, parent, forest.cu_seqlens, forest.depth_bound,
                                             runner._bole_synthetic, _synthetic_generator(runner, argmax.device))
-                bonus = argmax
-            walk = greedy_walk(targets, tokens, parent, forest.cu_seqlens, forest.depth_bound, bonus)
+            walk = greedy_walk(targets, tokens, parent, forest.cu_seqlens, forest.depth_bound, after)
             payload = torch.cat([walk.rows, walk.emitted.long(), walk.length[:, None]], dim=1)
         else:
             payload = argmax
@@ -87,7 +102,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
             event.record()
         slots = runner.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
         seq_lens = runner._bole_seq_lens[:num_reqs].tolist()
-        rows = drafter.first_pass_all_rows(cm, forest, argmax, runner.positions[:n], slots, seq_lens,
+        rows = drafter.first_pass_all_rows(cm, forest, after, runner.positions[:n], slots, seq_lens,
                                            state.hidden_states[:n])
     runner.bole_first_pass_steps += 1
     first = FirstPass(host=host, event=event, rows=rows, walk=walk)
