@@ -1,11 +1,12 @@
 """Drafting queued behind the target forward, before the host walks the trees (``VLLM_BOLE_FIRST_PASS=1``).
 
 In a step whose requests are all trees, greedy or sampled without other settings, nothing the drafter needs
-waits for the host: right behind the forward the device walks the trees (``spec_decode/device_walk.py``), copies the paths and tokens to the host
-once, runs the MTP drafter's first pass over every verified node (``MTPTreeDrafter.first_pass_all_rows``), moves
-the paths' MTP K/V, grows the next trees from the path ends (``MTPTreeDrafter.propose_from_walk``) and commits
-from the device paths. The runner's walk then only reads the copy (:func:`walked_output`), which waits for the
-forward and the walk alone, and vLLM's drafting call finds the drafts pending.
+waits for the host: right behind the forward the device walks the trees (``spec_decode/device_walk.py``),
+copies the paths and tokens to the host once, runs the MTP drafter's first pass over every verified node
+(``MTPTreeDrafter.first_pass_all_rows``), moves the paths' MTP K/V, grows the next trees from the path ends
+(``MTPTreeDrafter.propose_from_walk``) and commits from the device paths. The runner's walk then only reads the
+copy (:func:`walked_output`), which waits for the forward and the walk alone, and vLLM's drafting call finds the
+drafts pending.
 """
 
 from dataclasses import dataclass
