@@ -31,7 +31,7 @@ def _drafter(graph_out, tree_rows=17):
     drafter = MTPTreeDrafter.__new__(MTPTreeDrafter)
     calls = {}
 
-    def write_device(tokens, positions, slots, hidden):
+    def write_arrays(tokens, positions, slots, hidden):
         calls["written"] = (tokens.tolist(), positions.tolist(), slots.tolist(), hidden[:, 0].tolist())
         return hidden.shape[0], hidden.shape[0] + 3, "mode"
 
@@ -43,7 +43,7 @@ def _drafter(graph_out, tree_rows=17):
         calls["eager"] = (chunks, device_rows.meta.tolist(), device_rows.bits.tolist(), device_rows.max_rows)
         return torch.ones(n, 1)
 
-    drafter._write_device, drafter._forward_written = write_device, forward_written
+    drafter._write_arrays, drafter._forward_written = write_arrays, forward_written
     drafter._host_tree_rows = lambda hidden: False
     drafter._top_rows = lambda hidden: hidden * 10
     drafter.graphs = SimpleNamespace(level=level, tree_rows=tree_rows)

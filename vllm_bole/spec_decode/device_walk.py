@@ -95,10 +95,10 @@ def greedy_walk(argmax: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor
     first = torch.full((n,), n, dtype=torch.long, device=device)
     first.scatter_reduce_(0, grow, torch.where(match, rows, n), reduce="amin")
     match &= first[grow] == rows
-    accepted, depth = is_root.clone(), torch.zeros(n, dtype=torch.long, device=device)
+    depth = _depths(is_root, grow, max_depth)
+    accepted = is_root.clone()
     for _ in range(max_depth):   # parents first: depth d settles in d rounds
         accepted = is_root | (match & accepted[grow])
-        depth = torch.where(is_root, 0, depth[grow] + 1)
     # One accepted node per depth: the deepest one per tree ends the path.
     key = torch.where(accepted, depth * n + rows, -1)
     best = torch.full((b,), -1, dtype=torch.long, device=device)

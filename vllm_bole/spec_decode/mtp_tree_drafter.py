@@ -120,8 +120,8 @@ class MTPTreeDrafter(TreeDrafter):
                                   [s for c in chunks for s in c[4]], hidden)
 
     def _write_arrays(self, tokens, positions, slots, hidden: torch.Tensor):
-        """:meth:`_write_inputs` of flat rows: ``tokens`` a host list or a device tensor, ``positions`` and
-        ``slots`` host sequences, ``hidden`` ``[rows, H]``."""
+        """:meth:`_write_inputs` of flat rows: ``tokens``, ``positions`` and ``slots`` host sequences or device
+        tensors, ``hidden`` ``[rows, H]``."""
         device, proposer = hidden.device, self.proposer
         n = hidden.shape[0]
         mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
@@ -131,17 +131,6 @@ class MTPTreeDrafter(TreeDrafter):
         proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if self.runner.uses_mrope else positions)
         proposer.hidden_states[:n].copy_(hidden)
         proposer._get_slot_mapping(padded, _to_device(slots, device))
-        return n, padded, mode
-
-    def _write_device(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      hidden: torch.Tensor):
-        """:meth:`_write_arrays` of rows whose tokens, positions and KV slots are device tensors (no host copy)."""
-        proposer, n = self.proposer, hidden.shape[0]
-        mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
-        proposer.input_ids[:n].copy_(tokens)
-        proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if self.runner.uses_mrope else positions)
-        proposer.hidden_states[:n].copy_(hidden)
-        proposer._get_slot_mapping(padded, slots.long())
         return n, padded, mode
 
     @staticmethod
@@ -260,7 +249,7 @@ class MTPTreeDrafter(TreeDrafter):
         sizes.append(n - forest.query_starts[-1])
         chunks = [(r, range(size), None, int(seq_len), None)
                   for r, size, seq_len in zip(forest.tree_req_indices, sizes, seq_lens)]
-        written = self._write_device(next_tokens[:n], positions[:n], slots[:n], hidden)
+        written = self._write_arrays(next_tokens[:n], positions[:n], slots[:n], hidden)
         if self._host_tree_rows(hidden):
             tree_rows = [TreeRows(req_index=i, row_start=row.row_start, region_mask=row.region_mask)
                          for i, row in enumerate(forest.rows())]
@@ -275,7 +264,7 @@ class MTPTreeDrafter(TreeDrafter):
 
     def forward_device_rows(self, cm: CommonAttentionMetadata, chunks, meta: torch.Tensor, bits: torch.Tensor,
                             written, max_rows: int, graph: bool = True):
-        """(MTP hidden, top children) of rows written by :meth:`_write_arrays` / :meth:`_write_device`, with tree
+        """(MTP hidden, top children) of rows written by :meth:`_write_arrays`, with tree
         rows given as host ``meta`` and device ``bits`` (``DeviceTreeRows``): from a drafter graph if there is
         one (and ``graph``), else eagerly."""
         if graph and self.graphs is not None:

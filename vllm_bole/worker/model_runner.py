@@ -5,8 +5,8 @@ sampled token), rewrites RoPE positions to prefix length + depth and publishes t
 ``_sample`` walks each tree (by the argmax for greedy requests, sample-then-match for sampled ones);
 ``_update_states_after_model_execute`` commits the accepted path's GDN state and moves its K/V to contiguous
 slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and applies the per-step node budget.
-With ``VLLM_BOLE_FIRST_PASS=1`` a step of plain greedy trees does the walk, the drafting and the commit on the
-device right behind its forward instead (``worker/early_drafting.py``).
+With ``VLLM_BOLE_FIRST_PASS=1`` a step of trees whose requests are greedy or plainly sampled does the walk, the
+drafting and the commit on the device right behind its forward instead (``worker/early_drafting.py``).
 """
 
 import functools
