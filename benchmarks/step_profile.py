@@ -50,7 +50,14 @@ def _gpu_busy_ms(prof) -> float:
     return busy / 1e3
 
 
-def _torch_profile(llm, batch: int, args, out_dir: Path) -> dict:
+def _set_first_pass(runner, mode: str | None) -> None:
+    """Drafting before the walk on or off between generate calls (``--first-pass``); None: leave it."""
+    if mode is not None:
+        runner._bole_first_pass_on = mode == "on"
+        runner._bole_early_on = True
+
+
+def _torch_profile(llm, batch: int, args, out_dir: Path, tag: str) -> dict:
     """Op tables (device time and host time) of one generate call under torch.profiler, and how much of its
     wall time the GPU was busy (low: the step waits on the host)."""
     import torch
@@ -62,11 +69,11 @@ def _torch_profile(llm, batch: int, args, out_dir: Path) -> dict:
     busy = _gpu_busy_ms(prof)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = prof.key_averages()
-    head = (f"B={batch}: 64 new tokens, wall {elapsed * 1e3:.1f} ms under the profiler, GPU busy {busy:.1f} ms "
+    head = (f"B={tag}: 64 new tokens, wall {elapsed * 1e3:.1f} ms under the profiler, GPU busy {busy:.1f} ms "
             f"({100 * busy / (elapsed * 1e3):.0f}%)\n\n")
     text = (head + table.table(sort_by="self_cuda_time_total", row_limit=50) + "\n\n"
             + table.table(sort_by="self_cpu_time_total", row_limit=40))
-    (out_dir / f"ops_B{batch}.txt").write_text(text)
+    (out_dir / f"ops_B{tag}.txt").write_text(text)
     print(head.strip(), flush=True)
     if args.trace:   # the timeline, and where the GPU waited on the host (benchmarks/trace_gaps.py)
         import gzip
@@ -74,15 +81,15 @@ def _torch_profile(llm, batch: int, args, out_dir: Path) -> dict:
 
         import trace_gaps
 
-        raw = out_dir / f"trace_B{batch}.json"
+        raw = out_dir / f"trace_B{tag}.json"
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
         events = trace_gaps.load(Path(f"{raw}.gz"))
-        gaps = trace_gaps.report(trace_gaps.analyze(events), f"B={batch}: ")
+        gaps = trace_gaps.report(trace_gaps.analyze(events), f"B={tag}: ")
         # Per-step lines too: a step that captured a graph or compiled a kernel stands out from the steady ones.
-        (out_dir / f"gaps_B{batch}.txt").write_text(gaps + "\n\n" + "\n".join(trace_gaps.step_lines(events)) + "\n")
+        (out_dir / f"gaps_B{tag}.txt").write_text(gaps + "\n\n" + "\n".join(trace_gaps.step_lines(events)) + "\n")
         print(gaps, flush=True)
     return {"profiled_wall_ms": round(elapsed * 1e3, 1), "profiled_gpu_busy_ms": round(busy, 1)}
 
@@ -111,7 +118,7 @@ def _scope_engine(llm) -> None:
     wrap(llm.llm_engine.output_processor, "process_outputs", "frontend: process_outputs")
 
 
-def _host_profile(llm, batch: int, args, out_dir: Path) -> None:
+def _host_profile(llm, batch: int, args, out_dir: Path, tag: str) -> None:
     """Python host time of one generate call under cProfile (the engine runs in this process): which calls
     keep the GPU waiting when the step is host-bound."""
     import cProfile
@@ -127,7 +134,7 @@ def _host_profile(llm, batch: int, args, out_dir: Path) -> None:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("cumulative").print_stats(80)
     stats.sort_stats("tottime").print_stats(60)
-    (out_dir / f"host_B{batch}.txt").write_text(text.getvalue())
+    (out_dir / f"host_B{tag}.txt").write_text(text.getvalue())
 
 
 def main() -> None:
@@ -145,6 +152,9 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="with --torch-profile: also write the chrome trace (trace_B<b>.json.gz) with vLLM's and "
                              "Bole's profiling scopes, and the GPU's idle time by host scope (gaps_B<b>.txt)")
+    parser.add_argument("--first-pass", choices=["env", "off", "on", "both"], default="env",
+                        help="Bole: drafting before the walk (VLLM_BOLE_FIRST_PASS) off, on, or both side by side in "
+                             "the same engine (default: as the environment sets it)")
     parser.add_argument("--host-profile", metavar="DIR",
                         help="also run each batch under cProfile and write the host call tables to DIR")
     args = parser.parse_args()
@@ -170,24 +180,33 @@ def main() -> None:
               compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *range(8, 256, 8), *range(256, 513, 32)}
                                                                       | set(args.batch))},
               speculative_config=spec)
-    # Warm-up: every batch size at the measured length, so that Triton's compilations and Bole's lazy graph
-    # captures (one per new step shape) stay out of the numbers and the traces.
-    for batch in args.batch:
-        for _ in range(args.warmup_passes):
-            _generate(llm, batch, args.prompt_len, args.new_tokens, seed=0)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    modes = [None]
+    if bole and args.first_pass != "env":
+        modes = ["off", "on"] if args.first_pass == "both" else [args.first_pass]
+    # Warm-up: every batch size (and mode) at the measured length, so that Triton's compilations and Bole's lazy
+    # graph captures (one per new step shape) stay out of the numbers and the traces.
+    for batch in args.batch:
+        for mode in modes:
+            _set_first_pass(runner, mode)
+            for _ in range(args.warmup_passes):
+                _generate(llm, batch, args.prompt_len, args.new_tokens, seed=0)
     if args.trace:
         _scope_engine(llm)
     rows = []
-    for batch in args.batch:
-        if bole:
+    for batch, mode in [(b, m) for b in args.batch for m in modes]:
+        _set_first_pass(runner, mode)
+        if bole and mode != "on":   # the step profiler times the phases of drafting after the walk
             runner._bole_profiler = StepProfiler(args.profile_steps)
             print(f"B={batch}: profiled pass", flush=True)
             _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
             runner._bole_profiler = None
         before = spec_decode_counters(llm.get_metrics()) if spec else None
+        early_before = getattr(runner, "bole_early_draft_steps", 0)
         tokens, elapsed = _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
         row = {"B": batch, "spec": spec, "tok_s": tokens / elapsed, "seconds": elapsed}
+        if mode is not None:   # how many steps really drafted before the walk (it turns off after a failure)
+            row |= {"first_pass": mode, "early_draft_steps": runner.bole_early_draft_steps - early_before}
         if spec:
             after = spec_decode_counters(llm.get_metrics())
             drafts = after["num_drafts"] - before["num_drafts"]
@@ -195,13 +214,16 @@ def main() -> None:
             row["mean_accepted"] = 1 + accepted / max(drafts, 1)
             row["draft_tokens_per_step"] = (after["num_draft_tokens"] - before["num_draft_tokens"]) / max(drafts, 1)
         rows.append(row)
+        tag = f"{batch}" if mode is None else f"{batch}_{mode}"
         if args.torch_profile:
-            row |= _torch_profile(llm, batch, args, Path(args.torch_profile))
+            row |= _torch_profile(llm, batch, args, Path(args.torch_profile), tag)
         if args.host_profile:
-            _host_profile(llm, batch, args, Path(args.host_profile))
-        print(f"B={batch}: {row['tok_s']:.1f} tok/s" + (
+            _host_profile(llm, batch, args, Path(args.host_profile), tag)
+        label = f"B={batch}" if mode is None else f"B={batch} first pass {mode}"
+        print(f"{label}: {row['tok_s']:.1f} tok/s" + (
             f", mean accepted {row['mean_accepted']:.2f}, nodes/step {row['draft_tokens_per_step']:.1f}"
-            if spec else ""), flush=True)
+            if spec else "") + (f", {row['early_draft_steps']} steps drafted before the walk"
+                                   if mode is not None else ""), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     RESULTS.write_text(json.dumps(old + rows, indent=1))

@@ -136,3 +136,27 @@ def test_synthetic_targets_accept_like_the_host_synthetic_walk():
     assert abs(mean(device) - mean(host)) < 0.08, (mean(device), mean(host))
     assert max(len(p) for p in device) == 5      # deep acceptance occurs
     assert all(t == 0 for t in walk.emitted.gather(1, (walk.length - 1)[:, None]).flatten().tolist())   # bonus
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist on CUDA only")
+def test_walk_and_synthetic_targets_queue_without_waiting():
+    """The runner queues the walk (and, benchmarking, the synthetic targets) behind the target forward before
+    the host reads anything: no op of theirs may wait for the device (a masked index would)."""
+    from vllm_bole.spec_decode.device_walk import synthetic_targets
+    from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
+
+    rng = random.Random(5)
+    parent, tokens, argmax, cu, depth = _packed(_case(rng, 8))
+    parent, tokens, argmax = parent.cuda(), tokens.cuda(), argmax.cuda()
+    cu = torch.tensor(cu, dtype=torch.int32).cuda()
+    synthetic = SyntheticAcceptance(rates=(0.9, 0.7), sibling_rates=(0.4,), seed=0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        targets = synthetic_targets(tokens, parent, cu, depth, synthetic, gen)
+        walk = greedy_walk(targets, tokens, parent, cu, depth, bonus=argmax)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert walk.rows.shape == (cu.numel() - 1, depth + 1)
+    assert bool((walk.length >= 1).all())

@@ -234,8 +234,6 @@ class DeviceBeam:
         self.levels_run = 0   # expansion levels grown so far (all steps)
         self._pinned: torch.Tensor | None = None   # early-stop flags on their way to the host (GPU)
         self._events: list | None = None
-        # The step's candidates on their way to the host (GPU); a step's are read before the next step's copy.
-        self._fields: torch.Tensor | None = None
         self._depths_cache: dict[int, torch.Tensor] = {}
         self._level_hint: dict[int, int] = {}   # quota -> expansion levels its trees reached last (per_request)
         self.graphs = None    # full CUDA graphs of whole levels (GPU): spec_decode/beam_graphs.py
@@ -332,9 +330,9 @@ class DeviceBeam:
         fields = torch.stack([chosen.double(), s.tokens[:g, :n], s.parents[:g, :n], s.scores[:g, :n]])
         host, event = fields, None
         if fields.is_cuda:
-            if self._fields is None or self._fields.numel() < fields.numel():
-                self._fields = torch.empty(fields.numel(), dtype=torch.float64, pin_memory=True)
-            host = self._fields[:fields.numel()].view(fields.shape)
+            # A buffer per call (torch's pinned caching allocator): a step's selection can still be unread when
+            # the next one is copied (drafting before the walk grows step t+2's trees before step t+1's are read).
+            host = torch.empty(fields.shape, dtype=fields.dtype, pin_memory=True)
             host.copy_(fields, non_blocking=True)
             event = torch.cuda.Event()
             event.record()

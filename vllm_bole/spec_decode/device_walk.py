@@ -63,9 +63,10 @@ def synthetic_targets(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: to
     sorted_key = key[order]
     rank = torch.empty(n, dtype=torch.long, device=device)
     rank[order] = torch.arange(n, device=device) - torch.searchsorted(sorted_key, sorted_key)
-    child_at = torch.full((n * ranks,), -1, dtype=torch.long, device=device)
+    # One spare slot takes the rows that are no child of rank < ranks (a masked index would wait for the device).
+    child_at = torch.full((n * ranks + 1,), -1, dtype=torch.long, device=device)
     child = ~is_root & (rank < ranks)
-    child_at[(grow * ranks + rank)[child]] = rows[child]
+    child_at[torch.where(child, grow * ranks + rank, n * ranks)] = torch.where(child, rows, -1)
     # The rank drawn at each row: rank 1 with the conditional rate at its children's depth, else the first
     # sibling rank whose rate the draws pass.
     # (a non-blocking copy: a blocking one would wait for the forward queued before it)
