@@ -64,9 +64,10 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  "bole_vocab32k": {"draft_vocab": 32768},
                  "bole_step_vocab32k": {"budget_rule": "step", "draft_vocab": 32768},
                  # Drafting queued before the walk (the environment below turns it on for these workers).
-                 "bole_early": {}, "bole_vocab32k_early": {"draft_vocab": 32768}}
+                 "bole_early": {}, "bole_vocab32k_early": {"draft_vocab": 32768},
+                 "bole_step_vocab32k_early": {"budget_rule": "step", "draft_vocab": 32768}}
 # Environment of a configuration's worker, beside the speculative config.
-CONFIG_ENV = {"bole_early": {"VLLM_BOLE_FIRST_PASS": "1"}, "bole_vocab32k_early": {"VLLM_BOLE_FIRST_PASS": "1"}}
+CONFIG_ENV = {name: {"VLLM_BOLE_FIRST_PASS": "1"} for name in BOLE_VARIANTS if name.endswith("_early")}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")

@@ -92,6 +92,73 @@ def test_deep_acceptance_under_later_siblings():
     assert walk.emitted[0].tolist() == [tokens[j] for j in path[1:]] + [0]
 
 
+def _triton_walk(argmax, tokens, parent, cu, max_depth, bonus, max_nodes):
+    """The Triton walk (the interpreter without a GPU) as a DeviceWalk on the host."""
+    from triton_modes import DEV, import_kernel_modules, interpreter
+
+    from vllm_bole.spec_decode.device_walk import DeviceWalk
+
+    (mod,) = import_kernel_modules("vllm_bole.kernels.tree_walk.triton_walk")
+    with interpreter():
+        out = mod.tree_walk(*(t.to(DEV) for t in (argmax, tokens, parent, cu)), max_depth, bonus.to(DEV), max_nodes)
+    return DeviceWalk(*(t.cpu() for t in out))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_triton_walk_is_the_torch_walk(seed):
+    """The one-launch Triton walk against the torch walk (its reference) on random forests: chains, stars, k-ary,
+    random and deep trees, planted paths under any sibling rank, repeated sibling tokens, a loose depth bound and a
+    loose size bound (padded tiles)."""
+    from vllm_bole.spec_decode.device_walk import greedy_walk_reference
+
+    rng = random.Random(100 + seed)
+    trees = _case(rng, rng.choice([2, 3, 8, 1000]))
+    parent, tokens, argmax, cu, depth = _packed(trees)
+    cu = torch.tensor(cu, dtype=torch.int32)
+    max_depth = depth + rng.randint(0, 2)
+    bonus = torch.randint(0, 50, argmax.shape) if seed % 2 else argmax
+    max_nodes = max(len(t[0]) for t in trees) + rng.choice([0, 0, 5, 40])
+    want = greedy_walk_reference(argmax, tokens, parent, cu, max_depth, bonus)
+    got = _triton_walk(argmax, tokens, parent, cu, max_depth, bonus, max_nodes)
+    for name in ("rows", "length", "deepest", "emitted"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), (name, a, b)
+    assert max(got.length.tolist()) >= 1
+
+
+def test_triton_walk_goes_deep_under_later_siblings_and_leaves_empty_trees_empty():
+    """A full binary tree of depth 5 walked through second children to the bottom, beside a one-node tree and an
+    empty (padding) segment, which gets length 0 and no path."""
+    parents = [-1] + [(i - 1) // 2 for i in range(1, 63)]
+    tokens = [0] + list(range(1, 63))
+    targets = [0] * 63
+    node, path = 0, [0]
+    for _ in range(5):
+        targets[node] = tokens[2 * node + 2]
+        node = 2 * node + 2
+        path.append(node)
+    parent = torch.tensor(parents + [-1], dtype=torch.int32)
+    tok, tgt = torch.tensor(tokens + [7]), torch.tensor(targets + [9])
+    cu = torch.tensor([0, 63, 64, 64], dtype=torch.int32)
+    walk = _triton_walk(tgt, tok, parent, cu, 5, tgt, 63)
+    assert walk.length.tolist() == [6, 1, 0]
+    assert walk.rows[0].tolist() == path and walk.rows[1].tolist() == [63] + [-1] * 5
+    assert walk.rows[2].tolist() == [-1] * 6 and walk.emitted[2].tolist() == [-1] * 6
+    assert walk.emitted[0].tolist() == [tokens[j] for j in path[1:]] + [0]
+    assert walk.emitted[1].tolist() == [9] + [-1] * 5
+    assert walk.deepest.tolist()[:2] == [path[-1], 0]
+
+
+def test_triton_walk_refuses_trees_past_its_tile():
+    """Trees larger than the Triton walk's tile limit are refused there (``greedy_walk`` sends them to torch)."""
+    from vllm_bole.kernels.tree_walk.triton_walk import MAX_TREE_NODES, tree_walk
+
+    with pytest.raises(ValueError, match="256"):
+        tree_walk(*(torch.zeros(1, dtype=torch.long),) * 2, torch.zeros(1, dtype=torch.int32),
+                  torch.tensor([0, 1], dtype=torch.int32), 1, torch.zeros(1, dtype=torch.long), MAX_TREE_NODES + 1)
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_walked_moves_are_the_host_paths_moves(seed):
     """The KV moves of a device walk (kv_compaction.walked_row_moves) are the host paths' moves, in path order."""
@@ -148,6 +215,7 @@ def test_walk_and_synthetic_targets_queue_without_waiting():
     rng = random.Random(5)
     parent, tokens, argmax, cu, depth = _packed(_case(rng, 8))
     parent, tokens, argmax = parent.cuda(), tokens.cuda(), argmax.cuda()
+    largest = max(b - a for a, b in zip(cu, cu[1:]))
     cu = torch.tensor(cu, dtype=torch.int32).cuda()
     synthetic = SyntheticAcceptance(rates=(0.9, 0.7), sibling_rates=(0.4,), seed=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -156,7 +224,9 @@ def test_walk_and_synthetic_targets_queue_without_waiting():
     try:
         targets = synthetic_targets(tokens, parent, cu, depth, synthetic, gen)
         walk = greedy_walk(targets, tokens, parent, cu, depth, bonus=argmax)
+        fused = greedy_walk(targets, tokens, parent, cu, depth, bonus=argmax, max_nodes=largest)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert walk.rows.shape == (cu.numel() - 1, depth + 1)
     assert bool((walk.length >= 1).all())
+    assert torch.equal(walk.rows, fused.rows) and torch.equal(walk.emitted, fused.emitted)

@@ -6,9 +6,11 @@ the first, and so does this walk (a node counts only if no earlier sibling match
 one path. Its deepest node ends it and the argmax at that node's row is the bonus token.
 
 Every shape is a host bound (``max_depth``), so the same ops run eagerly and inside a CUDA graph; the loops run
-once per tree level (tens of tiny ops; the host walk instead copies every row's argmax to the host first).
+once per tree level (tens of tiny ops; the host walk instead copies every row's argmax to the host first). On the
+GPU, given a bound on the trees' sizes, one Triton launch does the same (``kernels/tree_walk/triton_walk.py``).
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -82,12 +84,27 @@ def synthetic_targets(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: to
 
 
 def greedy_walk(argmax: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_depth: int, bonus: torch.Tensor | None = None) -> DeviceWalk:
+                max_depth: int, bonus: torch.Tensor | None = None, max_nodes: int | None = None) -> DeviceWalk:
     """``argmax``: ``[N]`` the target's token after each row; ``tokens``: ``[N]`` each row's token (roots: any);
     ``parent``: ``[N]`` int32 local parent within the row's tree (-1: the root, local node 0); ``cu_seqlens``:
     ``[B+1]`` int32 tree offsets (rows of tree b: ``cu[b]:cu[b+1]``, every tree non-empty); ``max_depth``: no
     node lies deeper (the root at depth 0); ``bonus``: ``[N]`` the token emitted after a path's last node, if
-    not ``argmax`` (synthetic targets match children only)."""
+    not ``argmax`` (synthetic targets match children only). ``max_nodes``: a host bound on any tree's size; with
+    it, CUDA tensors take the one-launch Triton walk (``kernels/tree_walk/triton_walk.py``), else this one."""
+    bonus = argmax if bonus is None else bonus
+    if (max_nodes is not None and parent.is_cuda and os.environ.get("VLLM_BOLE_KERNELS", "triton") != "reference"):
+        from ..kernels.tree_walk.triton_walk import MAX_TREE_NODES, tree_walk
+
+        if max_nodes <= MAX_TREE_NODES:
+            rows, length, deepest, emitted = tree_walk(argmax, tokens, parent, cu_seqlens, max_depth, bonus,
+                                                       max_nodes)
+            return DeviceWalk(rows=rows, length=length, deepest=deepest, emitted=emitted)
+    return greedy_walk_reference(argmax, tokens, parent, cu_seqlens, max_depth, bonus)
+
+
+def greedy_walk_reference(argmax: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor,
+                          cu_seqlens: torch.Tensor, max_depth: int, bonus: torch.Tensor) -> DeviceWalk:
+    """:func:`greedy_walk` in torch ops (the CPU path and the Triton walk's reference)."""
     n, device = parent.numel(), parent.device
     b = cu_seqlens.numel() - 1
     rows, tree, start, is_root, grow = _forest_rows(parent, cu_seqlens)
@@ -119,6 +136,5 @@ def greedy_walk(argmax: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor
     # Emitted: the drafted token of path node j + 1, then the bonus (the argmax at the last node).
     after = torch.cat([path[:, 1:], path.new_full((b, 1), -1)], dim=1)
     emitted = torch.where(after >= 0, tokens.long()[after.clamp(min=0)], -1)
-    bonus = argmax if bonus is None else bonus
     emitted = torch.where(col[None, :] == length[:, None] - 1, bonus.long()[last][:, None], emitted)
     return DeviceWalk(rows=path, length=length, deepest=last - start, emitted=emitted.to(torch.int32))
