@@ -150,6 +150,35 @@ def test_triton_walk_goes_deep_under_later_siblings_and_leaves_empty_trees_empty
     assert walk.deepest.tolist()[:2] == [path[-1], 0]
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_triton_synthetic_targets_are_the_torch_targets(seed):
+    """The one-launch synthetic targets against the torch ones from the same draws: random forests (siblings up to
+    k-ary 4 and stars, so ranks past the drawn ones occur), rate lists shorter and longer than the depth, no
+    sibling rates at all, and a loose size bound."""
+    from triton_modes import DEV, import_kernel_modules, interpreter
+
+    from vllm_bole.spec_decode.device_walk import _synthetic_rates, synthetic_targets_reference
+    from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
+
+    rng = random.Random(200 + seed)
+    trees = _case(rng, 1000)
+    parent, tokens, _, cu, depth = _packed(trees)
+    cu = torch.tensor(cu, dtype=torch.int32)
+    siblings = [(), (0.4,), (0.35, 0.2, 0.1), (0.9, 0.9)][seed % 4]
+    synthetic = SyntheticAcceptance(rates=tuple(sorted((rng.random() for _ in range(rng.randint(1, 9))),
+                                                       reverse=True)), sibling_rates=siblings, seed=seed)
+    max_depth = depth + rng.randint(0, 2)
+    u = torch.rand(parent.numel(), 1 + len(siblings), generator=torch.Generator().manual_seed(seed))
+    first, sib = _synthetic_rates(synthetic, max_depth, "cpu")
+    want = synthetic_targets_reference(tokens, parent, cu, max_depth, u, first, sib)
+    (mod,) = import_kernel_modules("vllm_bole.kernels.tree_walk.triton_walk")
+    with interpreter():
+        got = mod.synthetic_targets(*(t.to(DEV) for t in (tokens, parent, cu)), max_depth, u.to(DEV), first.to(DEV),
+                                    sib.to(DEV), max(len(t[0]) for t in trees) + rng.choice([0, 7])).cpu()
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert bool((want >= 0).any()) or len(siblings) == 0 or parent.numel() == len(trees)
+
+
 def test_triton_walk_refuses_trees_past_its_tile():
     """Trees larger than the Triton walk's tile limit are refused there (``greedy_walk`` sends them to torch)."""
     from vllm_bole.kernels.tree_walk.triton_walk import MAX_TREE_NODES, tree_walk
@@ -219,10 +248,12 @@ def test_walk_and_synthetic_targets_queue_without_waiting():
     cu = torch.tensor(cu, dtype=torch.int32).cuda()
     synthetic = SyntheticAcceptance(rates=(0.9, 0.7), sibling_rates=(0.4,), seed=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    synthetic_targets(tokens, parent, cu, depth, synthetic, gen)   # the rate tables are made on first use
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         targets = synthetic_targets(tokens, parent, cu, depth, synthetic, gen)
+        fused_targets = synthetic_targets(tokens, parent, cu, depth, synthetic, gen, max_nodes=largest)
         walk = greedy_walk(targets, tokens, parent, cu, depth, bonus=argmax)
         fused = greedy_walk(targets, tokens, parent, cu, depth, bonus=argmax, max_nodes=largest)
     finally:
@@ -230,3 +261,4 @@ def test_walk_and_synthetic_targets_queue_without_waiting():
     assert walk.rows.shape == (cu.numel() - 1, depth + 1)
     assert bool((walk.length >= 1).all())
     assert torch.equal(walk.rows, fused.rows) and torch.equal(walk.emitted, fused.emitted)
+    assert fused_targets.shape == targets.shape and fused_targets.dtype == targets.dtype

@@ -49,16 +49,50 @@ def _depths(is_root: torch.Tensor, grow: torch.Tensor, max_depth: int) -> torch.
 
 
 def synthetic_targets(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: torch.Tensor, max_depth: int,
-                      synthetic, generator: torch.Generator | None = None) -> torch.Tensor:
+                      synthetic, generator: torch.Generator | None = None, max_nodes: int | None = None) -> torch.Tensor:
     """``[N]`` the target's token after each row under synthetic acceptance (``spec_decode/synthetic.py``), drawn
     on the device: the token of the child whose sibling rank ``synthetic.draw_rank`` returns at the row's depth + 1
     (independent draws with its probabilities), or -1, which no child carries, when it draws none or that rank
-    has no child. :func:`greedy_walk` on these targets accepts what ``synthetic.walk`` accepts, in distribution."""
+    has no child. :func:`greedy_walk` on these targets accepts what ``synthetic.walk`` accepts, in distribution.
+    ``max_nodes``: a host bound on any tree's size; with it, CUDA tensors take one Triton launch (the same
+    targets from the same draws)."""
+    n, device = parent.numel(), parent.device
+    ranks = 1 + len(synthetic.sibling_rates)
+    first, siblings = _synthetic_rates(synthetic, max_depth, device)
+    u = torch.rand(n, ranks, generator=generator, device=device)
+    if max_nodes is not None and parent.is_cuda and os.environ.get("VLLM_BOLE_KERNELS", "triton") != "reference":
+        from ..kernels.tree_walk import triton_walk
+
+        if max_nodes <= triton_walk.MAX_TREE_NODES:
+            return triton_walk.synthetic_targets(tokens, parent, cu_seqlens, max_depth, u, first, siblings, max_nodes)
+    return synthetic_targets_reference(tokens, parent, cu_seqlens, max_depth, u, first, siblings)
+
+
+_RATES: dict = {}
+
+
+def _synthetic_rates(synthetic, max_depth: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank 1's conditional rate for the children of a row at depth 0..max_depth, the sibling rates), float32
+    on ``device``; made once per (rates, depth bound, device): a fresh copy each step would cost a transfer."""
+    key = (synthetic.rates, synthetic.sibling_rates, max_depth, str(device))
+    if key not in _RATES:
+        if len(_RATES) > 64:
+            _RATES.clear()
+        first = torch.tensor([synthetic.rank1_rate(d) for d in range(1, max_depth + 2)], dtype=torch.float32)
+        siblings = torch.tensor(list(synthetic.sibling_rates) or [0.0], dtype=torch.float32)
+        _RATES[key] = (first.to(device, non_blocking=True), siblings.to(device, non_blocking=True))
+    return _RATES[key]
+
+
+def synthetic_targets_reference(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: torch.Tensor,
+                                max_depth: int, u: torch.Tensor, first_rate: torch.Tensor,
+                                sibling_rate: torch.Tensor) -> torch.Tensor:
+    """:func:`synthetic_targets` in torch ops from given draws ``u`` ``[N, ranks]`` and rates (the CPU path and
+    the Triton kernel's reference)."""
     n, device = parent.numel(), parent.device
     rows, _, _, is_root, grow = _forest_rows(parent, cu_seqlens)
     depth = _depths(is_root, grow, max_depth)
-    siblings = len(synthetic.sibling_rates)
-    ranks = 1 + siblings
+    ranks = u.shape[1]
     # Sibling rank of every child: its order among its parent's children (parents before children, so by row).
     key = torch.where(is_root, n + rows, grow)
     order = torch.sort(key, stable=True).indices
@@ -71,14 +105,9 @@ def synthetic_targets(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: to
     child_at[torch.where(child, grow * ranks + rank, n * ranks)] = torch.where(child, rows, -1)
     # The rank drawn at each row: rank 1 with the conditional rate at its children's depth, else the first
     # sibling rank whose rate the draws pass.
-    # (a non-blocking copy: a blocking one would wait for the forward queued before it)
-    first = torch.tensor([synthetic.rank1_rate(d) for d in range(1, max_depth + 2)],
-                         dtype=torch.float32).to(device, non_blocking=True)[depth]
-    u = torch.rand(n, ranks, generator=generator, device=device)
-    drawn = torch.where(u[:, 0] < first, 0, -1)
-    for r in range(siblings, 0, -1):   # the lowest passing rank wins
-        rate = synthetic.sibling_rates[r - 1]
-        drawn = torch.where((drawn != 0) & (u[:, r] < rate), r, drawn)
+    drawn = torch.where(u[:, 0] < first_rate[depth], 0, -1)
+    for r in range(ranks - 1, 0, -1):   # the lowest passing rank wins
+        drawn = torch.where((drawn != 0) & (u[:, r] < sibling_rate[r - 1]), r, drawn)
     pick = torch.where(drawn >= 0, child_at[rows * ranks + drawn.clamp(min=0)], -1)
     return torch.where(pick >= 0, tokens.long()[pick.clamp(min=0)], -1)
 

@@ -90,7 +90,8 @@ def launch(runner, scheduler_output) -> FirstPass | None:
             targets = after
             if runner._bole_synthetic is not None:   # benchmarks: the targets drawn from the given rates
                 targets = synthetic_targets(tokens, parent, forest.cu_seqlens, forest.depth_bound,
-                                            runner._bole_synthetic, _synthetic_generator(runner, argmax.device))
+                                            runner._bole_synthetic, _synthetic_generator(runner, argmax.device),
+                                            max_nodes=forest.max_nodes or None)
             walk = greedy_walk(targets, tokens, parent, forest.cu_seqlens, forest.depth_bound, after,
                                max_nodes=forest.max_nodes or None)
             payload = torch.cat([walk.rows, walk.emitted.long(), walk.length[:, None]], dim=1)

@@ -1,4 +1,5 @@
-"""The greedy tree walk of a packed forest in one Triton launch: one program per tree, the whole tree in registers.
+"""The greedy tree walk of a packed forest in one Triton launch: one program per tree, the whole tree in registers
+(and, for benchmarks, the synthetic targets it walks, in one more).
 
 Same contract as the torch walk (``spec_decode/device_walk.greedy_walk``, the reference): node i is accepted when
 its parent is and its token is the target's token after the parent's row, and no earlier sibling of it matches;
@@ -72,3 +73,54 @@ def tree_walk(targets: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor,
                                 max_depth, w, BLOCK=max(16, triton.next_power_of_2(max_nodes)),
                                 WP=max(16, triton.next_power_of_2(w)), num_warps=4)
     return rows, length, deepest, emitted
+
+
+@triton.jit(do_not_specialize=["rounds"])
+def _synthetic_targets_kernel(tokens, parent, cu_seqlens, u, first_rate, sibling_rate, targets_out, rounds,
+                              RANKS: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    start = tl.load(cu_seqlens + b).to(tl.int64)
+    size = tl.load(cu_seqlens + b + 1).to(tl.int64) - start
+    idx = tl.arange(0, BLOCK)
+    valid = idx < size
+    par = tl.load(parent + start + idx, mask=valid, other=-1).to(tl.int32)
+    tok = tl.load(tokens + start + idx, mask=valid, other=-1).to(tl.int64)
+    up = tl.where(par < 0, idx, par)
+    depth = tl.zeros([BLOCK], dtype=tl.int32)
+    for _ in range(rounds):
+        depth = tl.where(par < 0, 0, tl.gather(depth, up, 0) + 1)
+    # Sibling rank: the child's order among its parent's children (by row).
+    child = valid & (par >= 0)
+    rank = tl.sum(((par[None, :] == par[:, None]) & (idx[None, :] < idx[:, None]) & child[None, :]).to(tl.int32),
+                  axis=1)
+    # The rank drawn at each row (as a parent): rank 1 at the conditional rate of its children's depth, else the
+    # lowest sibling rank whose rate its draw passes.
+    rows = start + idx
+    first = tl.load(first_rate + depth, mask=valid, other=0.0)
+    drawn = tl.where(tl.load(u + rows * RANKS, mask=valid, other=1.0) < first, 0, -1)
+    for r in tl.static_range(RANKS - 1, 0, -1):
+        rate = tl.load(sibling_rate + r - 1)
+        passed = tl.load(u + rows * RANKS + r, mask=valid, other=1.0) < rate
+        drawn = tl.where((drawn != 0) & passed, r, drawn)
+    # The token of the child of row i with that rank (-1: none drawn, or no such child).
+    hit = (child[None, :] & (par[None, :] == idx[:, None]) & (rank[None, :] == drawn[:, None])
+           & (drawn[:, None] >= 0))                                                            # [BLOCK, BLOCK]
+    found = tl.sum(hit.to(tl.int32), axis=1) > 0
+    token = tl.sum(tl.where(hit, tok[None, :], 0), axis=1)
+    tl.store(targets_out + rows, tl.where(found, token, -1), mask=valid)
+
+
+def synthetic_targets(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: torch.Tensor, max_depth: int,
+                      u: torch.Tensor, first_rate: torch.Tensor, sibling_rate: torch.Tensor, max_nodes: int):
+    """``[N]`` int64 synthetic targets (``spec_decode/device_walk.synthetic_targets``, the reference) from the
+    draws ``u`` ``[N, ranks]`` float32, ``first_rate`` ``[max_depth + 1]`` float32 (rank 1's conditional rate of
+    the children of a row at each depth) and ``sibling_rate`` ``[ranks - 1]`` float32."""
+    if max_nodes > MAX_TREE_NODES:
+        raise ValueError(f"synthetic_targets: trees of up to {MAX_TREE_NODES} nodes, got a bound of {max_nodes}")
+    b, n = cu_seqlens.numel() - 1, parent.numel()
+    out = torch.full((n,), -1, dtype=torch.long, device=parent.device)
+    if b:
+        _synthetic_targets_kernel[(b,)](tokens, parent, cu_seqlens, u.contiguous(), first_rate, sibling_rate, out,
+                                        max_depth, RANKS=u.shape[1], BLOCK=max(16, triton.next_power_of_2(max_nodes)),
+                                        num_warps=4)
+    return out
