@@ -15,9 +15,9 @@ import triton.language as tl
 MAX_TREE_NODES = 256   # larger trees take the torch walk ([BLOCK, BLOCK] sibling tiles beyond that)
 
 
-@triton.jit(do_not_specialize=["rounds", "W"])
-def _tree_walk_kernel(targets, tokens, parent, cu_seqlens, bonus, rows_out, length_out, deepest_out, emitted_out,
-                      rounds, W, BLOCK: tl.constexpr, WP: tl.constexpr):
+@triton.jit
+def _load_tree(tokens, parent, cu_seqlens, BLOCK: tl.constexpr):
+    """This program's tree: (first row, local index, valid lanes, local parent, token, parent or itself)."""
     b = tl.program_id(0)
     start = tl.load(cu_seqlens + b).to(tl.int64)
     size = tl.load(cu_seqlens + b + 1).to(tl.int64) - start
@@ -25,13 +25,27 @@ def _tree_walk_kernel(targets, tokens, parent, cu_seqlens, bonus, rows_out, leng
     valid = idx < size
     par = tl.load(parent + start + idx, mask=valid, other=-1).to(tl.int32)
     tok = tl.load(tokens + start + idx, mask=valid, other=-1).to(tl.int64)
-    is_root = valid & (par < 0)
     up = tl.where(par < 0, idx, par)                       # local parent (a root or padding: itself)
+    return start, idx, valid, par, tok, up
+
+
+@triton.jit
+def _earlier_siblings(par, idx, flag):
+    """Per node, how many earlier siblings (same parent, lower row) have ``flag``."""
+    earlier = (par[None, :] == par[:, None]) & (idx[None, :] < idx[:, None]) & flag[None, :]
+    return tl.sum(earlier.to(tl.int32), axis=1)
+
+
+@triton.jit(do_not_specialize=["rounds", "W"])
+def _tree_walk_kernel(targets, tokens, parent, cu_seqlens, bonus, rows_out, length_out, deepest_out, emitted_out,
+                      rounds, W, BLOCK: tl.constexpr, WP: tl.constexpr):
+    b = tl.program_id(0)
+    start, idx, valid, par, tok, up = _load_tree(tokens, parent, cu_seqlens, BLOCK)
+    is_root = valid & (par < 0)
     after_parent = tl.load(targets + start + up, mask=valid, other=-1).to(tl.int64)
     match = valid & (par >= 0) & (tok == after_parent)
     # Only the first matching child of a node counts (the host walk follows that one).
-    earlier = (par[None, :] == par[:, None]) & (idx[None, :] < idx[:, None]) & match[None, :]
-    match = match & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
+    match = match & (_earlier_siblings(par, idx, match) == 0)
     accepted = is_root.to(tl.int32)
     depth = tl.zeros([BLOCK], dtype=tl.int32)
     for _ in range(rounds):   # depth d settles in d rounds
@@ -78,21 +92,13 @@ def tree_walk(targets: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor,
 @triton.jit(do_not_specialize=["rounds"])
 def _synthetic_targets_kernel(tokens, parent, cu_seqlens, u, first_rate, sibling_rate, targets_out, rounds,
                               RANKS: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    start = tl.load(cu_seqlens + b).to(tl.int64)
-    size = tl.load(cu_seqlens + b + 1).to(tl.int64) - start
-    idx = tl.arange(0, BLOCK)
-    valid = idx < size
-    par = tl.load(parent + start + idx, mask=valid, other=-1).to(tl.int32)
-    tok = tl.load(tokens + start + idx, mask=valid, other=-1).to(tl.int64)
-    up = tl.where(par < 0, idx, par)
+    start, idx, valid, par, tok, up = _load_tree(tokens, parent, cu_seqlens, BLOCK)
     depth = tl.zeros([BLOCK], dtype=tl.int32)
     for _ in range(rounds):
         depth = tl.where(par < 0, 0, tl.gather(depth, up, 0) + 1)
     # Sibling rank: the child's order among its parent's children (by row).
     child = valid & (par >= 0)
-    rank = tl.sum(((par[None, :] == par[:, None]) & (idx[None, :] < idx[:, None]) & child[None, :]).to(tl.int32),
-                  axis=1)
+    rank = _earlier_siblings(par, idx, child)
     # The rank drawn at each row (as a parent): rank 1 at the conditional rate of its children's depth, else the
     # lowest sibling rank whose rate its draw passes.
     rows = start + idx
