@@ -65,7 +65,8 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  "bole_step_vocab32k": {"budget_rule": "step", "draft_vocab": 32768},
                  # Drafting queued before the walk (the environment below turns it on for these workers).
                  "bole_early": {}, "bole_vocab32k_early": {"draft_vocab": 32768},
-                 "bole_step_vocab32k_early": {"budget_rule": "step", "draft_vocab": 32768}}
+                 "bole_step_vocab32k_early": {"budget_rule": "step", "draft_vocab": 32768},
+                 "bole_tput_vocab32k_early": {"budget_rule": "throughput", "draft_vocab": 32768}}
 # Environment of a configuration's worker, beside the speculative config.
 CONFIG_ENV = {name: {"VLLM_BOLE_FIRST_PASS": "1"} for name in BOLE_VARIANTS if name.endswith("_early")}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")

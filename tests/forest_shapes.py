@@ -25,6 +25,12 @@ def make_tree(shape: str, t: int, rng: random.Random) -> list[int]:
     raise ValueError(f"unknown shape {shape!r}")
 
 
+def full_tree(k: int, depth: int) -> list[int]:
+    """Parents of the full k-ary tree of ``depth`` levels below its root (node 0), breadth first: each node's
+    children are contiguous, in rank order."""
+    return make_tree(f"kary{k}", sum(k ** d for d in range(depth + 1)), random.Random(0))
+
+
 def make_forest(shapes_and_sizes, rng: random.Random, device="cpu"):
     """Pack several trees: returns (parent [N] int32, cu_seqlens [B+1] int32)."""
     parents, cu = [], [0]

@@ -233,3 +233,14 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
                                         "requests": random_requests(vocab, [12, 20], max_tokens=12)})
     c = out["counters"]
     assert c["num_drafts"] > 0 and c["num_draft_tokens"] == b_ver * c["num_drafts"] // 2
+
+    # budget_rule "throughput": the runner feeds its walks to the acceptance model and picks N among the grid's
+    # points (nothing is ever accepted here, so every N yields the same tokens and the cheapest one wins: which
+    # one depends on this machine's timings; the choice itself is tested in test_acceptance_model.py).
+    engine["speculative_config"]["budget_rule"] = "throughput"
+    out = run_engine(tmp_path, "throughput", {"model": model, "engine": engine,
+                                              "requests": random_requests(vocab, [12, 20], max_tokens=12)})
+    c = out["counters"]
+    assert c["num_drafts"] > 0 and out["acceptance_steps"] > 0, out
+    assert c["num_accepted_tokens"] == 0 and c["num_draft_tokens"] <= b_ver * c["num_drafts"] // 2
+    assert c["num_draft_tokens"] >= 2 * c["num_drafts"] // 2   # the grid's smallest N, 2 nodes per step

@@ -2,26 +2,14 @@
 
 import pytest
 
+from forest_shapes import full_tree
 from vllm_bole.config import BoleConfigError, parse_bole_config
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance, parse_synthetic
 
 
-def _full_tree(k: int, depth: int) -> list[int]:
-    parents = [-1]
-    level = [0]
-    for _ in range(depth):
-        nxt = []
-        for p in level:
-            for _ in range(k):
-                parents.append(p)
-                nxt.append(len(parents) - 1)
-        level = nxt
-    return parents
-
-
 def test_rates_are_followed_per_depth_and_rank():
     syn = SyntheticAcceptance(rates=(0.9, 0.5), sibling_rates=(0.4,), seed=1)   # conditional 0.9, then 5/9
-    parents = _full_tree(2, 3)
+    parents = full_tree(2, 3)
     n = 20000
     depth_counts = [0, 0, 0, 0]
     rank1_at_depth1 = 0
@@ -39,7 +27,7 @@ def test_rates_are_followed_per_depth_and_rank():
 
 def test_child_probability_is_the_walks_frequency():
     syn = SyntheticAcceptance(rates=(0.8, 0.6), sibling_rates=(0.5, 0.25), seed=3)   # conditional 0.8, 0.75
-    parents = _full_tree(4, 2)          # root children 1..4, each with 4 children
+    parents = full_tree(4, 2)          # root children 1..4, each with 4 children
     n = 40000
     first_rank, second_rank = [0] * 4, [0] * 4
     for _ in range(n):

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 BOLE_METHOD = "bole"
-BUDGET_RULES = ("decode", "step")
+BUDGET_RULES = ("decode", "step", "throughput")
 SELECTIONS = ("per_request", "global")
 ADDITIONAL_CONFIG_KEY = "bole"
 # Keys vLLM's SpeculativeConfig accepts next to a Bole method and that Bole passes through unchanged.
@@ -33,7 +33,8 @@ class BoleConfig:
     # Calibration table that "auto" reads (None: $VLLM_BOLE_BUDGET_TABLE, else ~/.cache/vllm-bole/budget_table.json).
     budget_table: str | None = None
     # How "auto" reads the table: "decode", the calibrated B_ver (T_ver(N) <= (1+eps) T_dec); "step", the largest
-    # N whose extra verification costs at most eps of the measured step (spec_decode/budget.py).
+    # N whose extra verification costs at most eps of the measured step; "throughput", the N with the most
+    # expected tokens per unit of measured step time (spec_decode/budget.py).
     budget_rule: str = "decode"
     # How a step's budget is shared: "per_request", an even share per request, so the node counts are known before
     # the drafts and the next step is scheduled while the device drafts (spec_decode/queued_drafts.py); "global",

@@ -28,7 +28,8 @@ vocabulary, dtype), so a table measured with dummy weights serves the real check
 Lookup (``budget "auto"``): the smallest calibrated batch size >= the step's (the largest one beyond), then the
 smallest calibrated KV length >= the context length (the largest beyond); without a context length, the smallest
 budget over that batch size's KV lengths. With ``budget_rule "step"`` the same entry's points give the largest N
-with T_ver(N) <= (1 + epsilon) T_dec + epsilon * (the step's measured time besides its target forward).
+with T_ver(N) <= (1 + epsilon) T_dec + epsilon * (the step's measured time besides its target forward); with
+``"throughput"`` the N with the most expected tokens per unit of step time.
 """
 
 import bisect
@@ -163,6 +164,17 @@ class ModelBudgets:
         for a bucket without its curve)."""
         return min(budget_from_curve(self.curves[k][2], self.curves[k][0], self.curves[k][1], fixed_ms)[0]
                    if k in self.curves else self.b_ver[k] for k in self._keys(batch_size, context_len))
+
+    def lookup_throughput(self, batch_size: int, context_len: int | None, rest_ms: float, tokens) -> int:
+        """The "throughput" rule: the calibrated N with the most expected tokens per millisecond,
+        ``tokens(N) / (rest_ms + T_ver(N))`` (the smaller N on a tie; B_ver for a bucket without its curve)."""
+        def best(key):
+            if key not in self.curves:
+                return self.b_ver[key]
+            points = self.curves[key][2]
+            return max(points, key=lambda p: (tokens(p["nodes"]) / (rest_ms + p["t_ver_ms"]), -p["nodes"]))["nodes"]
+
+        return min(best(k) for k in self._keys(batch_size, context_len))
 
     def t_ver_ms(self, batch_size: int, context_len: int | None, nodes: int) -> float | None:
         """The calibrated target forward of a step verifying ``nodes`` nodes: linear between the measured

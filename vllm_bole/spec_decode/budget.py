@@ -10,7 +10,10 @@ logs one warning saying why and uses :data:`DEFAULT_AUTO_BUDGET`.
 right when a step is mostly its target forward. ``"step"`` also counts what the step spends besides the target
 forward (drafting, sampling, scheduling: :class:`StepClock` measures it per batch bucket), and allows N to cost up
 to eps of that whole plain step more: T_ver(N) <= T_dec + eps * (T_dec + T_rest). With T_rest = 0 both agree;
-until the clock has a measurement the step rule uses B_ver.
+until the clock has a measurement the step rule uses B_ver. ``"throughput"`` picks, among the calibrated N, the
+one with the most expected tokens per unit of step time: tokens(N) / (T_rest + T_ver(N)), where tokens(N) is
+what the batch's trees of N nodes are expected to accept (``spec_decode/acceptance_model.py``, from the walks so
+far); until both are measured it uses B_ver.
 """
 
 import functools
@@ -63,10 +66,11 @@ def _budgets(bole_config, model_config):
 
 
 def node_budget(bole_config, batch_size: int, context_len: int | None = None, model_config=None,
-                rest_ms: float | None = None) -> int:
+                rest_ms: float | None = None, tokens=None) -> int:
     """Nodes to verify this step. ``context_len``: the batch's mean context length, if known (picks the KV
     bucket); ``model_config``: vLLM's ModelConfig (picks the model; without it, the only model calibrated on
-    this GPU); ``rest_ms``: the step's measured time besides its target forward (``budget_rule "step"``)."""
+    this GPU); ``rest_ms``: the step's measured time besides its target forward (``budget_rule "step"`` and
+    ``"throughput"``); ``tokens``: N -> the step's expected tokens with N nodes (``"throughput"``)."""
     if bole_config.budget != "auto":
         return int(bole_config.budget)
     budgets = _budgets(bole_config, model_config)
@@ -74,6 +78,8 @@ def node_budget(bole_config, batch_size: int, context_len: int | None = None, mo
         return DEFAULT_AUTO_BUDGET
     if bole_config.budget_rule == "step" and rest_ms is not None:
         return budgets.lookup_step(batch_size, context_len, rest_ms)
+    if bole_config.budget_rule == "throughput" and rest_ms is not None and tokens is not None:
+        return budgets.lookup_throughput(batch_size, context_len, rest_ms, tokens)
     return budgets.lookup(batch_size, context_len)
 
 

@@ -94,7 +94,8 @@ def run(spec: dict) -> dict:
             "queued_trees": getattr(_runner(llm), "bole_queued_trees", None),
             "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None),
             "first_pass_steps": getattr(_runner(llm), "bole_first_pass_steps", None),
-            "early_draft_steps": getattr(_runner(llm), "bole_early_draft_steps", None)}
+            "early_draft_steps": getattr(_runner(llm), "bole_early_draft_steps", None),
+            "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None)}
 
 
 def main() -> None:

@@ -160,6 +160,7 @@ def walked_output(runner, logits, forest) -> SamplerOutput:
     outputs = [row[w:w + row[-1]] for row in table]
     forest.accepted_paths = paths
     runner._bole_paths = paths
+    runner._note_walk(forest)
     sampled = pad_outputs(outputs, "cpu", min_width=2)
     if runner.input_batch.sampling_metadata.max_num_logprobs is None:
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)

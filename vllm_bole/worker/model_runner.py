@@ -23,6 +23,7 @@ from vllm.v1.utils import record_function_or_nullcontext
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
+from ..spec_decode.acceptance_model import AcceptanceModel
 from ..spec_decode.budget import StepClock, node_budget, verify_ms
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
@@ -56,7 +57,9 @@ class BoleModelRunnerMixin:
         self._bole_queued = None
         self.bole_queued_trees = 0  # trees verified from queued drafts (their nodes read on the device)
         self.bole_stale_placeholders = 0  # placeholder drafts whose queued trees were gone (verified as a chain)
-        self._bole_clock = StepClock()   # budget_rule "step": the step time besides the target forward
+        self._bole_clock = StepClock()   # budget_rule "step"/"throughput": the step time besides the target forward
+        # budget_rule "throughput": what trees of q nodes accept, from the walks so far
+        self._bole_acceptance = AcceptanceModel(self.bole_config.topk, self.bole_config.max_depth)
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
         self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
         self._bole_seq_lens = None   # per batch request of the step: prefix + scheduled tokens (numpy)
@@ -141,20 +144,30 @@ class BoleModelRunnerMixin:
             self._bole_queued = None
 
     def _plan_budget(self, step: DraftStep) -> None:
-        """The step's per-request cap and node budget (``budget_rule "step"``: the clock ticks here)."""
+        """The step's per-request cap and node budget (``budget_rule "step"``/``"throughput"``: the clock
+        ticks here)."""
         num_reqs = len(step.req_ids)
         context = self.input_batch.num_computed_tokens_cpu[:num_reqs]
         context_len = int(context.mean()) if num_reqs else None
         step.per_request = self.speculative_config.num_speculative_tokens
-        rest_ms = None
-        if self.bole_config.budget_rule == "step":   # the step just run verified the last drafts
+        rest_ms, tokens = None, None
+        if self.bole_config.budget_rule != "decode":   # the step just run verified the last drafts
             forest = self._bole_forest
             self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
                                   verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
                                             self.model_config))
             rest_ms = self._bole_clock.rest_ms(num_reqs)
+        if self.bole_config.budget_rule == "throughput" and self._bole_acceptance.ready:
+            tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=num_reqs,
+                                       per_request=step.per_request)
         step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
-                                  context_len=context_len, rest_ms=rest_ms)
+                                  context_len=context_len, rest_ms=rest_ms, tokens=tokens)
+
+    def _note_walk(self, forest: StepForest) -> None:
+        """The step's accepted paths into the acceptance model (``budget_rule "throughput"``)."""
+        if self.bole_config.budget_rule == "throughput" and forest.accepted_paths:
+            self._bole_acceptance.observe([forest.parents_of(i) for i in range(len(forest.tree_req_indices))],
+                                          forest.accepted_paths)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -390,6 +403,7 @@ class BoleModelRunnerMixin:
             outputs.append(drafted + [bonus[r]])
         forest.accepted_paths = [paths[r] for r in forest.tree_req_indices]
         self._bole_paths = paths
+        self._note_walk(forest)
         # On the host: vLLM's bookkeeping then reads it without a copy, which would wait behind the drafter's
         # levels on the stream (width >= 2 keeps it on its spec-decode parsing, which needs no event sync either).
         sampled = pad_outputs(outputs, "cpu", min_width=2)

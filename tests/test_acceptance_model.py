@@ -1,0 +1,125 @@
+"""The acceptance model behind ``budget_rule "throughput"`` (spec_decode/acceptance_model.py) and the rule's
+lookup: the best-first curve against brute force, the rates recovered from synthetic walks (deep paths, later
+siblings, censored ranks), the even split of a budget, and the table's choice of N."""
+
+import itertools
+import random
+
+import pytest
+
+from forest_shapes import full_tree
+from vllm_bole.calibration.table import ModelBudgets
+from vllm_bole.spec_decode.acceptance_model import AcceptanceModel, best_first_curve, child_probability
+from vllm_bole.spec_decode.queued_drafts import quotas_of
+from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_first_curve_is_the_sum_of_the_most_probable_paths(seed):
+    rng = random.Random(seed)
+    k, depth = rng.choice([(1, 5), (2, 4), (3, 3), (4, 2)])
+    first = [rng.random() for _ in range(depth)]
+    sib = [rng.random() for _ in range(k - 1)]
+    # Every node of the full tree: its path of ranks; its probability is the product along it.
+    probs = []
+    for d in range(1, depth + 1):
+        for ranks in itertools.product(range(k), repeat=d):
+            p = 1.0
+            for level, r in enumerate(ranks, start=1):
+                p *= child_probability(first, sib, level, r)
+            probs.append(p)
+    probs.sort(reverse=True)
+    curve = best_first_curve(first, sib, k, depth)
+    for q in range(len(curve)):
+        assert curve[q] == pytest.approx(1.0 + sum(probs[:q]), rel=1e-9, abs=1e-12)
+    assert len(curve) - 1 == sum(p > 0 for p in probs)
+
+
+def test_rates_recovered_from_synthetic_walks_with_censored_ranks():
+    """Walks over full 3-ary trees of depth 4 under known rates: the model's rates and curve match them; a
+    model fed chains only sees no sibling ranks (censored) but the same rank-1 rates."""
+    synthetic = SyntheticAcceptance(rates=(0.9, 0.72, 0.5, 0.3), sibling_rates=(0.4, 0.25), seed=1)
+    tree, chain = full_tree(3, 4), full_tree(1, 4)
+    model, chains = AcceptanceModel(topk=3, max_depth=4), AcceptanceModel(topk=3, max_depth=4)
+    assert not model.ready
+    for _ in range(150):
+        model.observe([tree] * 64, [synthetic.walk(tree) for _ in range(64)])
+        chains.observe([chain] * 64, [synthetic.walk(chain) for _ in range(64)])
+    assert model.ready and model.steps == 150
+    first, sib = model.rates()
+    want = [synthetic.rank1_rate(d) for d in range(1, 5)]
+    assert first == pytest.approx(want, abs=0.04)
+    assert sib == pytest.approx([0.4, 0.25], abs=0.04)
+    truth = best_first_curve(want, [0.4, 0.25], 3, 4)
+    for q in (1, 3, 8, 20, 40):
+        assert model.accepted(q) == pytest.approx(truth[q], rel=0.03)
+    c_first, c_sib = chains.rates()
+    assert c_first == pytest.approx(want, abs=0.04) and c_sib == [0.0, 0.0]
+    assert model.accepted(0) == 1.0
+
+
+def test_deep_rates_extend_the_last_measured_one():
+    """Trees of depth 2 say nothing of depth 3 on: the deeper rank-1 rates repeat depth 2's."""
+    model = AcceptanceModel(topk=2, max_depth=5)
+    tree = full_tree(2, 2)
+    synthetic = SyntheticAcceptance(rates=(0.8, 0.4), sibling_rates=(0.5,), seed=0)
+    for _ in range(100):
+        model.observe([tree] * 32, [synthetic.walk(tree) for _ in range(32)])
+    first, _ = model.rates()
+    assert first[1] == pytest.approx(0.5, abs=0.05)
+    assert first[2:] == [first[1]] * 3
+
+
+def test_tokens_per_step_splits_the_budget_like_the_quotas():
+    model = AcceptanceModel(topk=2, max_depth=3)
+    tree = full_tree(2, 3)
+    synthetic = SyntheticAcceptance(rates=(0.9, 0.8, 0.6), sibling_rates=(0.5,), seed=2)
+    for _ in range(20):
+        model.observe([tree] * 16, [synthetic.walk(tree) for _ in range(16)])
+    for nodes, batch, cap in [(10, 4, 32), (3, 4, 32), (64, 4, 6), (0, 3, 8)]:
+        want = sum(model.accepted(q) for q in quotas_of([True] * batch, cap, nodes))
+        assert model.tokens_per_step(nodes, batch, cap) == pytest.approx(want)
+
+
+def _budgets(points, t_dec=10.0, b_ver=64):
+    entry = {"fingerprint": "m", "gpu": "g", "batch_size": 16, "kv_len": 256, "b_ver": b_ver, "epsilon": 0.1,
+             "t_dec_ms": t_dec, "points": [{"nodes": n, "t_ver_ms": t} for n, t in points]}
+    return ModelBudgets.from_entries([entry])
+
+
+def test_throughput_lookup_picks_the_most_tokens_per_millisecond():
+    budgets = _budgets([(64, 10.5), (128, 11.0), (256, 14.0), (512, 20.0)])
+    gain = {64: 60.0, 128: 80.0, 256: 90.0, 512: 95.0}.get
+    # rest 5 ms: 60/15.5 = 3.87, 80/16 = 5.0, 90/19 = 4.74, 95/25 = 3.8
+    assert budgets.lookup_throughput(16, 256, 5.0, gain) == 128
+    # a long rest makes the extra verification cheap: 80/56 = 1.43, 90/59 = 1.53, 95/65 = 1.46
+    assert budgets.lookup_throughput(16, 256, 45.0, gain) == 256
+    # a tie goes to the smaller N
+    assert budgets.lookup_throughput(16, 256, 5.0, lambda n: 16 + n * 0.0) == 64
+
+
+def test_throughput_rule_in_node_budget(tmp_path, monkeypatch):
+    from vllm_bole.calibration.table import write_table
+    from vllm_bole.config import parse_bole_config
+    from vllm_bole.spec_decode import budget as budget_mod
+
+    budget_mod.reload_budget_tables()
+    monkeypatch.setattr(budget_mod, "device_name", lambda: "g")
+    path = tmp_path / "t.json"
+    entry = {"fingerprint": "m", "model": "m", "gpu": "g", "batch_size": 16, "kv_len": 256, "b_ver": 64,
+             "limited_by_grid": False, "epsilon": 0.1, "t_dec_ms": 10.0, "tree": {}, "device_timing": "x",
+             "vllm_version": "0.26.0", "created": "now",
+             "points": [{"nodes": n, "t_ver_ms": t} for n, t in [(64, 10.5), (128, 11.0), (256, 14.0)]]}
+    write_table(path, [entry])
+    cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(path), "budget_rule": "throughput"})
+    gain = {64: 60.0, 128: 80.0, 256: 90.0}.get
+    assert budget_mod.node_budget(cfg, 16, 300) == 64                               # nothing measured: B_ver
+    assert budget_mod.node_budget(cfg, 16, 300, rest_ms=5.0) == 64                   # no acceptance model yet
+    assert budget_mod.node_budget(cfg, 16, 300, rest_ms=5.0, tokens=gain) == 128
+    # Trees that hardly accept more with more nodes: the smallest N (60 / 15.5 > 60.5 / 16); the step rule,
+    # which weighs no acceptance, takes 128 (11.0 <= 1.1 * 10 + 0.1 * 5).
+    flat = {64: 60.0, 128: 60.5, 256: 61.0}.get
+    assert budget_mod.node_budget(cfg, 16, 300, rest_ms=5.0, tokens=flat) == 64
+    step, _ = parse_bole_config({"method": "bole", "budget_table": str(path), "budget_rule": "step"})
+    assert budget_mod.node_budget(step, 16, 300, rest_ms=5.0, tokens=flat) == 128
+    budget_mod.reload_budget_tables()

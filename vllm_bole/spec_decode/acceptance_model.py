@@ -1,0 +1,115 @@
+"""What a tree of q nodes per request is worth: expected accepted tokens per step, from the walks so far.
+
+The model is the one synthetic acceptance draws from (``spec_decode/synthetic.py``): at depth d the target's
+token is the rank-1 child with a conditional rate ``a_d``, else rank r with ``s_r`` given that no lower rank was
+(a child's rank is its order among its siblings, the drafter's probability order). Each walk shows, at every
+node of its accepted path that has children in the tree, which rank the target took or that it took none of
+those present; ranks past the children present go unseen (censored, so they count as no trial). Counts decay
+by ``DECAY`` per walked step, so the rates follow the traffic. Depths with fewer than ``MIN_TRIALS`` trials take
+the deepest well-measured rate above them.
+
+``accepted(q)``: 1 + the sum of the q best nodes' path probabilities in the best-first tree those rates give
+(the bonus token, then each kept node's chance to be on the accepted path), which is what a drafter whose
+scores match these rates would keep. The budget rule ``"throughput"`` (``spec_decode/budget.py``) weighs it
+against the calibrated cost of verifying the nodes.
+"""
+
+import heapq
+
+import numpy as np
+
+from .tree import children_of
+
+DECAY = 0.98
+MIN_TRIALS = 8.0
+
+
+class AcceptanceModel:
+    def __init__(self, topk: int, max_depth: int):
+        self.k, self.depth = topk, max_depth
+        self.first_trials = np.zeros(max_depth + 1)    # [d]: walks that reached a node of depth d - 1 with children
+        self.first_hits = np.zeros(max_depth + 1)      # ... whose rank-1 child (there) the target took
+        self.sib_trials = np.zeros(max(topk, 1))       # [r]: rank r present and no lower rank taken
+        self.sib_hits = np.zeros(max(topk, 1))
+        self.steps = 0
+        self._curve: list[float] | None = None
+
+    def observe(self, parents: list[list[int]], paths: list[list[int]]) -> None:
+        """One step's walks: per tree, its verification parents (node 0 the root) and accepted path."""
+        for arr in (self.first_trials, self.first_hits, self.sib_trials, self.sib_hits):
+            arr *= DECAY
+        for vp, path in zip(parents, paths):
+            children = children_of(vp)
+            for j, node in enumerate(path):
+                kids = children.get(node, [])
+                d = j + 1
+                if not kids or d > self.depth:
+                    break
+                rank = kids.index(path[j + 1]) if j + 1 < len(path) else None
+                self.first_trials[d] += 1
+                self.first_hits[d] += rank == 0
+                for r in range(1, min(len(kids), self.k)):
+                    if rank is not None and rank < r:
+                        break
+                    self.sib_trials[r] += 1
+                    self.sib_hits[r] += rank == r
+        self.steps += 1
+        self._curve = None
+
+    @property
+    def ready(self) -> bool:
+        return self.first_trials[1] >= MIN_TRIALS
+
+    def rates(self) -> tuple[list[float], list[float]]:
+        """(``a_d`` for d = 1..max_depth, ``s_r`` for r = 1..topk-1), from the counts."""
+        first, last = [], 0.0
+        for d in range(1, self.depth + 1):
+            if self.first_trials[d] >= MIN_TRIALS:
+                last = self.first_hits[d] / self.first_trials[d]
+            first.append(float(last))
+        sib = [float(self.sib_hits[r] / self.sib_trials[r]) if self.sib_trials[r] >= MIN_TRIALS else 0.0
+               for r in range(1, self.k)]
+        return first, sib
+
+    def accepted(self, q: int) -> float:
+        """Expected tokens a request's step yields with a tree of its q best nodes (1 for q = 0)."""
+        if self._curve is None:
+            self._curve = best_first_curve(*self.rates(), self.k, self.depth)
+        return self._curve[min(max(q, 0), len(self._curve) - 1)]
+
+    def tokens_per_step(self, nodes: int, batch: int, per_request: int) -> float:
+        """Expected tokens of a step of ``batch`` requests sharing ``nodes`` evenly (``queued_drafts.quotas_of``:
+        the first ones get the remainder), each at most ``per_request``."""
+        if batch <= 0:
+            return 0.0
+        base, extra = divmod(max(nodes, 0), batch)
+        return ((batch - extra) * self.accepted(min(base, per_request))
+                + extra * self.accepted(min(base + 1, per_request)))
+
+
+def child_probability(first: list[float], sib: list[float], depth: int, rank: int) -> float:
+    a = first[depth - 1]
+    if rank == 0:
+        return a
+    p = 1.0 - a
+    for s in sib[:rank - 1]:
+        p *= 1.0 - s
+    return p * sib[rank - 1] if rank - 1 < len(sib) else 0.0
+
+
+def best_first_curve(first: list[float], sib: list[float], k: int, max_depth: int, cap: int = 256) -> list[float]:
+    """``curve[q]`` = 1 + the summed path probabilities of the q most probable nodes (ancestors come first:
+    a child is never more probable than its parent)."""
+    heap = [(-child_probability(first, sib, 1, r), 1) for r in range(k)]
+    heapq.heapify(heap)
+    curve, total = [1.0], 1.0
+    while heap and len(curve) <= cap:
+        p, d = heapq.heappop(heap)
+        if -p <= 0.0:
+            break
+        total -= p
+        curve.append(total)
+        if d < max_depth:
+            for r in range(k):
+                heapq.heappush(heap, (p * child_probability(first, sib, d + 1, r), d + 1))
+    return curve
