@@ -1,0 +1,96 @@
+"""Where Bole's drafting before the walk reads tensors on the host (each such read waits for the device on a GPU).
+
+    .venv/bin/python scripts/early_sync_audit.py [synthetic]
+
+Runs the bundled tiny Qwen3.5 on CPU with ``VLLM_BOLE_FIRST_PASS=1`` (three greedy requests and a seeded sampled
+one; ``synthetic``: synthetic acceptance) and counts, per call site in ``vllm_bole``, the host reads of tensors
+(``tolist``, ``item``, ``numpy``, ``bool``/``int``/``float``, ``nonzero``, masked indexing, ...) made inside
+``early_drafting.launch``, which the runner calls right behind the target forward. On a GPU the drafting
+overlaps the forward only if none of them touches a device tensor. On CPU the kernels' torch references run and
+read on the host by design (``kernels/*/reference.py``, ``kernels/forest.py``, ``attention/tree_rows.py``, the
+CPU branch of ``worker/kv_compaction.py``). Two more sites are known to read host data only on a GPU:
+``MTPTreeDrafter._metadata`` (its ``seq_lens_cpu`` is built on the host) and ``LevelPlan.host_seq_lens`` (the
+eager levels; on a GPU the levels replay their graphs and read it only while capturing). Any other site listed
+needs a look.
+"""
+
+import collections
+import os
+import random
+import sys
+import traceback
+
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                  VLLM_BOLE_FIRST_PASS="1")
+
+import torch  # noqa: E402
+
+AUDIT = [False]
+HITS: collections.Counter = collections.Counter()
+
+
+def _site() -> str:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "vllm_bole" in frame.filename:
+            return f"{frame.filename.split('vllm_bole/')[-1]}:{frame.lineno} {frame.line}"
+    return "?"
+
+
+def _count(owner, name: str, when=None) -> None:
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        if AUDIT[0] and (when is None or when(*args, **kwargs)):
+            HITS[(name, _site())] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+
+
+def _masked(_tensor, index, *_rest) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def main() -> None:
+    for name in ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
+                 "unique"):
+        _count(torch.Tensor, name)
+    _count(torch.Tensor, "__getitem__", _masked)
+    _count(torch.Tensor, "__setitem__", _masked)
+    for name in ("nonzero", "masked_select", "unique"):
+        _count(torch, name)
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_bole.testing.tiny_models import engine_kwargs, tiny_model_dir
+    from vllm_bole.worker import early_drafting
+
+    launch = early_drafting.launch
+
+    def audited(*args, **kwargs):
+        AUDIT[0] = True
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            AUDIT[0] = False
+
+    early_drafting.launch = audited
+    spec = {"method": "bole", "num_speculative_tokens": 3, "topk": 4, "budget": "auto"}
+    if sys.argv[1:] == ["synthetic"]:
+        spec["synthetic_acceptance"] = True
+    llm = LLM(model=tiny_model_dir("qwen3_5"), **engine_kwargs("qwen3_5"), speculative_config=spec)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 400) for _ in range(12)]} for _ in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)]
+    llm.generate(prompts, params, use_tqdm=False)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    print(f"steps drafted before the walk: {runner.bole_early_draft_steps}")
+    print("| reads | call | site |\n|---|---|---|")
+    for (name, where), n in sorted(HITS.items(), key=lambda x: -x[1]):
+        print(f"| {n} | {name} | `{where}` |")
+
+
+if __name__ == "__main__":
+    main()
