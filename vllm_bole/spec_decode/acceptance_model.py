@@ -22,6 +22,8 @@ from .tree import children_of
 
 DECAY = 0.98
 MIN_TRIALS = 8.0
+TREES_PER_STEP = 32   # walks a step contributes at most (the host time stays small at large batches)
+REFRESH_STEPS = 8     # the curve is recomputed after this many observed steps (the rates move slowly)
 
 
 class AcceptanceModel:
@@ -33,12 +35,13 @@ class AcceptanceModel:
         self.sib_hits = np.zeros(max(topk, 1))
         self.steps = 0
         self._curve: list[float] | None = None
+        self._curve_steps = 0   # ``steps`` when the curve was computed
 
     def observe(self, parents: list[list[int]], paths: list[list[int]]) -> None:
         """One step's walks: per tree, its verification parents (node 0 the root) and accepted path."""
         for arr in (self.first_trials, self.first_hits, self.sib_trials, self.sib_hits):
             arr *= DECAY
-        for vp, path in zip(parents, paths):
+        for vp, path in zip(parents[:TREES_PER_STEP], paths[:TREES_PER_STEP]):
             children = children_of(vp)
             for j, node in enumerate(path):
                 kids = children.get(node, [])
@@ -54,7 +57,6 @@ class AcceptanceModel:
                     self.sib_trials[r] += 1
                     self.sib_hits[r] += rank == r
         self.steps += 1
-        self._curve = None
 
     @property
     def ready(self) -> bool:
@@ -72,9 +74,11 @@ class AcceptanceModel:
         return first, sib
 
     def accepted(self, q: int) -> float:
-        """Expected tokens a request's step yields with a tree of its q best nodes (1 for q = 0)."""
-        if self._curve is None:
-            self._curve = best_first_curve(*self.rates(), self.k, self.depth)
+        """Expected tokens a request's step yields with a tree of its q best nodes (1 for q = 0; q past
+        topk * max_depth, the most a request carries, counts as that)."""
+        if self._curve is None or self.steps - self._curve_steps >= REFRESH_STEPS:
+            self._curve = best_first_curve(*self.rates(), self.k, self.depth, cap=self.k * self.depth)
+            self._curve_steps = self.steps
         return self._curve[min(max(q, 0), len(self._curve) - 1)]
 
     def tokens_per_step(self, nodes: int, batch: int, per_request: int) -> float:

@@ -23,7 +23,7 @@ from vllm.v1.utils import record_function_or_nullcontext
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
-from ..spec_decode.acceptance_model import AcceptanceModel
+from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel
 from ..spec_decode.budget import StepClock, node_budget, verify_ms
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
@@ -166,8 +166,8 @@ class BoleModelRunnerMixin:
     def _note_walk(self, forest: StepForest) -> None:
         """The step's accepted paths into the acceptance model (``budget_rule "throughput"``)."""
         if self.bole_config.budget_rule == "throughput" and forest.accepted_paths:
-            self._bole_acceptance.observe([forest.parents_of(i) for i in range(len(forest.tree_req_indices))],
-                                          forest.accepted_paths)
+            n = min(len(forest.tree_req_indices), TREES_PER_STEP)
+            self._bole_acceptance.observe([forest.parents_of(i) for i in range(n)], forest.accepted_paths[:n])
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
