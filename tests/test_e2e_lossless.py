@@ -132,11 +132,12 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
 
 def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, reference, monkeypatch):
     """``draft_vocab``: the drafter proposes the lower half of the vocabulary only; the output stays exact (with
-    the drafter's first pass over every verified node)."""
+    the drafting before the walk, whose walks also feed the ``"throughput"`` budget rule's acceptance model;
+    without a calibration table here the rule keeps the default budget)."""
     monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1")
     vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
     engine = bole_engine(tmp, "mtp_vocab", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16)
-    engine["speculative_config"]["draft_vocab"] = vocab // 2
+    engine["speculative_config"] |= {"draft_vocab": vocab // 2, "budget_rule": "throughput"}
     out = run_engine(tmp, "mtp_vocab", {"model": model, "requests": requests_, "logprobs": 2, "engine": engine})
     divs = assert_lossless(reference, out, max_near_ties=2)
     counters = out["counters"]
@@ -146,6 +147,7 @@ def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, 
     assert_graphs_used(out, drafter=True)
     assert counters["num_accepted_tokens"] > 0, counters
     assert out["first_pass_steps"] > 0 and out["early_draft_steps"] > 0, out
+    assert out["acceptance_steps"] > 0, out
 
 
 def test_drafting_after_the_walk_when_drafting_before_it_fails(tmp, model, requests_, reference, monkeypatch):
