@@ -12,8 +12,10 @@ the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_ru
 weighs the step's measured time besides its target forward), ``bole_global_step`` (both), ``bole_vocab32k``
 (``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
 rank, so its row shows the cheaper levels but not what a subset costs in acceptance on real text),
-``bole_step_vocab32k`` (both ``budget_rule: "step"`` and ``draft_vocab: 32768``); each variant adds
-``<name>_*`` fields to the rows and a table of its own,
+``bole_step_vocab32k`` (both ``budget_rule: "step"`` and ``draft_vocab: 32768``), ``bole_early``,
+``bole_vocab32k_early``, ``bole_step_vocab32k_early`` (those with ``VLLM_BOLE_FIRST_PASS=1``: the drafting queued
+before the walk) and ``bole_tput_vocab32k_early`` (``budget_rule: "throughput"``, ``draft_vocab: 32768``, drafting
+before the walk); each variant adds ``<name>_*`` fields to the rows and a table of its own,
 ``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole runs: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
 batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
