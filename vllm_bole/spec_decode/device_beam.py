@@ -23,6 +23,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.utils.torch_utils import async_tensor_h2d
 
 from ..worker.forest_context import TreeRows
+from ..worker.host_copy import HostCopy
 from .tree import DraftTree
 
 
@@ -327,21 +328,13 @@ class DeviceBeam:
             step.queued = queued_selection(chosen, s.tokens[:g, :n], s.parents[:g, :n], depths,
                                            [step.req_ids[r] for r in reqs], counts)
         # Every candidate and the selection mask in one fixed-size copy (no sync for the selection's size).
-        fields = torch.stack([chosen.double(), s.tokens[:g, :n], s.parents[:g, :n], s.scores[:g, :n]])
-        host, event = fields, None
-        if fields.is_cuda:
-            # A buffer per call (torch's pinned caching allocator): a step's selection can still be unread when
-            # the next one is copied (drafting before the walk grows step t+2's trees before step t+1's are read).
-            host = torch.empty(fields.shape, dtype=fields.dtype, pin_memory=True)
-            host.copy_(fields, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+        # A copy of its own per call: a step's selection can still be unread when the next one is copied (drafting
+        # before the walk grows step t+2's trees before step t+1's are read).
+        host = HostCopy(torch.stack([chosen.double(), s.tokens[:g, :n], s.parents[:g, :n], s.scores[:g, :n]]))
         node_depths = self._host_depths(n) if quotas is not None else None
 
         def finish() -> list[DraftTree]:
-            if event is not None:
-                event.synchronize()
-            a = host.numpy()
+            a = host.wait().numpy()
             r, i = np.nonzero(a[0])                 # by request, then node: parents before children
             if quotas is not None:
                 # The next step runs as many levels as this one's trees reached, and one more if they reached
@@ -417,10 +410,9 @@ class DeviceBeam:
         s.front_slot.copy_(order // k)
         s.front_row.copy_(torch.arange(g, device=order.device)[:, None] * k + s.front_slot)
 
-    @staticmethod
-    def host_rows(hidden: torch.Tensor) -> bool:
+    def host_rows(self, hidden: torch.Tensor) -> bool:
         """Whether the attention backend reads tree rows as host masks (CPU) rather than device bits (GPU)."""
-        return hidden.device.type == "cpu"
+        return self.drafter._host_tree_rows(hidden)
 
     def _flag(self, scores: torch.Tensor, front_score: torch.Tensor, step, slot: int):
         """:func:`selection_alive` now, on its way to the host (:meth:`send_flag`)."""

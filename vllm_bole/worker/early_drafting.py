@@ -22,6 +22,7 @@ from ..spec_decode.drafter import DraftStep, drafting
 from ..spec_decode.queued_drafts import quotas_of
 from ..spec_decode.tree_sampler import (draw_tree_rows, is_plain_greedy, is_plain_random, pad_outputs,
                                         tree_rows_supported)
+from .host_copy import HostCopy
 from .kv_compaction import compact_accepted_kv
 
 logger = init_logger(__name__)
@@ -31,16 +32,13 @@ logger = init_logger(__name__)
 class FirstPass:
     """A step whose drafting started behind its target forward (:func:`launch`)."""
 
-    host: torch.Tensor                  # on its way to the host: the rows' argmax, or the walk's paths and tokens
-    event: object                       # its copy's CUDA event (None on CPU)
+    host: HostCopy                      # the rows' argmax, or the walk's paths and tokens, on its way to the host
     rows: tuple | None                  # the drafter's (hidden, top children) per verified node; None: catch up
     walk: object = None                 # the device walk (DeviceWalk) whose copy ``host`` is, if any
     drafted: bool = False               # levels and commit queued too (:func:`_draft_before_walk`)
 
     def wait(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
+        return self.host.wait()
 
 
 def launch(runner, scheduler_output) -> FirstPass | None:
@@ -87,28 +85,24 @@ def launch(runner, scheduler_output) -> FirstPass | None:
         walk = None
         if early:   # the walk's paths and emitted tokens go to the host instead of the argmax
             tokens, parent = runner.input_ids.gpu[:n], forest.parent[:n]
+            max_nodes = forest.max_nodes or None   # the one-launch walk's tile bound
             targets = after
             if runner._bole_synthetic is not None:   # benchmarks: the targets drawn from the given rates
                 targets = synthetic_targets(tokens, parent, forest.cu_seqlens, forest.depth_bound,
                                             runner._bole_synthetic, _synthetic_generator(runner, argmax.device),
-                                            max_nodes=forest.max_nodes or None)
+                                            max_nodes=max_nodes)
             walk = greedy_walk(targets, tokens, parent, forest.cu_seqlens, forest.depth_bound, after,
-                               max_nodes=forest.max_nodes or None)
+                               max_nodes=max_nodes)
             payload = torch.cat([walk.rows, walk.emitted.long(), walk.length[:, None]], dim=1)
         else:
             payload = argmax
-        host, event = payload, None
-        if payload.is_cuda:
-            host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
-            host.copy_(payload, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+        host = HostCopy(payload)
         slots = runner.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
         seq_lens = runner._bole_seq_lens[:num_reqs].tolist()
         rows = drafter.first_pass_all_rows(cm, forest, after, runner.positions[:n], slots, seq_lens,
                                            state.hidden_states[:n])
     runner.bole_first_pass_steps += 1
-    first = FirstPass(host=host, event=event, rows=rows, walk=walk)
+    first = FirstPass(host=host, rows=rows, walk=walk)
     if walk is not None:
         try:
             _draft_before_walk(runner, forest, walk, rows, cm, max(seq_lens))
