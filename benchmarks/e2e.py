@@ -12,10 +12,10 @@ the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_ru
 weighs the step's measured time besides its target forward), ``bole_global_step`` (both), ``bole_vocab32k``
 (``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
 rank, so its row shows the cheaper levels but not what a subset costs in acceptance on real text),
-``bole_step_vocab32k`` (both ``budget_rule: "step"`` and ``draft_vocab: 32768``), ``bole_early``,
-``bole_vocab32k_early``, ``bole_step_vocab32k_early`` (those with ``VLLM_BOLE_FIRST_PASS=1``: the drafting queued
-before the walk) and ``bole_tput_vocab32k_early`` (``budget_rule: "throughput"``, ``draft_vocab: 32768``, drafting
-before the walk); each variant adds ``<name>_*`` fields to the rows and a table of its own,
+``bole_step_vocab32k`` (both ``budget_rule: "step"`` and ``draft_vocab: 32768``), ``bole_tput_vocab32k``
+(``budget_rule: "throughput"``, ``draft_vocab: 32768``), ``bole_late`` and ``bole_vocab32k_late``
+(``early_drafting: false``: the drafter catches up after the host walk instead of being queued before it); each
+variant adds ``<name>_*`` fields to the rows and a table of its own,
 ``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole runs: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
 batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
@@ -24,7 +24,9 @@ strictly one engine at a time (the others sit idle, waiting for their turn). Res
 into ``--out``, so several invocations fill one table.
 
 Per batch size B: B token-id prompts of ``--prompt-len`` tokens, a warm-up ``generate`` of ``--warmup-tokens``
-tokens (default: as long as the timed one, so every step shape has run once), then a timed ``generate`` of
+tokens (default: as long as the timed one, so every step shape has run once; ``--warmup-passes`` of them, and for
+Bole up to ``--settle-passes`` more while the last one captured a CUDA graph: Bole captures a graph on the first
+use of a step shape, which a serving engine soon stops meeting), then a timed ``generate`` of
 ``--new-tokens`` tokens (ignore_eos), repeated until ``--min-timed-s`` of wall time and at least
 ``--min-timed-runs`` times (at most ``--max-timed-runs``): tok/s = the median over those runs of generated tokens /
 wall time; mean accepted tokens per step = 1 + accepted / drafts from vLLM's spec-decode counters over the timed
@@ -65,12 +67,10 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  # accepted paths by rank, so this row cannot show the acceptance such a subset costs on real text.
                  "bole_vocab32k": {"draft_vocab": 32768},
                  "bole_step_vocab32k": {"budget_rule": "step", "draft_vocab": 32768},
-                 # Drafting queued before the walk (the environment below turns it on for these workers).
-                 "bole_early": {}, "bole_vocab32k_early": {"draft_vocab": 32768},
-                 "bole_step_vocab32k_early": {"budget_rule": "step", "draft_vocab": 32768},
-                 "bole_tput_vocab32k_early": {"budget_rule": "throughput", "draft_vocab": 32768}}
-# Environment of a configuration's worker, beside the speculative config.
-CONFIG_ENV = {name: {"VLLM_BOLE_FIRST_PASS": "1"} for name in BOLE_VARIANTS if name.endswith("_early")}
+                 "bole_tput_vocab32k": {"budget_rule": "throughput", "draft_vocab": 32768},
+                 # Drafting after the host walk (before it is the default: speculative_config.early_drafting).
+                 "bole_late": {"early_drafting": False},
+                 "bole_vocab32k_late": {"draft_vocab": 32768, "early_drafting": False}}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-passes", type=int, default=2,
                    help="warm-up generates per batch size before its timed one (Bole's lazy graph captures: the "
                         "timed rows still report the captures they ran)")
+    p.add_argument("--settle-passes", type=int, default=4,
+                   help="Bole: after the warm-up passes, up to this many more while the last one captured a graph")
     p.add_argument("--min-timed-s", type=float, default=3.0,
                    help="repeat a batch size's timed run until this much wall time (tok/s: the runs' median)")
     p.add_argument("--min-timed-runs", type=int, default=3, help="timed runs per batch size, at least")
@@ -230,6 +232,7 @@ def run_worker(args) -> None:
               "kv_cache_blocks": runner.kv_cache_config.num_blocks,
               "speculative_config": kwargs.get("speculative_config"),
               "settings": {k: getattr(args, k) for k in ("prompt_len", "new_tokens", "warmup_tokens", "warmup_passes",
+                                                        "settle_passes",
                                                         "rates", "sibling_rates", "model")}}
     _write_json(run_dir / f"{name}.ready", {"startup_s": result["startup_s"]})
     _wait_for(run_dir / f"{name}.go")
@@ -257,6 +260,16 @@ def run_worker(args) -> None:
                               detokenize=False)
         for _ in range(args.warmup_passes):   # Bole captures its graphs on first use of each shape
             llm.generate(prompts, warm, use_tqdm=False)
+        # Tree steps take many shapes (token counts, request buckets, attention routes): warm up until a pass
+        # meets no new one, as a serving engine soon does, so that the timed runs measure the steady state.
+        settle = 0
+        if name.startswith("bole"):
+            while settle < args.settle_passes:
+                held = _bole_graph_counts(runner)
+                llm.generate(prompts, warm, use_tqdm=False)
+                settle += 1
+                if _bole_graph_counts(runner) == held:
+                    break
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         before = spec_decode_counters(llm.get_metrics())
         graphs_before = _bole_graph_counts(runner)
@@ -289,6 +302,7 @@ def run_worker(args) -> None:
             # Bole captures its full graphs lazily: captures inside the timed run are part of its wall time.
             row["graphs_captured_in_timed_run"] = [a - b for a, b in zip(graphs_after, graphs_before)]
             row["graphs_held"] = list(graphs_after)
+            row["settle_passes"] = settle
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
     result["batches"] = per_batch
@@ -363,7 +377,7 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
     for name in args.configs:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                    VLLM_CACHE_ROOT=str(Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache/vllm"))
-                                       / f"e2e-{name}"), **CONFIG_ENV.get(name, {}))
+                                       / f"e2e-{name}"))
         log = open(run_dir / f"{name}.log", "w")
         procs[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--worker", name,
                                         "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -453,8 +467,7 @@ def markdown(rows: list[dict]) -> str:
     for variant, keys in BOLE_VARIANTS.items():
         if not any(f"{variant}_tok_s" in r for r in rows):
             continue
-        title = ", ".join([f"{k} {v!r}" for k, v in keys.items()]
-                          + [f"{k}={v}" for k, v in CONFIG_ENV.get(variant, {}).items()]).replace("'", '"')
+        title = ", ".join(f"{k} {v!r}" for k, v in keys.items()).replace("'", '"')
         lines += ["", f"Bole with {title} ({variant}):", "| B | tok/s | tokens/step | budget (last) | vs MTP |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['B']} | {f(r.get(f'{variant}_tok_s'))} | {f(r.get(f'{variant}_mean_accepted'), '.2f')} | "

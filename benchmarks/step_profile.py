@@ -152,9 +152,9 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="with --torch-profile: also write the chrome trace (trace_B<b>.json.gz) with vLLM's and "
                              "Bole's profiling scopes, and the GPU's idle time by host scope (gaps_B<b>.txt)")
-    parser.add_argument("--first-pass", choices=["env", "off", "on", "both"], default="env",
-                        help="Bole: drafting before the walk (VLLM_BOLE_FIRST_PASS) off, on, or both side by side in "
-                             "the same engine (default: as the environment sets it)")
+    parser.add_argument("--first-pass", choices=["config", "off", "on", "both"], default="config",
+                        help="Bole: drafting before the walk (speculative_config.early_drafting) off, on, or both side "
+                             "by side in the same engine (default: as the configuration sets it, on)")
     parser.add_argument("--host-profile", metavar="DIR",
                         help="also run each batch under cProfile and write the host call tables to DIR")
     args = parser.parse_args()
@@ -182,7 +182,7 @@ def main() -> None:
               speculative_config=spec)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     modes = [None]
-    if bole and args.first_pass != "env":
+    if bole and args.first_pass != "config":
         modes = ["off", "on"] if args.first_pass == "both" else [args.first_pass]
     # Warm-up: every batch size (and mode) at the measured length, so that Triton's compilations and Bole's lazy
     # graph captures (one per new step shape) stay out of the numbers and the traces.

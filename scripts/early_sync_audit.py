@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/early_sync_audit.py [synthetic]
 
-Runs the bundled tiny Qwen3.5 on CPU with ``VLLM_BOLE_FIRST_PASS=1`` (three greedy requests and a seeded sampled
+Runs the bundled tiny Qwen3.5 on CPU with the drafting before the walk (``early_drafting``, the default) (three greedy requests and a seeded sampled
 one; ``synthetic``: synthetic acceptance) and counts, per call site in ``vllm_bole``, the host reads of tensors
 (``tolist``, ``item``, ``numpy``, ``bool``/``int``/``float``, ``nonzero``, masked indexing, ...) made inside
 ``early_drafting.launch``, which the runner calls right behind the target forward. On a GPU the drafting
@@ -20,8 +20,7 @@ import random
 import sys
 import traceback
 
-os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                  VLLM_BOLE_FIRST_PASS="1")
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
 
 import torch  # noqa: E402
 

@@ -17,6 +17,7 @@ def test_values_and_dashes():
     cfg, _ = parse_bole_config({"method": "bole", "num-speculative-tokens": 3, "topk": 2, "budget": 64})
     assert (cfg.max_depth, cfg.topk, cfg.budget) == (3, 2, 64)
     assert cfg.cuda_graphs and not parse_bole_config({"method": "bole", "cuda_graphs": False})[0].cuda_graphs
+    assert cfg.early_drafting and not parse_bole_config({"method": "bole", "early-drafting": False})[0].early_drafting
 
 
 @pytest.mark.parametrize("key,value,field", [
@@ -33,6 +34,8 @@ def test_values_and_dashes():
     ("budget_table", "", "budget_table"),
     ("cuda_graphs", "yes", "cuda_graphs"),
     ("cuda_graphs", 1, "cuda_graphs"),
+    ("early_drafting", "on", "early_drafting must be true or false"),
+    ("early_drafting", 0, "early_drafting must be true or false"),
     ("budget_rule", "fast", "budget_rule"),
     ("selection", "per-request", r"selection must be one of \['per_request', 'global'\]"),
     ("tree", [[0]], "unknown key"),

@@ -100,19 +100,18 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
 # the places of finished ones, and their prompts run in chunks (no drafts) between requests that draft.
 @pytest.mark.parametrize("selection,seqs,tokens", [("global", 16, None), ("per_request", 16, None),
                                                    ("per_request", 4, 48)])
-def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, reference, selection, seqs, tokens,
-                                                  monkeypatch):
-    # The per-request cases run the drafter's first pass over every verified node before the walk (opt-in),
+def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, reference, selection, seqs, tokens):
+    # The per-request cases run the drafter's first pass over every verified node before the walk (the default),
     # the global one its catch-up after the walk.
     first_pass = selection == "per_request"
-    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1" if first_pass else "0")
     reqs = [dict(r) for r in requests_]
     reqs.append({"prompt": requests_[3]["prompt"], "max_tokens": 20, "temperature": 0.8, "seed": 7})
     name = f"mtp_{selection}" + (f"_seqs{seqs}_tokens{tokens}" if tokens else "")
     engine = {"max_num_batched_tokens": tokens} if tokens else {}
-    out = run_engine(tmp, name, {"model": model, "requests": reqs, "logprobs": 2,
-                                 "engine": bole_engine(tmp, name, depth=3, topk=4, budget="auto", drafter="mtp",
-                                                       selection=selection, max_num_seqs=seqs, **engine)})
+    engine = bole_engine(tmp, name, depth=3, topk=4, budget="auto", drafter="mtp", selection=selection,
+                         max_num_seqs=seqs, **engine)
+    engine["speculative_config"]["early_drafting"] = first_pass
+    out = run_engine(tmp, name, {"model": model, "requests": reqs, "logprobs": 2, "engine": engine})
     sampled = out["outputs"].pop()
     assert len(sampled["tokens"]) == 20
     divs = assert_lossless(reference, out, max_near_ties=2)
@@ -130,11 +129,10 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     assert counters["mean_acceptance_length"] > 1.5, counters
 
 
-def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, reference, monkeypatch):
+def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, reference):
     """``draft_vocab``: the drafter proposes the lower half of the vocabulary only; the output stays exact (with
     the drafting before the walk, whose walks also feed the ``"throughput"`` budget rule's acceptance model;
     without a calibration table here the rule keeps the default budget)."""
-    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1")
     vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
     engine = bole_engine(tmp, "mtp_vocab", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16)
     engine["speculative_config"] |= {"draft_vocab": vocab // 2, "budget_rule": "throughput"}
@@ -150,10 +148,9 @@ def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, 
     assert out["acceptance_steps"] > 0, out
 
 
-def test_drafting_after_the_walk_when_drafting_before_it_fails(tmp, model, requests_, reference, monkeypatch):
+def test_drafting_after_the_walk_when_drafting_before_it_fails(tmp, model, requests_, reference):
     """With the drafting before the walk on, a failure of it (here planted in its third step) leaves that step
     to the drafting after the walk, and turns it off for the engine: the outputs stay exact."""
-    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1")
     engine = bole_engine(tmp, "mtp_fail", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16)
     engine["speculative_config"] |= {"drafter": "vllm_bole.testing.faulty_drafter:FailOnceBeforeWalk",
                                      "drafter_args": {"fail_at": 3}}

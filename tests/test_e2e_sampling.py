@@ -99,18 +99,17 @@ def test_reference_is_spread(reference):
 
 # selection None runs the default, per_request: 8 nodes per request (512 over 64), the trees reach the step as
 # placeholders.
-# "early": the MTP drafter with the drafting queued before the walk (VLLM_BOLE_FIRST_PASS=1), whose device walk
-# matches each row's draw.
+# "early": the MTP drafter with the drafting queued before the walk (early_drafting, the default), whose device
+# walk matches each row's draw; the other MTP case turns it off.
 @pytest.mark.parametrize("drafter,selection", [("planted", "global"), ("mtp", "global"), ("planted", None),
                                                ("mtp", "early")])
-def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, reference, drafter, selection,
-                                                      monkeypatch):
+def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, reference, drafter, selection):
     early = selection == "early"
-    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1" if early else "0")
     selection = None if early else selection
     name = f"sampled_{drafter}" + (f"_{selection}" if selection else "") + ("_early" if early else "")
     engine = bole_engine(tmp, name, depth=2, topk=3, budget=512, drafter=drafter, selection=selection,
                          max_num_seqs=64)
+    engine["speculative_config"]["early_drafting"] = early
     out = run_engine(tmp, name, {"model": model, "engine": engine, "requests": _sampled_requests(prompt)})
     ref, got = _tokens(reference), _tokens(out)
     counters = out["counters"]

@@ -75,19 +75,19 @@ def test_defaults():
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("before_walk", [False, True])
-def test_synthetic_run_through_vllm(tmp_path, before_walk, monkeypatch):
-    """Also with the drafting queued before the walk (``VLLM_BOLE_FIRST_PASS=1``), where the synthetic targets are
+def test_synthetic_run_through_vllm(tmp_path, before_walk):
+    """Also with the drafting queued before the walk (``early_drafting``, the default), where the synthetic targets are
     drawn on the device."""
     import json
 
     from e2e_support import bole_engine, random_requests, run_engine
     from vllm_bole.testing.tiny_models import tiny_model_dir
 
-    monkeypatch.setenv("VLLM_BOLE_FIRST_PASS", "1" if before_walk else "0")
     model = tiny_model_dir("qwen3_5")
     vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
     engine = bole_engine(tmp_path, "syn", 4, 2, 256, drafter="mtp", max_num_seqs=8)
-    engine["speculative_config"]["synthetic_acceptance"] = {"rates": [0.9, 0.8, 0.7, 0.6], "seed": 3}
+    engine["speculative_config"] |= {"synthetic_acceptance": {"rates": [0.9, 0.8, 0.7, 0.6], "seed": 3},
+                                     "early_drafting": before_walk}
     out = run_engine(tmp_path, "syn", {"model": model, "engine": engine,
                                        "requests": random_requests(vocab, [5, 9, 30, 12, 7, 3, 20, 16],
                                                                    max_tokens=64)})

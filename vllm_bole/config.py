@@ -51,6 +51,10 @@ class BoleConfig:
     # MTP drafter: propose tokens from part of the vocabulary only (spec_decode/draft_vocab.py): None, all of it;
     # an int N, the N lowest token ids; a path, a JSON list of token ids. The model's EOS ids are always in it.
     draft_vocab: int | str | None = None
+    # Queue the drafting of the next trees (and the walk and commit) on the device right behind the target forward,
+    # before the host walks the trees (worker/early_drafting.py), in steps whose requests are all greedy or plainly
+    # sampled trees; false: the drafter catches up after the host walk.
+    early_drafting: bool = True
 
     @property
     def max_nodes_per_request(self) -> int:
@@ -76,7 +80,8 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
     known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "budget_rule", "selection",
-             "drafter", "drafter_args", "synthetic_acceptance", "cuda_graphs", "draft_vocab"} | _PASSTHROUGH_KEYS
+             "drafter", "drafter_args", "synthetic_acceptance", "cuda_graphs", "draft_vocab",
+             "early_drafting"} | _PASSTHROUGH_KEYS
     unknown = sorted(set(spec) - known)
     if unknown:
         raise BoleConfigError(
@@ -120,9 +125,13 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if not isinstance(cuda_graphs, bool):
         raise BoleConfigError(f"speculative_config.cuda_graphs must be true or false, got {cuda_graphs!r}")
     draft_vocab = _draft_vocab_field(spec.get("draft_vocab"), topk, drafter)
+    early_drafting = spec.get("early_drafting", True)
+    if not isinstance(early_drafting, bool):
+        raise BoleConfigError(f"speculative_config.early_drafting must be true or false, got {early_drafting!r}")
     return BoleConfig(max_depth=depth, topk=topk, budget=budget, budget_table=budget_table, budget_rule=budget_rule,
                       selection=selection, drafter=drafter, drafter_args=drafter_args, synthetic_acceptance=synthetic,
-                      cuda_graphs=cuda_graphs, draft_vocab=draft_vocab), rest
+                      cuda_graphs=cuda_graphs, draft_vocab=draft_vocab,
+                      early_drafting=early_drafting), rest
 
 
 def _draft_vocab_field(value: Any, topk: int, drafter: str) -> int | str | None:

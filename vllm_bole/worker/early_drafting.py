@@ -1,4 +1,5 @@
-"""Drafting queued behind the target forward, before the host walks the trees (``VLLM_BOLE_FIRST_PASS=1``).
+"""Drafting queued behind the target forward, before the host walks the trees (``speculative_config.
+early_drafting``, on by default).
 
 In a step whose requests are all trees, greedy or sampled without other settings, nothing the drafter needs
 waits for the host: right behind the forward the device walks the trees (``spec_decode/device_walk.py``),

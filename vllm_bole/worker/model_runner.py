@@ -5,12 +5,11 @@ sampled token), rewrites RoPE positions to prefix length + depth and publishes t
 ``_sample`` walks each tree (by the argmax for greedy requests, sample-then-match for sampled ones);
 ``_update_states_after_model_execute`` commits the accepted path's GDN state and moves its K/V to contiguous
 slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and applies the per-step node budget.
-With ``VLLM_BOLE_FIRST_PASS=1`` a step of trees whose requests are greedy or plainly sampled does the walk, the
+With ``early_drafting`` (the default) a step of trees whose requests are greedy or plainly sampled does the walk, the
 drafting and the commit on the device right behind its forward instead (``worker/early_drafting.py``).
 """
 
 import functools
-import os
 import time
 
 import numpy as np
@@ -67,9 +66,9 @@ class BoleModelRunnerMixin:
         self._bole_first_pass = None
         self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
         self.bole_early_draft_steps = 0   # steps whose whole drafting and commit were queued before the walk
-        # VLLM_BOLE_FIRST_PASS=1: the drafter's first pass over every node before the walk (opt-in until it has
-        # run on a GPU: tested lossless on CPU); otherwise it catches up after the walk
-        self._bole_first_pass_on = os.environ.get("VLLM_BOLE_FIRST_PASS", "0") == "1"
+        # speculative_config.early_drafting: the drafter's first pass over every node before the walk; otherwise
+        # it catches up after the walk
+        self._bole_first_pass_on = self.bole_config.early_drafting
         self._bole_early_on = True   # off after a failure of the drafting before the walk
 
     def load_model(self, *args, **kwargs):
