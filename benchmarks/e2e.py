@@ -46,6 +46,7 @@ concurrency_bole, gpu, plus per-k MTP numbers; ``configs`` holds each configurat
 """
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -273,6 +274,7 @@ def run_worker(args) -> None:
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         before = spec_decode_counters(llm.get_metrics())
         graphs_before = _bole_graph_counts(runner)
+        budgets_before = collections.Counter(getattr(runner, "bole_budgets", {}))
         # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second), at least
         # --min-timed-runs times, so that the median leaves out a run that captured a graph or compiled a kernel;
         # tok/s is their median, the acceptance counters cover them all.
@@ -294,11 +296,12 @@ def run_worker(args) -> None:
                "draft_tokens_per_step": round((after["num_draft_tokens"] - before["num_draft_tokens"]) / drafts, 2)
                if drafts else None}
         if name.startswith("bole"):
-            from vllm_bole.spec_decode.budget import node_budget
-
-            # the budget of the batch's next step (the step rule's from its latest measurement)
-            row["budget"] = node_budget(runner.bole_config, b, None, runner.model_config,
-                                        rest_ms=runner._bole_clock.rest_ms(b))
+            # the node budget the timed runs' steps of all B requests took most often (the rules "step" and
+            # "throughput" move it with their measurements)
+            planned = runner.bole_budgets - budgets_before
+            at_b = {n: c for (reqs, n), c in planned.items() if reqs == b}
+            row["budget"] = max(at_b, key=at_b.get) if at_b else None
+            row["budgets_at_b"] = dict(sorted(at_b.items()))
             # Bole captures its full graphs lazily: captures inside the timed run are part of its wall time.
             row["graphs_captured_in_timed_run"] = [a - b for a, b in zip(graphs_after, graphs_before)]
             row["graphs_held"] = list(graphs_after)
@@ -468,7 +471,7 @@ def markdown(rows: list[dict]) -> str:
         if not any(f"{variant}_tok_s" in r for r in rows):
             continue
         title = ", ".join(f"{k} {v!r}" for k, v in keys.items()).replace("'", '"')
-        lines += ["", f"Bole with {title} ({variant}):", "| B | tok/s | tokens/step | budget (last) | vs MTP |",
+        lines += ["", f"Bole with {title} ({variant}):", "| B | tok/s | tokens/step | budget (most steps) | vs MTP |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['B']} | {f(r.get(f'{variant}_tok_s'))} | {f(r.get(f'{variant}_mean_accepted'), '.2f')} | "
                   f"{r.get(f'{variant}_budget') or '–'} | {f(r.get(f'{variant}_speedup_vs_mtp'), '.2f')}× |"

@@ -97,6 +97,11 @@ def test_throughput_lookup_picks_the_most_tokens_per_millisecond():
     assert budgets.lookup_throughput(16, 256, 45.0, gain) == 256
     # a tie goes to the smaller N
     assert budgets.lookup_throughput(16, 256, 5.0, lambda n: 16 + n * 0.0) == 64
+    # a rest that grows with the trees (more levels, a wider first pass) moves the choice down:
+    # 60/(5 + 0.04*64 + 10.5) = 3.31, 80/(5 + 5.12 + 11) = 3.79, 90/(5 + 10.24 + 14) = 3.08
+    assert budgets.lookup_throughput(16, 256, lambda n: 5.0 + 0.04 * n, gain) == 128
+    # 45 ms flat picked 256; with 0.1 ms per node the rest at 256 is 70.6: 80/67.8 = 1.18 > 90/84.6 = 1.06
+    assert budgets.lookup_throughput(16, 256, lambda n: 45.0 + 0.1 * n, gain) == 128
 
 
 def test_throughput_rule_in_node_budget(tmp_path, monkeypatch):

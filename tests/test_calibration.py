@@ -138,6 +138,42 @@ def test_step_clock_averages_the_rest_of_tree_steps():
     assert clock.rest_ms(8) == pytest.approx(20.0) and clock.rest_ms(5) == pytest.approx(20.0)
 
 
+def test_step_clock_fits_the_rest_against_the_tree_size():
+    """rest = a + b * nodes/request over the recent steps: flat (the average) while the sizes hardly differ,
+    the slope once steps of other sizes come, never a falling one; only tree steps of one batch size count."""
+    clock = budget_mod.StepClock()
+    assert clock.rest_model(16) is None
+    t = 0.0
+    clock.tick(t, 16, True, 5.0, nodes=64)
+    for _ in range(30):                       # 4 nodes per request: rest 10 ms
+        t += 0.015
+        clock.tick(t, 16, True, 5.0, nodes=64)
+    flat = clock.rest_model(16)
+    assert flat(64) == pytest.approx(10.0) and flat(256) == pytest.approx(10.0)   # no spread: no slope
+    for _ in range(30):                       # 8 nodes per request: rest 14 ms (1 ms per node per request)
+        t += 0.019
+        clock.tick(t, 16, True, 5.0, nodes=128)
+    fit = clock.rest_model(16)
+    assert fit(64) == pytest.approx(10.0, abs=1e-6) and fit(128) == pytest.approx(14.0, abs=1e-6)
+    assert fit(256) == pytest.approx(22.0, abs=1e-6)          # extrapolated along the line
+    # batch 9 shares the bucket of 16; the fit is per request: 72 / 9 = 8 nodes
+    assert clock.rest_model(9)(72) == pytest.approx(14.0, abs=1e-6)
+    t += 0.5
+    clock.tick(t, 16, False, 5.0, nodes=16)   # a step with a prefill (and a long one): not counted
+    t += 0.030
+    clock.tick(t, 16, True, 5.0, nodes=None)  # counted in the average, not in the fit
+    assert clock.rest_model(16)(128) == pytest.approx(14.0, abs=1e-6)
+
+    falling = budget_mod.StepClock()          # more nodes, less rest (noise): no negative slope
+    t = 0.0
+    falling.tick(t, 4, True, 5.0, nodes=8)
+    for nodes, rest in [(8, 10.0), (32, 6.0)] * 20:
+        t += (5.0 + rest) / 1e3
+        falling.tick(t, 4, True, 5.0, nodes=nodes)
+    model = falling.rest_model(4)
+    assert model(8) == pytest.approx(model(32)) and 6.0 < model(8) < 10.0
+
+
 def test_missing_table_uses_the_default_with_one_warning(tmp_path, fresh_tables, caplog):
     cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(tmp_path / "none.json")})
     with caplog.at_level(logging.INFO, logger="vllm_bole.spec_decode.budget"):

@@ -11,9 +11,10 @@ right when a step is mostly its target forward. ``"step"`` also counts what the 
 forward (drafting, sampling, scheduling: :class:`StepClock` measures it per batch bucket), and allows N to cost up
 to eps of that whole plain step more: T_ver(N) <= T_dec + eps * (T_dec + T_rest). With T_rest = 0 both agree;
 until the clock has a measurement the step rule uses B_ver. ``"throughput"`` picks, among the calibrated N, the
-one with the most expected tokens per unit of step time: tokens(N) / (T_rest + T_ver(N)), where tokens(N) is
+one with the most expected tokens per unit of step time: tokens(N) / (T_rest(N) + T_ver(N)), where tokens(N) is
 what the batch's trees of N nodes are expected to accept (``spec_decode/acceptance_model.py``, from the walks so
-far); until both are measured it uses B_ver.
+far) and T_rest(N) the rest's fit over the node counts of recent steps (:meth:`StepClock.rest_model`); until both
+are measured it uses B_ver.
 """
 
 import functools
@@ -70,7 +71,8 @@ def node_budget(bole_config, batch_size: int, context_len: int | None = None, mo
     """Nodes to verify this step. ``context_len``: the batch's mean context length, if known (picks the KV
     bucket); ``model_config``: vLLM's ModelConfig (picks the model; without it, the only model calibrated on
     this GPU); ``rest_ms``: the step's measured time besides its target forward (``budget_rule "step"`` and
-    ``"throughput"``); ``tokens``: N -> the step's expected tokens with N nodes (``"throughput"``)."""
+    ``"throughput"``; for the latter also N -> that time, :meth:`StepClock.rest_model`); ``tokens``: N -> the
+    step's expected tokens with N nodes (``"throughput"``)."""
     if bole_config.budget != "auto":
         return int(bole_config.budget)
     budgets = _budgets(bole_config, model_config)
@@ -91,23 +93,46 @@ def verify_ms(bole_config, batch_size: int, nodes: int, context_len: int | None 
 
 
 class StepClock:
-    """Per batch size (power-of-two buckets), the mean time a step spends besides its target forward
-    (exponential average over steps that verified trees only): the measured step period minus the calibrated
-    T_ver of the nodes it verified."""
+    """Per batch size (power-of-two buckets), the time a step spends besides its target forward: the measured
+    step period minus the calibrated T_ver of the nodes it verified, over steps that verified trees only.
 
-    ALPHA = 0.2
+    :meth:`rest_ms` is its exponential average (``budget_rule "step"``). :meth:`rest_model` also weighs how it
+    grows with the nodes per request (``"throughput"``): bigger trees take more drafter levels and a wider first
+    pass, which a single average, measured at the current size, would charge to every size alike. It fits
+    rest = a + b * nodes/request over the recent steps (least squares, exponentially weighted); while those
+    steps hardly differ in size the slope is unknown and the model is flat (the average)."""
+
+    ALPHA = 0.2         # the average's step
+    FIT_ALPHA = 0.05    # the fit's: a longer memory, so that it spans the sizes the rule has tried
+    MIN_SPREAD = 0.5    # nodes per request: a smaller standard deviation of the sizes leaves the slope unknown
 
     def __init__(self):
         self._rest: dict[int, float] = {}
+        self._fit: dict[int, list[float]] = {}   # bucket -> weighted sums [w, x, y, xx, xy]
         self._last: tuple[float, int] | None = None   # (time, batch size) of the last tick
 
     def rest_ms(self, batch_size: int) -> float | None:
         return self._rest.get(next_power_of_2(batch_size))
 
-    def tick(self, now: float, batch_size: int, tree_only: bool, t_ver_ms: float | None) -> None:
+    def rest_model(self, batch_size: int):
+        """nodes -> the rest of a step of ``batch_size`` requests verifying that many nodes, in ms (never below
+        zero, never falling with more nodes); None before the bucket's first measurement."""
+        sums = self._fit.get(next_power_of_2(batch_size))
+        if sums is None:
+            return None
+        w, sx, sy, sxx, sxy = sums
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        slope = max((sxy / w - mx * my) / var, 0.0) if var >= self.MIN_SPREAD ** 2 else 0.0
+        intercept = my - slope * mx if slope else my
+        return lambda nodes: max(intercept + slope * nodes / max(batch_size, 1), 0.0)
+
+    def tick(self, now: float, batch_size: int, tree_only: bool, t_ver_ms: float | None,
+             nodes: int | None = None) -> None:
         """Once per step at the same point (the runner: when drafting starts). The period since the last tick is
         one step; it counts when the batch size did not change and the step verified trees alone (no prefill),
-        whose calibrated target forward was ``t_ver_ms``."""
+        whose calibrated target forward was ``t_ver_ms``; ``nodes``: how many tree nodes it verified (the fit's
+        x; None leaves the fit out)."""
         last, self._last = self._last, (now, batch_size)
         if last is None or last[1] != batch_size or not tree_only or t_ver_ms is None:
             return
@@ -115,3 +140,8 @@ class StepClock:
         key = next_power_of_2(batch_size)
         old = self._rest.get(key)
         self._rest[key] = rest if old is None else old + self.ALPHA * (rest - old)
+        if nodes is not None:
+            x = nodes / batch_size
+            sums = self._fit.setdefault(key, [0.0] * 5)
+            for i, v in enumerate((1.0, x, rest, x * x, x * rest)):
+                sums[i] = (1 - self.FIT_ALPHA) * sums[i] + v

@@ -9,6 +9,7 @@ With ``early_drafting`` (the default) a step of trees whose requests are greedy 
 drafting and the commit on the device right behind its forward instead (``worker/early_drafting.py``).
 """
 
+import collections
 import functools
 import time
 
@@ -56,6 +57,7 @@ class BoleModelRunnerMixin:
         self._bole_queued = None
         self.bole_queued_trees = 0  # trees verified from queued drafts (their nodes read on the device)
         self.bole_stale_placeholders = 0  # placeholder drafts whose queued trees were gone (verified as a chain)
+        self.bole_budgets = collections.Counter()   # (batch size, node budget) of every planned step
         self._bole_clock = StepClock()   # budget_rule "step"/"throughput": the step time besides the target forward
         # budget_rule "throughput": what trees of q nodes accept, from the walks so far
         self._bole_acceptance = AcceptanceModel(self.bole_config.topk, self.bole_config.max_depth)
@@ -79,6 +81,10 @@ class BoleModelRunnerMixin:
             # A lazy capture would run tensor-parallel all-reduces outside vLLM's graph_capture() context.
             logger.info("Bole's full CUDA graphs are off with tensor parallelism (vLLM's piecewise graphs run)")
             self._bole_graphs_allowed = False
+        if self._bole_first_pass_on and self.parallel_config.tensor_parallel_size > 1:
+            # Not yet run across ranks; the drafting after the walk is.
+            logger.info("Bole's drafting before the walk is off with tensor parallelism (early_drafting)")
+            self._bole_first_pass_on = False
         self.bole_drafter = make_drafter(self, self.bole_config)
         if self._bole_graphs_allowed:
             from .verify_graphs import VerifyGraphs
@@ -154,13 +160,15 @@ class BoleModelRunnerMixin:
             forest = self._bole_forest
             self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
                                   verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
-                                            self.model_config))
+                                            self.model_config), nodes=self._bole_last_nodes)
             rest_ms = self._bole_clock.rest_ms(num_reqs)
         if self.bole_config.budget_rule == "throughput" and self._bole_acceptance.ready:
+            rest_ms = self._bole_clock.rest_model(num_reqs)   # also how the rest grows with the trees
             tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=num_reqs,
                                        per_request=step.per_request)
         step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
                                   context_len=context_len, rest_ms=rest_ms, tokens=tokens)
+        self.bole_budgets[num_reqs, step.budget] += 1
 
     def _note_walk(self, forest: StepForest) -> None:
         """The step's accepted paths into the acceptance model (``budget_rule "throughput"``)."""
