@@ -196,7 +196,7 @@ def main() -> None:
     rows = []
     for batch, mode in [(b, m) for b in args.batch for m in modes]:
         _set_first_pass(runner, mode)
-        if bole and mode != "on":   # the step profiler times the phases of drafting after the walk
+        if bole and not runner._bole_first_pass_on:   # the step profiler times the phases of drafting after the walk
             runner._bole_profiler = StepProfiler(args.profile_steps)
             print(f"B={batch}: profiled pass", flush=True)
             _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
@@ -205,8 +205,9 @@ def main() -> None:
         early_before = getattr(runner, "bole_early_draft_steps", 0)
         tokens, elapsed = _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
         row = {"B": batch, "spec": spec, "tok_s": tokens / elapsed, "seconds": elapsed}
-        if mode is not None:   # how many steps really drafted before the walk (it turns off after a failure)
-            row |= {"first_pass": mode, "early_draft_steps": runner.bole_early_draft_steps - early_before}
+        if bole:   # how many steps really drafted before the walk (it turns off after a failure)
+            row |= {"first_pass": mode or ("on" if runner._bole_first_pass_on else "off"),
+                    "early_draft_steps": runner.bole_early_draft_steps - early_before}
         if spec:
             after = spec_decode_counters(llm.get_metrics())
             drafts = after["num_drafts"] - before["num_drafts"]
@@ -223,7 +224,7 @@ def main() -> None:
         print(f"{label}: {row['tok_s']:.1f} tok/s" + (
             f", mean accepted {row['mean_accepted']:.2f}, nodes/step {row['draft_tokens_per_step']:.1f}"
             if spec else "") + (f", {row['early_draft_steps']} steps drafted before the walk"
-                                   if mode is not None else ""), flush=True)
+                                   if bole else ""), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     RESULTS.write_text(json.dumps(old + rows, indent=1))
