@@ -133,15 +133,19 @@ def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int) ->
     num_reqs = runner.input_batch.num_reqs
     runner.bole_early_draft_steps += 1
     forest.accepted_device = walk.deepest
-    compact_accepted_kv(runner, forest, only=drafter.own_kv_layers(), walk=walk)
-    step = DraftStep(req_ids=list(runner.input_batch.req_ids), contexts=[()] * num_reqs,
-                     common_attn_metadata=cm)
-    runner._plan_budget(step)
-    step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+    # Profiling scopes (traces: benchmarks/step_profile.py --trace) for the host work queued here besides the
+    # levels, which have their own.
+    with record_function_or_nullcontext("bole: early_plan"):
+        compact_accepted_kv(runner, forest, only=drafter.own_kv_layers(), walk=walk)
+        step = DraftStep(req_ids=list(runner.input_batch.req_ids), contexts=[()] * num_reqs,
+                         common_attn_metadata=cm)
+        runner._plan_budget(step)
+        step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
     finish = drafter.propose_from_walk(step, walk, first_pass, runner.positions, root_bound)
     runner._bole_pending = (step, finish)
-    commit_step(forest)
-    compact_accepted_kv(runner, forest, skip=drafter.own_kv_layers(), walk=walk)
+    with record_function_or_nullcontext("bole: early_commit"):
+        commit_step(forest)
+        compact_accepted_kv(runner, forest, skip=drafter.own_kv_layers(), walk=walk)
 
 
 def walked_output(runner, logits, forest) -> SamplerOutput:

@@ -518,7 +518,11 @@ class BoleModelRunnerMixin:
         pending, self._bole_pending = self._bole_pending, None
         if pending is None:
             return
-        step, finish = pending
+        with record_function_or_nullcontext("bole: finish_drafts"):
+            self._finish(*pending)
+
+    def _finish(self, step, finish) -> None:
+        """:meth:`_finish_drafts` of one pending (step, finish)."""
         if step.queued is not None:
             # vLLM gets placeholders of the trees' sizes and schedules the next step while the device drafts;
             # the step reads the drafts from the device (_build_forest) and walks the host trees (StepForest.on_host).
@@ -528,7 +532,7 @@ class BoleModelRunnerMixin:
             if self._bole_profiler is not None:
                 self._bole_profiler.end_step(tree_step=self._bole_forest is not None)
             return
-        with profiled(self._bole_profiler, "draft"), record_function_or_nullcontext("bole: finish_drafts"):
+        with profiled(self._bole_profiler, "draft"):
             trees = finish()
             if not self.bole_drafter.selects:
                 trees = select_step(trees, step.per_request, step.budget)
