@@ -4,8 +4,9 @@
 
 SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "requests": [{"prompt": [ids],
 "max_tokens": n, "ignore_eos": bool, "temperature": t, "seed": s, "stop_token_ids": [ids], "top_k": k,
-"top_p": p, "min_p": m}], "logprobs": 2}; request keys other than "prompt" and "max_tokens" are optional (vLLM's
-defaults, except ``ignore_eos`` true and ``temperature`` 0). Each configuration runs in its own process (tests
+"top_p": p, "min_p": m}], "logprobs": 2, "cpu_async_scheduling": bool}; request keys other than "prompt" and
+"max_tokens" are optional (vLLM's defaults, except ``ignore_eos`` true and ``temperature`` 0).
+``cpu_async_scheduling``: run vLLM's async scheduling on CPU (:func:`force_cpu_async_scheduling`). Each configuration runs in its own process (tests
 start one per engine), so registries and caches never leak between engines.
 """
 
@@ -73,12 +74,43 @@ def _sampling_params(sampling_params_cls, r: dict, logprobs):
                                **{key: r[key] for key in _OPTIONAL_SAMPLING if key in r})
 
 
+def force_cpu_async_scheduling() -> None:
+    """Keep ``async_scheduling`` on for CPU engines built after this call (in this process). vLLM 0.26's CPU
+    platform turns it off unconditionally (``CpuPlatform.check_and_update_config``), yet the engine's batch
+    queue, the AsyncScheduler and the runner's async output and spec-decode paths run on CPU (the CPU worker
+    stands in for CUDA events and streams): a test harness for async scheduling without a GPU."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+    if getattr(check, "_keeps_async", False):
+        return
+
+    def keep_async(cls, vllm_config) -> None:
+        wanted = vllm_config.scheduler_config.async_scheduling
+        check(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = wanted
+
+    keep_async._keeps_async = True
+    CpuPlatform.check_and_update_config = classmethod(keep_async)
+
+
+def _scheduling(llm) -> dict:
+    """Whether the engine really scheduled asynchronously: its config flag, the engine core's batch queue and the
+    scheduler class."""
+    core = llm.llm_engine.engine_core.engine_core
+    return {"async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+            "batch_queue": getattr(core, "batch_queue", None) is not None,
+            "scheduler": type(core.scheduler).__name__}
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     from vllm_bole.testing.greedy_check import spec_decode_counters
     from vllm_bole.testing.tiny_models import engine_kwargs
 
+    if spec.get("cpu_async_scheduling"):
+        force_cpu_async_scheduling()
     llm = LLM(model=spec["model"], disable_log_stats=False,
               **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
     params = [_sampling_params(SamplingParams, r, spec.get("logprobs")) for r in spec["requests"]]
@@ -95,7 +127,8 @@ def run(spec: dict) -> dict:
             "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None),
             "first_pass_steps": getattr(_runner(llm), "bole_first_pass_steps", None),
             "early_draft_steps": getattr(_runner(llm), "bole_early_draft_steps", None),
-            "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None)}
+            "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None),
+            "scheduling": _scheduling(llm)}
 
 
 def main() -> None:
