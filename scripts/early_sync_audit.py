@@ -2,10 +2,10 @@
 
     .venv/bin/python scripts/early_sync_audit.py [synthetic]
 
-Runs the bundled tiny Qwen3.5 on CPU with the drafting before the walk (``early_drafting``, the default) (three greedy requests and a seeded sampled
-one; ``synthetic``: synthetic acceptance) and counts, per call site in ``vllm_bole``, the host reads of tensors
-(``tolist``, ``item``, ``numpy``, ``bool``/``int``/``float``, ``nonzero``, masked indexing, ...) made inside
-``early_drafting.launch``, which the runner calls right behind the target forward. On a GPU the drafting
+Runs the bundled tiny Qwen3.5 on CPU with the drafting before the walk (``early_drafting``, the default): three
+greedy requests and a seeded sampled one (``synthetic``: synthetic acceptance). It counts, per call site in
+``vllm_bole``, the host reads of tensors (``tolist``, ``item``, ``numpy``, ``bool``/``int``/``float``,
+``nonzero``, masked indexing, ...) made inside ``early_drafting.launch``, which the runner calls right behind the target forward. On a GPU the drafting
 overlaps the forward only if none of them touches a device tensor. On CPU the kernels' torch references run and
 read on the host by design (``kernels/*/reference.py``, ``kernels/forest.py``, ``attention/tree_rows.py``, the
 CPU branch of ``worker/kv_compaction.py``). Two more sites are known to read host data only on a GPU:

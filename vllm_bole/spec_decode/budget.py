@@ -100,7 +100,7 @@ class StepClock:
     grows with the nodes per request (``"throughput"``): bigger trees take more drafter levels and a wider first
     pass, which a single average, measured at the current size, would charge to every size alike. It fits
     rest = a + b * nodes/request over the recent steps (least squares, exponentially weighted); while those
-    steps hardly differ in size the slope is unknown and the model is flat (the average)."""
+    steps hardly differ in size the slope is unknown and the model is flat (their weighted mean)."""
 
     ALPHA = 0.2         # the average's step
     FIT_ALPHA = 0.05    # the fit's: a longer memory, so that it spans the sizes the rule has tried
@@ -124,8 +124,7 @@ class StepClock:
         mx, my = sx / w, sy / w
         var = sxx / w - mx * mx
         slope = max((sxy / w - mx * my) / var, 0.0) if var >= self.MIN_SPREAD ** 2 else 0.0
-        intercept = my - slope * mx if slope else my
-        return lambda nodes: max(intercept + slope * nodes / max(batch_size, 1), 0.0)
+        return lambda nodes: max(my + slope * (nodes / max(batch_size, 1) - mx), 0.0)
 
     def tick(self, now: float, batch_size: int, tree_only: bool, t_ver_ms: float | None,
              nodes: int | None = None) -> None:

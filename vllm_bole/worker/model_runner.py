@@ -518,27 +518,22 @@ class BoleModelRunnerMixin:
         pending, self._bole_pending = self._bole_pending, None
         if pending is None:
             return
+        step, finish = pending
         with record_function_or_nullcontext("bole: finish_drafts"):
-            self._finish(*pending)
-
-    def _finish(self, step, finish) -> None:
-        """:meth:`_finish_drafts` of one pending (step, finish)."""
-        if step.queued is not None:
-            # vLLM gets placeholders of the trees' sizes and schedules the next step while the device drafts;
-            # the step reads the drafts from the device (_build_forest) and walks the host trees (StepForest.on_host).
-            self._bole_queued = (step.queued, finish, step.req_ids)
-            self._bole_last_nodes = sum(step.queued.counts)
-            self._draft_token_ids = step.queued.placeholder_ids(step.req_ids)
-            if self._bole_profiler is not None:
-                self._bole_profiler.end_step(tree_step=self._bole_forest is not None)
-            return
-        with profiled(self._bole_profiler, "draft"):
-            trees = finish()
-            if not self.bole_drafter.selects:
-                trees = select_step(trees, step.per_request, step.budget)
-        self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
-        self._bole_last_nodes = sum(len(t) for t in trees)
-        self._draft_token_ids = [t.tokens for t in trees]
+            if step.queued is not None:
+                # vLLM gets placeholders of the trees' sizes and schedules the next step while the device drafts; the
+                # step reads the drafts from the device (_build_forest) and walks the host trees (StepForest.on_host).
+                self._bole_queued = (step.queued, finish, step.req_ids)
+                self._bole_last_nodes = sum(step.queued.counts)
+                self._draft_token_ids = step.queued.placeholder_ids(step.req_ids)
+            else:
+                with profiled(self._bole_profiler, "draft"):
+                    trees = finish()
+                    if not self.bole_drafter.selects:
+                        trees = select_step(trees, step.per_request, step.budget)
+                self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
+                self._bole_last_nodes = sum(len(t) for t in trees)
+                self._draft_token_ids = [t.tokens for t in trees]
         if self._bole_profiler is not None:
             self._bole_profiler.end_step(tree_step=self._bole_forest is not None)
 
