@@ -48,13 +48,16 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
         from .spec_decode.draft_vocab import draft_token_ids
 
         draft_token_ids(cfg.draft_vocab, target_model_config.get_vocab_size(), set())
-    if engine_args.async_scheduling:
-        logger.warning("Bole runs with synchronous scheduling; ignoring async_scheduling=True")
+    # vLLM's async scheduling only when asked for explicitly (``async_scheduling=True``, ``--async-scheduling``):
+    # the scheduler then fixes each request's tree size before the step that drafts it (worker/scheduler.py).
+    asynchronous = engine_args.async_scheduling is True
+    if asynchronous:
+        _check_async(cfg, target_parallel_config)
 
     engine_args.speculative_config = {
         "method": "mtp", "num_speculative_tokens": cfg.max_nodes_per_request, **passthrough}
     engine_args.additional_config = {**(engine_args.additional_config or {}), ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
-    engine_args.async_scheduling = False
+    engine_args.async_scheduling = asynchronous
     # Tree batches are not uniform decodes: vLLM's full CUDA graphs would replay a chain-shaped capture without
     # Bole's per-step forest, so only piecewise graphs (GDN and attention run eagerly between pieces) are used.
     from vllm.config import CUDAGraphMode
@@ -64,11 +67,28 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
         if cc.cudagraph_mode is not None:
             logger.warning("Bole uses piecewise CUDA graphs; overriding cudagraph_mode=%s", cc.cudagraph_mode.name)
         cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
-    engine_args.scheduler_cls = "vllm_bole.worker.scheduler.BoleScheduler"
+    engine_args.scheduler_cls = ("vllm_bole.worker.scheduler.BoleAsyncScheduler" if asynchronous
+                                 else "vllm_bole.worker.scheduler.BoleScheduler")
     target_parallel_config.worker_cls = "vllm_bole.worker.worker.BoleWorker"
-    logger.info("Bole tree speculation: depth %d, topk %d, budget %s, drafter %s%s",
+    logger.info("Bole tree speculation: depth %d, topk %d, budget %s, drafter %s%s, %s scheduling",
                 cfg.max_depth, cfg.topk, cfg.budget, cfg.drafter,
-                "" if cfg.draft_vocab is None else f", draft_vocab {cfg.draft_vocab}")
+                "" if cfg.draft_vocab is None else f", draft_vocab {cfg.draft_vocab}",
+                "async" if asynchronous else "synchronous")
+
+
+def _check_async(cfg, parallel_config) -> None:
+    """What async scheduling needs: tree sizes known when the scheduler places the next step's placeholders."""
+    if cfg.budget_rule != "decode":
+        raise BoleConfigError(
+            f"speculative_config.budget_rule must be 'decode' with async_scheduling=True (the budget is fixed before "
+            f"the step runs), got {cfg.budget_rule!r}")
+    if cfg.selection != "per_request":
+        raise BoleConfigError(
+            f"speculative_config.selection must be 'per_request' with async_scheduling=True, got {cfg.selection!r}")
+    if parallel_config.tensor_parallel_size > 1:
+        raise BoleConfigError(
+            "async_scheduling: speculative method 'bole' supports it with tensor_parallel_size 1 only, got "
+            f"{parallel_config.tensor_parallel_size}; set async_scheduling=False")
 
 
 def register() -> None:

@@ -29,6 +29,13 @@ class DraftTree:
     def truncated(self, n: int) -> "DraftTree":
         return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n])
 
+    def padded(self, n: int, token: int = 0) -> "DraftTree":
+        """At least ``n`` nodes: the missing ones as children of the root holding ``token`` (score 0, so they
+        come last). For verification slots fixed before the drafts were made (async scheduling): a padding
+        node is checked like any draft, so it is accepted only where the target emits its token anyway."""
+        extra = max(0, n - len(self))
+        return DraftTree(self.tokens + [token] * extra, self.parents + [-1] * extra, self.scores + [0.0] * extra)
+
     def verify_parents(self) -> list[int]:
         """Parents in the verification tree, where node 0 is the root and draft node i is node i + 1."""
         return [-1] + [p + 1 for p in self.parents]

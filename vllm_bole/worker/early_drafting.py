@@ -7,7 +7,8 @@ copies the paths and tokens to the host once, runs the MTP drafter's first pass 
 (``MTPTreeDrafter.first_pass_all_rows``), moves the paths' MTP K/V, grows the next trees from the path ends
 (``MTPTreeDrafter.propose_from_walk``) and commits from the device paths. The runner's walk then only reads the
 copy (:func:`walked_output`), which waits for the forward and the walk alone, and vLLM's drafting call finds the
-drafts pending.
+drafts pending. Under vLLM's async scheduling there is no host copy: the step's tokens stay on the device
+(:func:`device_output`), and the trees' sizes are the scheduler's (``BoleModelRunnerMixin._plan_async``).
 """
 
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ logger = init_logger(__name__)
 class FirstPass:
     """A step whose drafting started behind its target forward (:func:`launch`)."""
 
-    host: HostCopy                      # the rows' argmax, or the walk's paths and tokens, on its way to the host
+    # the rows' argmax, or the walk's paths and tokens, on their way to the host; None: the tokens stay on the device
+    host: HostCopy | None
     rows: tuple | None                  # the drafter's (hidden, top children) per verified node; None: catch up
     walk: object = None                 # the device walk (DeviceWalk) whose copy ``host`` is, if any
     drafted: bool = False               # levels and commit queued too (:func:`_draft_before_walk`)
@@ -97,9 +99,17 @@ def launch(runner, scheduler_output) -> FirstPass | None:
             payload = torch.cat([walk.rows, walk.emitted.long(), walk.length[:, None]], dim=1)
         else:
             payload = argmax
-        host = HostCopy(payload)
+        # Async scheduling: vLLM copies the emitted tokens itself, when it needs them.
+        on_device = walk is not None and runner.bole_async and metadata.max_num_logprobs is None
+        host = None if on_device else HostCopy(payload)
         slots = runner.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
         seq_lens = runner._bole_seq_lens[:num_reqs].tolist()
+        if runner.bole_async:
+            # The step was prepared from counts that assumed every draft accepted; vLLM has corrected them on the
+            # host by now (after launching the forward), and the drafter attends over the true prefixes.
+            computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].tolist()
+            seq_lens = [c + scheduler_output.num_scheduled_tokens[r]
+                        for c, r in zip(computed, runner.input_batch.req_ids)]
         rows = drafter.first_pass_all_rows(cm, forest, after, runner.positions[:n], slots, seq_lens,
                                            state.hidden_states[:n])
     runner.bole_first_pass_steps += 1
@@ -139,13 +149,26 @@ def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int) ->
         compact_accepted_kv(runner, forest, only=drafter.own_kv_layers(), walk=walk)
         step = DraftStep(req_ids=list(runner.input_batch.req_ids), contexts=[()] * num_reqs,
                          common_attn_metadata=cm)
-        runner._plan_budget(step)
-        step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+        if runner.bole_async:
+            runner._plan_async(step)
+        else:
+            runner._plan_budget(step)
+            step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
     finish = drafter.propose_from_walk(step, walk, first_pass, runner.positions, root_bound)
     runner._bole_pending = (step, finish)
     with record_function_or_nullcontext("bole: early_commit"):
         commit_step(forest)
         compact_accepted_kv(runner, forest, skip=drafter.own_kv_layers(), walk=walk)
+
+
+def device_output(runner, forest) -> SamplerOutput:
+    """The step's tokens from the device walk, left on the device (async scheduling): vLLM's next step reads the
+    roots and the corrected counts from there, and its output copy runs behind the step's drafting. The commit
+    ran from the device paths already; the host never sees the paths."""
+    forest.accepted_paths = None
+    runner._bole_paths = None
+    runner._bole_host_emitted = {}
+    return SamplerOutput(sampled_token_ids=runner._bole_first_pass.walk.emitted, logprobs_tensors=None)
 
 
 def walked_output(runner, logits, forest) -> SamplerOutput:

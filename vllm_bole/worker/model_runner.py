@@ -72,6 +72,12 @@ class BoleModelRunnerMixin:
         # it catches up after the walk
         self._bole_first_pass_on = self.bole_config.early_drafting
         self._bole_early_on = True   # off after a failure of the drafting before the walk
+        # vLLM's async scheduling (engine ``async_scheduling=True``): the scheduler gives every decode request
+        # ``num_spec_tokens_to_schedule`` placeholder drafts before this runner drafts them (worker/scheduler.py);
+        # that number, this step's, is each drafting request's quota (:meth:`_async_quotas`)
+        self._bole_async_k = 0
+        # Under async scheduling: per request, the tokens the last host-walked step emitted (_fill_placeholders)
+        self._bole_host_emitted: dict[str, list[int]] = {}
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -135,6 +141,7 @@ class BoleModelRunnerMixin:
         self._commit()
         self._finish_drafts()
         self._bole_first_pass = None
+        self._bole_async_k = scheduler_output.num_spec_tokens_to_schedule
         try:
             with profiled(self._bole_profiler, "forward"):
                 output = super().execute_model(scheduler_output, intermediate_tensors)
@@ -147,6 +154,27 @@ class BoleModelRunnerMixin:
             # Queued drafts serve the step right after the one that drafted them (its forest keeps what it read);
             # placeholders scheduled later are verified as chains (_build_forest).
             self._bole_queued = None
+
+    @property
+    def bole_async(self) -> bool:
+        """Whether vLLM schedules asynchronously: the next step is scheduled, with placeholder drafts, before
+        this one's drafts exist, and this step's tokens stay on the device (docs/async_scheduling.md)."""
+        return bool(getattr(self, "use_async_spec_decode", False))
+
+    def _plan_async(self, step: DraftStep) -> None:
+        """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
+        drafting request gets ``num_spec_tokens_to_schedule`` nodes (its placeholders), structured-output
+        requests none (the scheduler gave them no placeholders)."""
+        k = self._bole_async_k
+        step.per_request = self.speculative_config.num_speculative_tokens
+        step.quotas = [k if d and not self._structured(req_id) else 0
+                       for d, req_id in zip(drafting(step.contexts), step.req_ids)]
+        step.budget = sum(step.quotas)
+        self.bole_budgets[len(step.req_ids), step.budget] += 1
+
+    def _structured(self, req_id: str) -> bool:
+        params = self.requests[req_id].sampling_params
+        return params is not None and params.structured_outputs is not None
 
     def _plan_budget(self, step: DraftStep) -> None:
         """The step's per-request cap and node budget (``budget_rule "step"``/``"throughput"``: the clock
@@ -339,9 +367,13 @@ class BoleModelRunnerMixin:
 
     def _walk_trees(self, logits, spec_decode_metadata):
         forest = self._bole_forest
+        first = self._bole_first_pass
+        if first is not None and first.walk is not None and first.host is None:
+            # Async scheduling: the tokens stay on the device; nothing here waits for the host trees.
+            return early_drafting.device_output(self, forest)
         if forest is not None:
             forest.materialize()
-        if self._bole_first_pass is not None and self._bole_first_pass.walk is not None:
+        if first is not None and first.walk is not None:
             return early_drafting.walked_output(self, logits, forest)
         if spec_decode_metadata is None or forest is None:
             self._bole_paths = None
@@ -433,8 +465,10 @@ class BoleModelRunnerMixin:
 
     def _on_host(self, output: SamplerOutput) -> SamplerOutput:
         """A step's sampled tokens moved to the host before the drafter is queued (see ``_walk_trees``): the copy
-        waits only for the target forward. With logprobs vLLM's one-token layout stays as it is."""
-        if output.logprobs_tensors is not None or output.sampled_token_ids.device.type == "cpu":
+        waits only for the target forward. With logprobs vLLM's one-token layout stays as it is; under async
+        scheduling the tokens stay on the device."""
+        if (output.logprobs_tensors is not None or output.sampled_token_ids.device.type == "cpu"
+                or self.bole_async):
             return output
         tokens = output.sampled_token_ids.cpu()
         if tokens.shape[1] == 1:
@@ -490,19 +524,27 @@ class BoleModelRunnerMixin:
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
         # (The last step's drafts were finished when this step's execute_model began.)
+        if self.bole_async:
+            self._async_next_tokens(sampled_token_ids)
         if self._bole_first_pass is not None and self._bole_first_pass.drafted:
-            return []   # drafted before the walk (early_drafting): pending already
+            return self._no_draft_ids()   # drafted before the walk (early_drafting): pending already
         with profiled(self._bole_profiler, "draft"):
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             if self._bole_first_pass is not None:
                 step.all_rows = self._bole_first_pass.rows
-            self._plan_budget(step)
-            if self._queues_drafts(step):
-                step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+            if self.bole_async:
+                self._plan_async(step)
+            else:
+                self._plan_budget(step)
+                if self._queues_drafts(step):
+                    step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
             finish = self.bole_drafter.propose_deferred(step)
             if step.quotas is not None and step.queued is None:
-                # A drafter that builds its trees on the host: they exist now; each keeps its quota.
+                # A drafter that builds its trees on the host: they exist now; each keeps its quota (under async
+                # scheduling, fills it: vLLM scheduled that many placeholders already).
                 trees = select_quotas(finish(), step.quotas)
+                if self.bole_async:
+                    trees = [t.padded(q) for t, q in zip(trees, step.quotas)]
                 step.queued = QueuedDrafts.of_trees(step.req_ids, trees, self.device)
                 finish = lambda: trees  # noqa: E731
             self._bole_pending = (step, finish)
@@ -511,7 +553,23 @@ class BoleModelRunnerMixin:
             self._finish_drafts()
         # vLLM keeps this as the step's drafts; they are filled in when it takes them (take_draft_token_ids),
         # so its output processing runs while the device finishes the drafter's last levels.
-        return []
+        return self._no_draft_ids()
+
+    def _no_draft_ids(self):
+        """What vLLM keeps as the step's draft ids until Bole fills them in: a list, or under async scheduling
+        None (vLLM's next step then scatters no draft ids: Bole writes the draft rows from the device)."""
+        return None if self.bole_async else []
+
+    def _async_next_tokens(self, sampled_token_ids: torch.Tensor) -> None:
+        """Under async scheduling, what vLLM's next step reads on the device instead of the host output: each
+        request's last emitted token (the next root) and its count of emitted tokens, from which vLLM corrects
+        the next step's positions and sequence lengths (vLLM's drafter helper, as its MTP path calls it)."""
+        sampled = sampled_token_ids
+        if sampled.device != self.device:   # a step walked on the host
+            sampled = sampled.to(self.device, non_blocking=True)
+        next_ids, counts = self.drafter.prepare_next_token_ids_padded(
+            sampled.to(torch.int32), self.requests, self.input_batch, self.discard_request_mask.gpu)
+        self._copy_valid_sampled_token_count(next_ids, counts)
 
     def _finish_drafts(self) -> None:
         """The pending drafts' trees (waits for the drafter's selection), as vLLM's draft token ids."""
@@ -525,7 +583,8 @@ class BoleModelRunnerMixin:
                 # step reads the drafts from the device (_build_forest) and walks the host trees (StepForest.on_host).
                 self._bole_queued = (step.queued, finish, step.req_ids)
                 self._bole_last_nodes = sum(step.queued.counts)
-                self._draft_token_ids = step.queued.placeholder_ids(step.req_ids)
+                # (under async scheduling vLLM holds placeholders already and expects no ids)
+                self._draft_token_ids = None if self.bole_async else step.queued.placeholder_ids(step.req_ids)
             else:
                 with profiled(self._bole_profiler, "draft"):
                     trees = finish()
@@ -539,16 +598,32 @@ class BoleModelRunnerMixin:
 
     def _queues_drafts(self, step: DraftStep) -> bool:
         """Whether this step's drafts go to vLLM as placeholders (``selection: "per_request"``): not when a
-        request has structured outputs, whose grammar vLLM checks the draft tokens against."""
+        request has structured outputs, whose grammar vLLM checks the draft tokens against (under async
+        scheduling they always do, and those requests get no drafts: :meth:`_plan_async`)."""
         if self.bole_config.selection != "per_request":
             return False
-        return not any(self.requests[req_id].sampling_params is not None
-                       and self.requests[req_id].sampling_params.structured_outputs is not None
-                       for req_id in step.req_ids)
+        return not any(self._structured(req_id) for req_id in step.req_ids)
 
     def take_draft_token_ids(self):
         self._finish_drafts()
+        if self.bole_async:
+            # Only vLLM's structured-output path asks under async scheduling, to check drafts against grammars;
+            # Bole's structured-output requests carry none, the others only placeholders.
+            return None
         return super().take_draft_token_ids()
+
+    def _fill_placeholders(self, req_id: str, output: list[int]) -> None:
+        """Under async scheduling vLLM's host copy of a request's output ends in placeholders (-1) for the last
+        step's tokens, as many as it might have emitted: a drafter that reads the context (host drafters, which
+        walk on the host every step) gets the tokens it emitted instead, as vLLM's own penalty path does
+        (``InputBatch.update_async_output_token_ids``)."""
+        last = self._bole_host_emitted.get(req_id)
+        if not last or not output or output[-1] != PLACEHOLDER:
+            return
+        first = len(output)
+        while first > 0 and output[first - 1] == PLACEHOLDER:
+            first -= 1
+        output[first:] = last[:len(output) - first]
 
     def _draft_step(self, scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata) -> DraftStep:
         req_ids = list(self.input_batch.req_ids)
@@ -559,11 +634,15 @@ class BoleModelRunnerMixin:
         paths = self._bole_paths
         input_ids = self.input_ids.cpu
         contexts, first_pass, row = [], [], 0
+        emitted = {}
         for r, req_id in enumerate(req_ids):
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             new = [t for t in sampled[r] if t != -1]
             drafting = not discard[r] and bool(new)
             state = self.requests[req_id]
+            if self.bole_async:
+                self._fill_placeholders(req_id, state.output_token_ids)
+                emitted[req_id] = new
             start = int(self.input_batch.num_computed_tokens_cpu[r])
             if r in tree_of:
                 path = paths[r]
@@ -579,6 +658,7 @@ class BoleModelRunnerMixin:
             row += n
             contexts.append((state.prompt_token_ids, state.output_token_ids, len(state.output_token_ids), new)
                             if drafting else None)
+        self._bole_host_emitted = emitted
         return DraftStep(req_ids=req_ids, contexts=RequestContexts(contexts), hidden_states=hidden_states,
                          first_pass=first_pass, common_attn_metadata=common_attn_metadata)
 

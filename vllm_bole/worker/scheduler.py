@@ -1,17 +1,61 @@
-"""Bole's scheduler: vLLM's V1 scheduler with draft-placeholder padding turned off.
+"""Bole's schedulers: vLLM's V1 scheduler with draft-placeholder padding turned off, and its async twin.
 
 vLLM pads newly resumed decode requests with ``num_speculative_tokens`` placeholder drafts so chain batches
 stay uniform for CUDA graphs; Bole's trees vary in size per request, so it schedules only real drafts. The
 accepted-token bookkeeping (``num_computed_tokens -= drafts - accepted``) already holds for trees: the accepted
 path is moved to contiguous KV slots before the next step.
+
+Under ``async_scheduling`` vLLM schedules step N+1 before step N's drafts exist, giving every decode request
+``num_spec_tokens_to_schedule`` placeholder drafts; :class:`BoleAsyncScheduler` sets that number to each request's
+node quota for the batch (the calibrated budget split evenly), and the runner drafts exactly that many nodes per
+request (``BoleModelRunnerMixin._async_quotas``), so every placeholder has its queued node.
 """
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ..config import bole_config_from_vllm
+from ..spec_decode.budget import node_budget
 
-class BoleScheduler(Scheduler):
+
+class _NoPlaceholderPadding:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # A constant per-batch-size schedule disables placeholder padding without changing how many draft
         # tokens a request may carry.
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
+
+
+class BoleScheduler(_NoPlaceholderPadding, Scheduler):
+    pass
+
+
+def async_quota(bole_config, num_spec_tokens: int, batch_size: int, context_len: int | None,
+                model_config=None) -> int:
+    """Nodes of each request's next tree in a batch of ``batch_size`` decodes under async scheduling: the
+    step's node budget (``budget_rule "decode"``, the only rule whose budget is known before the step runs)
+    split evenly, at most ``num_spec_tokens``."""
+    if batch_size <= 0:
+        return 0
+    budget = node_budget(bole_config, batch_size, context_len=context_len, model_config=model_config)
+    return max(0, min(num_spec_tokens, budget // batch_size))
+
+
+class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bole_config = bole_config_from_vllm(self.vllm_config)
+
+    def _update_after_schedule(self, scheduler_output) -> None:
+        scheduled = scheduler_output.num_scheduled_tokens
+        if scheduled and self.num_spec_tokens:
+            context = [self.requests[r].num_computed_tokens for r in scheduled]
+            scheduler_output.num_spec_tokens_to_schedule = async_quota(
+                self.bole_config, self.num_spec_tokens, len(scheduled), sum(context) // len(context),
+                self.vllm_config.model_config)
+        super()._update_after_schedule(scheduler_output)
+        for req_id in scheduled:
+            request = self.requests[req_id]
+            if request.use_structured_output and not request.is_prefill_chunk:
+                # vLLM validates drafts against the grammar as a chain; a tree's nodes are not one: no drafts.
+                request.spec_token_ids = []

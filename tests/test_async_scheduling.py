@@ -1,0 +1,95 @@
+"""Bole under vLLM's async scheduling (engine ``async_scheduling=True``), on CPU through ``engine_run``'s
+``cpu_async_scheduling`` (vLLM 0.26 turns async scheduling off on CPU; the harness keeps it on).
+
+The scheduler places each request's next tree as placeholder drafts before the step that drafts it
+(``BoleAsyncScheduler``), the runner drafts exactly that many nodes and writes them in on the device, and the
+early path's tokens stay on the device. Greedy outputs must equal vLLM without speculation, every placeholder must
+have had its tree (no stale chains), and acceptance must match the synchronous engine's: inputs the drafter reads
+from optimistic host counts would only lower acceptance, never change the output.
+"""
+
+import json
+
+import pytest
+
+from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, write_oracle
+
+pytestmark = pytest.mark.vllm
+
+PROMPT_LENS = [3, 8, 21, 55, 13, 34]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("async")
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def requests_(model):
+    vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
+    return random_requests(vocab, PROMPT_LENS, MAX_TOKENS, seed=77)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp, model, requests_):
+    ref = run_engine(tmp, "ref", {"model": model, "engine": {"max_num_seqs": 8}, "requests": requests_,
+                                  "logprobs": 2})
+    write_oracle(tmp, requests_, ref)
+    return ref
+
+
+def _run(tmp, model, requests_, name, engine, asynchronous):
+    engine = engine | {"async_scheduling": asynchronous}
+    return run_engine(tmp, name, {"model": model, "requests": requests_, "logprobs": 2, "engine": engine,
+                                  "cpu_async_scheduling": asynchronous})
+
+
+def _assert_async(out):
+    assert out["scheduling"] == {"async_scheduling": True, "batch_queue": True,
+                                 "scheduler": "BoleAsyncScheduler"}, out["scheduling"]
+
+
+def test_mtp_drafter_async_is_lossless_and_accepts_as_sync(tmp, model, requests_, reference):
+    # 36 nodes over at most 6 requests: every request's quota is its 6 nodes (depth 3, topk 2) in both modes.
+    engine = bole_engine(tmp, "mtp", depth=3, topk=2, budget=36, drafter="mtp", max_num_seqs=6)
+    sync = _run(tmp, model, requests_, "mtp_sync", engine, False)
+    out = _run(tmp, model, requests_, "mtp_async", engine, True)
+    _assert_async(out)
+    divs = assert_lossless(reference, out, max_near_ties=2)
+    assert_lossless(reference, sync, max_near_ties=2)
+    a, s = out["counters"], sync["counters"]
+    print(f"async: near ties {len(divs)}; counters {a}; queued {out['queued_trees']}, stale "
+          f"{out['stale_placeholders']}, early {out['early_draft_steps']}\nsync: counters {s}")
+    assert out["stale_placeholders"] == 0, out["stale_placeholders"]
+    assert out["queued_trees"] > 0 and out["early_draft_steps"] > 0, out
+    # The drafter reads the true prefixes: acceptance as in the synchronous engine (the batches' make-up
+    # over time may differ a little).
+    assert a["mean_acceptance_length"] >= 0.9 * s["mean_acceptance_length"], (a, s)
+    assert a["mean_acceptance_length"] > 1.5, a
+
+
+def test_planted_trees_async_are_lossless_and_deep(tmp, model, requests_, reference):
+    """A host drafter (every step walked on the host) reads each request's context: under async scheduling vLLM's
+    host copy ends in placeholders, which the runner fills with the emitted tokens, so the planted truth is
+    found and accepted to full depth, under non-first siblings too."""
+    depth, topk = 4, 3
+    engine = bole_engine(tmp, "planted_async", depth=depth, topk=topk, budget=512, max_num_seqs=6)
+    out = _run(tmp, model, requests_, "planted_async", engine, True)
+    _assert_async(out)
+    assert_lossless(reference, out, max_near_ties=2)
+    assert out["stale_placeholders"] == 0, out["stale_placeholders"]
+    per_pos = out["counters"]["accepted_per_pos"]
+    assert per_pos[depth - 1] > 0, f"no request accepted a full depth-{depth} path: {per_pos}"
+    stats = [json.loads(line) for line in (tmp / "planted_async.stats.jsonl").read_text().splitlines()]
+    # Without the filled context the drafter would find no truth and plant nothing.
+    planted = [d for d in stats if d["depth"] > 0]
+    assert len(planted) > len(stats) // 2, f"{len(planted)} of {len(stats)} trees planted the truth"
+    assert any(any(s > 0 for s in d["siblings"]) for d in planted), "truth never under a non-first sibling"
