@@ -105,6 +105,7 @@ class _Args:
 
 class _Parallel:
     pipeline_parallel_size = 1
+    tensor_parallel_size = 1
     worker_cls = "auto"
 
 
@@ -125,6 +126,45 @@ def test_translation_sets_engine_fields():
     assert args.async_scheduling is False
     assert args.scheduler_cls.endswith("BoleScheduler") and par.worker_cls.endswith("BoleWorker")
     assert args.compilation_config.cudagraph_mode.name == "PIECEWISE"
+
+
+@pytest.mark.parametrize("flag", [None, False])
+def test_synchronous_unless_async_scheduling_is_asked_for(flag):
+    from vllm_bole.plugin import apply_bole_engine_args
+
+    args = _Args({"method": "bole"})
+    args.async_scheduling = flag
+    apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), _Parallel())
+    assert args.async_scheduling is False and args.scheduler_cls.endswith(".BoleScheduler")
+
+
+def test_async_scheduling_picks_the_async_scheduler():
+    from vllm_bole.plugin import apply_bole_engine_args
+
+    args = _Args({"method": "bole"})
+    args.async_scheduling = True
+    apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), _Parallel())
+    assert args.async_scheduling is True and args.scheduler_cls.endswith(".BoleAsyncScheduler")
+    assert args.speculative_config["method"] == "mtp"   # vLLM allows async scheduling for it
+
+
+@pytest.mark.parametrize("spec,tp,match", [
+    ({"budget_rule": "throughput"}, 1, "speculative_config.budget_rule must be 'decode' with async_scheduling"),
+    ({"budget_rule": "step"}, 1, "speculative_config.budget_rule must be 'decode' with async_scheduling"),
+    ({"selection": "global"}, 1, "speculative_config.selection must be 'per_request' with async_scheduling"),
+    ({}, 2, "async_scheduling: .* tensor_parallel_size 1 only, got 2"),
+])
+def test_async_scheduling_rejects_what_it_cannot_run(spec, tp, match):
+    from vllm_bole.plugin import apply_bole_engine_args
+
+    args = _Args({"method": "bole", **spec})
+    args.async_scheduling = True
+    parallel = _Parallel()
+    parallel.tensor_parallel_size = tp
+    with pytest.raises(BoleConfigError, match=match) as e:
+        apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), parallel)
+    assert "\n" not in str(e.value)
+    assert args.speculative_config["method"] == "bole"   # nothing translated
 
 
 def test_other_methods_untouched():

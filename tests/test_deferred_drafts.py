@@ -58,7 +58,7 @@ def test_take_finishes_the_pending_drafts_once():
 def test_the_next_step_finishes_drafts_nobody_took():
     runner, calls = _runner(), []
     _pending(runner, calls)
-    out = runner.execute_model(SimpleNamespace())
+    out = runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
     assert calls == [1] and out[0] == "executed" and sorted(out[1]) == ["a", "b"]
 
 
@@ -153,7 +153,7 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
     runner._update_states_after_model_execute(SimpleNamespace(device=SimpleNamespace(type="cpu")), None)
     assert calls == [] and runner._bole_commit is forest and runner.vllm_updates == 1
     runner._bole_forest = None
-    out = runner.execute_model(SimpleNamespace())
+    out = runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
     assert out[0] == "executed" and calls == [("state", forest), ("kv", forest, ("mtp.attn",))]
-    runner.execute_model(SimpleNamespace())
+    runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
     assert len(calls) == 2 and runner._bole_commit is None

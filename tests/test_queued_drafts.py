@@ -90,3 +90,23 @@ def test_host_trees_as_queued_drafts():
     _assert_queued_is(queued, trees)
     assert queued.placeholder_ids(["c", "a", "x"]) == [[PLACEHOLDER], [PLACEHOLDER] * 3, []]
     assert queued.count("b") == 0 and queued.count("zz") == 0
+
+
+def test_padded_trees_fill_their_quota_under_the_root():
+    """Async scheduling: a host drafter's tree smaller than its quota gets root children of a fixed token (score 0,
+    after the real nodes), so every placeholder vLLM scheduled has a node; its nodes and their order are kept."""
+    tree = DraftTree([5, 6, 7], [-1, 0, 1], [0.9, 0.8, 0.7])
+    padded = tree.padded(6)
+    assert padded.tokens == [5, 6, 7, 0, 0, 0] and padded.parents == [-1, 0, 1, -1, -1, -1]
+    assert padded.scores[3:] == [0.0] * 3 and padded.depths() == [1, 2, 3, 1, 1, 1]
+    assert padded.truncated(3) == tree and tree.padded(2) == tree and DraftTree().padded(2).depths() == [1, 1]
+
+
+@pytest.mark.parametrize("budget,batch,per_request,expect", [
+    (36, 6, 6, 6), (36, 7, 6, 5), (12, 24, 6, 0), (512, 1, 6, 6), (100, 3, 64, 33)])
+def test_async_quota_is_the_budget_split_evenly(budget, batch, per_request, expect):
+    from vllm_bole.config import BoleConfig
+    from vllm_bole.worker.scheduler import async_quota
+
+    assert async_quota(BoleConfig(budget=budget), per_request, batch, context_len=100) == expect
+    assert async_quota(BoleConfig(budget=budget), per_request, 0, context_len=None) == 0

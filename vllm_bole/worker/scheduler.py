@@ -45,8 +45,18 @@ class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.bole_config = bole_config_from_vllm(self.vllm_config)
+        # A platform may turn async scheduling off after the engine arguments chose this class (vLLM's CPU
+        # platform always does): it then schedules as BoleScheduler.
+        self._asynchronous = bool(self.scheduler_config.async_scheduling)
+
+    def _update_request_with_output(self, request, new_token_ids):
+        if not self._asynchronous:
+            return Scheduler._update_request_with_output(self, request, new_token_ids)
+        return super()._update_request_with_output(request, new_token_ids)
 
     def _update_after_schedule(self, scheduler_output) -> None:
+        if not self._asynchronous:
+            return Scheduler._update_after_schedule(self, scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
         if scheduled and self.num_spec_tokens:
             context = [self.requests[r].num_computed_tokens for r in scheduled]
