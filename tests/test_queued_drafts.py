@@ -110,3 +110,24 @@ def test_async_quota_is_the_budget_split_evenly(budget, batch, per_request, expe
 
     assert async_quota(BoleConfig(budget=budget), per_request, batch, context_len=100) == expect
     assert async_quota(BoleConfig(budget=budget), per_request, 0, context_len=None) == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_filled_quotas_grow_enough_levels_after_shallow_trees(seed):
+    """Async scheduling (``fill_quotas``): vLLM placed each quota's placeholders before the drafter ran, so every
+    tree holds its whole quota even after steps whose trees stayed shallow (the level hint would grow fewer
+    levels, and the tree fewer candidates than its quota)."""
+    k, depth, reqs, roots, synthetic = _case(seed)
+    depth = max(depth, 4)
+    drafter = _stand_in(k, depth, synthetic)
+    beam = DeviceBeam(drafter)
+    hidden = torch.tensor([[float(7 + 13 * r)] for r in reqs])
+    quota = min(depth * k, k + 2 * k * k)   # needs two expansion levels when k > 1
+    quotas = [quota if r in reqs else 0 for r in range(12)]
+    beam._level_hint[quota] = 1   # the last trees of this quota reached one level only
+    step = DraftStep(req_ids=[f"r{j}" for j in range(12)], contexts=[], per_request=depth * k, quotas=quotas,
+                     fill_quotas=True)
+    trees = beam.grow(step, None, reqs, roots, hidden)
+    assert [len(t) for t in trees] == [quota] * len(reqs)
+    assert step.queued.counts == [quota] * len(reqs)
+    _assert_queued_is(step.queued, trees)

@@ -289,6 +289,8 @@ class DeviceBeam:
         else:   # no early stop (it would wait for the device): as many levels as recent steps' trees used
             bound = self.levels(max(quotas), None)
             levels = min(bound, self._level_hint.get(max(quotas), bound))
+            if step.fill_quotas:   # enough candidates for every quota: k root children, k*k per level
+                levels = min(bound, max(levels, -(-max(max(quotas) - k, 0) // (k * k))))
         m = k + levels * k * k
         top = (top if top is not None else self.drafter._top_rows(hidden)).double()   # [G, 2k]
         if not isinstance(roots, torch.Tensor):

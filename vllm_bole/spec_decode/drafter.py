@@ -55,6 +55,8 @@ class DraftStep:
     fewer only if the drafter has fewer candidates); a drafter that keeps its trees on the device then sets
     ``queued`` (``spec_decode/queued_drafts.py``) before ``propose_deferred`` returns, so that the step can be
     scheduled before the drafts are done.
+    fill_quotas: every tree must hold exactly its quota (async scheduling placed that many placeholder drafts
+    before the drafter ran), so a drafter grows at least enough candidates for it.
     all_rows: the drafter's first pass already ran over every verified node (MTP: (hidden states, top children)
     per row of the step, ``MTPTreeDrafter.first_pass_all_rows``), so it skips its catch-up.
     """
@@ -68,6 +70,7 @@ class DraftStep:
     budget: int | None = None
     quotas: list[int] | None = None
     queued: object = None   # QueuedDrafts, set by a drafter whose trees stay on the device
+    fill_quotas: bool = False
     all_rows: tuple | None = None
 
 

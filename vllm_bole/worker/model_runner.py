@@ -170,6 +170,7 @@ class BoleModelRunnerMixin:
         step.quotas = [k if d and not self._structured(req_id) else 0
                        for d, req_id in zip(drafting(step.contexts), step.req_ids)]
         step.budget = sum(step.quotas)
+        step.fill_quotas = True
         self.bole_budgets[len(step.req_ids), step.budget] += 1
 
     def _structured(self, req_id: str) -> bool:
