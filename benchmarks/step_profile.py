@@ -157,6 +157,8 @@ def main() -> None:
                              "by side in the same engine (default: as the configuration sets it, on)")
     parser.add_argument("--host-profile", metavar="DIR",
                         help="also run each batch under cProfile and write the host call tables to DIR")
+    parser.add_argument("--engine", default="{}",
+                        help='more LLM keyword arguments as JSON, e.g. \'{"async_scheduling": true}\'')
     args = parser.parse_args()
     spec = None if args.spec == "none" else json.loads(args.spec)
     bole = spec is not None and spec.get("method") == "bole"
@@ -179,7 +181,7 @@ def main() -> None:
               # Tree steps carry B + (up to the budget) tokens: capture sizes over that range, as benchmarks/e2e.py.
               compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *range(8, 256, 8), *range(256, 513, 32)}
                                                                       | set(args.batch))},
-              speculative_config=spec)
+              speculative_config=spec, **json.loads(args.engine))
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     modes = [None]
     if bole and args.first_pass != "config":

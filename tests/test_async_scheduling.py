@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, write_oracle
+from e2e_support import assert_graphs_used, assert_lossless, bole_engine, random_requests, run_engine, write_oracle
 
 pytestmark = pytest.mark.vllm
 
@@ -70,6 +70,7 @@ def test_mtp_drafter_async_is_lossless_and_accepts_as_sync(tmp, model, requests_
           f"{out['stale_placeholders']}, early {out['early_draft_steps']}\nsync: counters {s}")
     assert out["stale_placeholders"] == 0, out["stale_placeholders"]
     assert out["queued_trees"] > 0 and out["early_draft_steps"] > 0, out
+    assert_graphs_used(out, drafter=True)
     # The drafter reads the true prefixes: acceptance as in the synchronous engine (the batches' make-up
     # over time may differ a little).
     assert a["mean_acceptance_length"] >= 0.9 * s["mean_acceptance_length"], (a, s)
