@@ -22,8 +22,7 @@ from ..logger import init_logger
 from ..spec_decode.device_walk import greedy_walk, synthetic_targets
 from ..spec_decode.drafter import DraftStep, drafting
 from ..spec_decode.queued_drafts import quotas_of
-from ..spec_decode.tree_sampler import (draw_tree_rows, is_plain_greedy, is_plain_random, pad_outputs,
-                                        tree_rows_supported)
+from ..spec_decode.tree_sampler import draw_tree_rows, is_plain_greedy, is_plain_random, tree_rows_supported
 from .host_copy import HostCopy
 from .kv_compaction import compact_accepted_kv
 
@@ -183,7 +182,7 @@ def walked_output(runner, logits, forest) -> SamplerOutput:
     forest.accepted_paths = paths
     runner._bole_paths = paths
     runner._note_walk(forest)
-    sampled = pad_outputs(outputs, "cpu", min_width=2)
+    sampled = runner._host_walk_tokens(outputs)
     if runner.input_batch.sampling_metadata.max_num_logprobs is None:
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
     row_start = starts   # every request is a tree, in batch order

@@ -446,11 +446,18 @@ class BoleModelRunnerMixin:
         self._note_walk(forest)
         # On the host: vLLM's bookkeeping then reads it without a copy, which would wait behind the drafter's
         # levels on the stream (width >= 2 keeps it on its spec-decode parsing, which needs no event sync either).
-        sampled = pad_outputs(outputs, "cpu", min_width=2)
+        sampled = self._host_walk_tokens(outputs)
         if wants_logprobs and not own_logprobs:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=final.logprobs_tensors)
         return SamplerOutput(sampled_token_ids=sampled,
                              logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
+
+    def _host_walk_tokens(self, outputs: list[list[int]]) -> torch.Tensor:
+        """A host walk's emitted tokens as vLLM's sampled token ids: on the host (its bookkeeping then needs no
+        copy), except under async scheduling, where vLLM reads them on the device (its own spec-decode helpers
+        too, e.g. when the step's batch does not fit the drafter)."""
+        sampled = pad_outputs(outputs, "cpu", min_width=2)
+        return sampled.to(self.device) if self.bole_async else sampled
 
     def _path_logprobs(self, logits, sampled, paths, row_start):
         """Raw logprobs of every emitted token, from the logits row of the node that produced it; laid out
@@ -565,11 +572,8 @@ class BoleModelRunnerMixin:
         """Under async scheduling, what vLLM's next step reads on the device instead of the host output: each
         request's last emitted token (the next root) and its count of emitted tokens, from which vLLM corrects
         the next step's positions and sequence lengths (vLLM's drafter helper, as its MTP path calls it)."""
-        sampled = sampled_token_ids
-        if sampled.device != self.device:   # a step walked on the host
-            sampled = sampled.to(self.device, non_blocking=True)
         next_ids, counts = self.drafter.prepare_next_token_ids_padded(
-            sampled.to(torch.int32), self.requests, self.input_batch, self.discard_request_mask.gpu)
+            sampled_token_ids.to(torch.int32), self.requests, self.input_batch, self.discard_request_mask.gpu)
         self._copy_valid_sampled_token_count(next_ids, counts)
 
     def _finish_drafts(self) -> None:
