@@ -2,6 +2,7 @@
 drafter's work; ``take_draft_token_ids`` (after vLLM's output processing) or, failing that, the next
 ``execute_model`` waits for it and turns it into the step's trees and draft token ids, once."""
 
+import collections
 from types import SimpleNamespace
 
 from vllm_bole.spec_decode.drafter import DraftStep, TreeDrafter
@@ -32,6 +33,7 @@ def _runner():
     runner._bole_trees, runner._draft_token_ids, runner._bole_last_nodes = {}, None, 0
     runner._bole_commit, runner._bole_first_pass = None, None
     runner.bole_drafter = SimpleNamespace(selects=True, own_kv_layers=lambda: ("mtp.attn",))
+    runner.requests = collections.defaultdict(lambda: SimpleNamespace(sampling_params=None))
     return runner
 
 
@@ -157,3 +159,20 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
     assert out[0] == "executed" and calls == [("state", forest), ("kv", forest, ("mtp.attn",))]
     runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
     assert len(calls) == 2 and runner._bole_commit is None
+
+
+def test_structured_output_requests_verify_their_trees_best_chain():
+    """vLLM masks a structured-output request's draft rows as one sequence (the grammar advanced through the
+    drafts in order): a sibling's row would get the mask of a path it is not on. Such a request's tree becomes
+    its best path; the other requests keep their trees."""
+    runner, calls = _runner(), []
+    runner.requests = {"a": SimpleNamespace(sampling_params=SimpleNamespace(structured_outputs=object())),
+                       "b": SimpleNamespace(sampling_params=None)}
+    tree = DraftTree([5, 6, 7, 8, 9], [-1, -1, 1, 1, 0], [0.4, 0.5, 0.3, 0.45, 0.35])
+    step = DraftStep(req_ids=["a", "b"], contexts=[[1], [2]])
+    runner._bole_pending = (step, lambda: [tree, tree])
+    runner._finish_drafts()
+    chain = runner._bole_trees["a"]
+    assert chain.tokens == [6, 8] and chain.parents == [-1, 0] and chain.scores == [0.5, 0.45]
+    assert runner._bole_trees["b"] == tree and runner._draft_token_ids == [[6, 8], tree.tokens]
+    assert DraftTree().best_chain() == DraftTree()

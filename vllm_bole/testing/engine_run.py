@@ -4,7 +4,7 @@
 
 SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "requests": [{"prompt": [ids],
 "max_tokens": n, "ignore_eos": bool, "temperature": t, "seed": s, "stop_token_ids": [ids], "top_k": k,
-"top_p": p, "min_p": m}], "logprobs": 2, "cpu_async_scheduling": bool}; request keys other than "prompt" and
+"top_p": p, "min_p": m, "structured": {vLLM StructuredOutputsParams fields, e.g. "regex": "..."}}], "logprobs": 2, "cpu_async_scheduling": bool}; request keys other than "prompt" and
 "max_tokens" are optional (vLLM's defaults, except ``ignore_eos`` true and ``temperature`` 0).
 ``cpu_async_scheduling``: run vLLM's async scheduling on CPU (:func:`force_cpu_async_scheduling`). Each
 configuration runs in its own process (tests start one per engine), so registries and caches never leak between
@@ -69,10 +69,14 @@ _OPTIONAL_SAMPLING = ("top_k", "top_p", "min_p")
 
 
 def _sampling_params(sampling_params_cls, r: dict, logprobs):
+    extra = {key: r[key] for key in _OPTIONAL_SAMPLING if key in r}
+    if "structured" in r:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        extra["structured_outputs"] = StructuredOutputsParams(**r["structured"])
     return sampling_params_cls(max_tokens=r["max_tokens"], ignore_eos=r.get("ignore_eos", True),
                                temperature=r.get("temperature", 0.0), seed=r.get("seed"),
-                               stop_token_ids=r.get("stop_token_ids"), logprobs=logprobs,
-                               **{key: r[key] for key in _OPTIONAL_SAMPLING if key in r})
+                               stop_token_ids=r.get("stop_token_ids"), logprobs=logprobs, **extra)
 
 
 def force_cpu_async_scheduling() -> None:

@@ -595,6 +595,10 @@ class BoleModelRunnerMixin:
                     trees = finish()
                     if not self.bole_drafter.selects:
                         trees = select_step(trees, step.per_request, step.budget)
+                    # vLLM checks a structured-output request's drafts against its grammar and masks their rows as
+                    # one sequence: such a request verifies a chain, its tree's best path.
+                    trees = [t.best_chain() if self._structured(req_id) else t
+                             for req_id, t in zip(step.req_ids, trees)]
                 self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
                 self._bole_last_nodes = sum(len(t) for t in trees)
                 self._draft_token_ids = [t.tokens for t in trees]
