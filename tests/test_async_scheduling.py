@@ -16,8 +16,9 @@ from e2e_support import assert_graphs_used, assert_lossless, bole_engine, random
 
 pytestmark = pytest.mark.vllm
 
-PROMPT_LENS = [3, 8, 21, 55, 13, 34]
+PROMPT_LENS = [3, 8, 21, 55, 13, 34, 200]
 MAX_TOKENS = 32
+LONG = len(PROMPT_LENS) - 1   # runs into max_model_len (256): its last steps do not fit the drafter
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,9 @@ def model():
 @pytest.fixture(scope="module")
 def requests_(model):
     vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
-    return random_requests(vocab, PROMPT_LENS, MAX_TOKENS, seed=77)
+    reqs = random_requests(vocab, PROMPT_LENS, MAX_TOKENS, seed=77)
+    reqs[LONG]["max_tokens"] = 100
+    return reqs
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,7 @@ def reference(tmp, model, requests_):
     ref = run_engine(tmp, "ref", {"model": model, "engine": {"max_num_seqs": 8}, "requests": requests_,
                                   "logprobs": 2})
     write_oracle(tmp, requests_, ref)
+    assert len(ref["outputs"][LONG]["tokens"]) == 256 - PROMPT_LENS[LONG]
     return ref
 
 
@@ -52,6 +56,28 @@ def _run(tmp, model, requests_, name, engine, asynchronous):
                                   "cpu_async_scheduling": asynchronous})
 
 
+def test_sampled_requests_and_logprobs_run_async(tmp, model, requests_, reference):
+    """A sampled request beside greedy ones (its trees are walked by draws), no logprobs (the early path's
+    tokens stay on the device) and a request that runs into max_model_len (its last steps do not fit the drafter):
+    the greedy outputs are exact, the sampled one runs to its length."""
+    reqs = [dict(r) for r in requests_] + [{"prompt": requests_[2]["prompt"], "max_tokens": 20,
+                                            "temperature": 0.8, "seed": 7}]
+    engine = bole_engine(tmp, "mtp_sampled", depth=3, topk=2, budget=48, drafter="mtp", max_num_seqs=8)
+    out = run_engine(tmp, "mtp_sampled", {"model": model, "requests": reqs, "engine": engine | {"async_scheduling": True},
+                                          "cpu_async_scheduling": True})
+    _assert_async(out)
+    sampled = out["outputs"].pop()
+    assert len(sampled["tokens"]) == 20
+    assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in reference["outputs"]]
+    assert out["early_draft_steps"] > 0 and out["outputs"][LONG]["finish_reason"] == "length", out
+
+
+def _short(requests_, reference):
+    """The requests that stay clear of max_model_len, and their reference outputs: near it the batch does not fit
+    vLLM's drafter check, vLLM skips drafting for that step, and the placeholders it scheduled before go stale."""
+    return requests_[:LONG], {"outputs": reference["outputs"][:LONG]}
+
+
 def _assert_async(out):
     assert out["scheduling"] == {"async_scheduling": True, "batch_queue": True,
                                  "scheduler": "BoleAsyncScheduler"}, out["scheduling"]
@@ -59,6 +85,7 @@ def _assert_async(out):
 
 def test_mtp_drafter_async_is_lossless_and_accepts_as_sync(tmp, model, requests_, reference):
     # 36 nodes over at most 6 requests: every request's quota is its 6 nodes (depth 3, topk 2) in both modes.
+    requests_, reference = _short(requests_, reference)
     engine = bole_engine(tmp, "mtp", depth=3, topk=2, budget=36, drafter="mtp", max_num_seqs=6)
     sync = _run(tmp, model, requests_, "mtp_sync", engine, False)
     out = _run(tmp, model, requests_, "mtp_async", engine, True)
@@ -81,6 +108,7 @@ def test_planted_trees_async_are_lossless_and_deep(tmp, model, requests_, refere
     """A host drafter (every step walked on the host) reads each request's context: under async scheduling vLLM's
     host copy ends in placeholders, which the runner fills with the emitted tokens, so the planted truth is
     found and accepted to full depth, under non-first siblings too."""
+    requests_, reference = _short(requests_, reference)
     depth, topk = 4, 3
     engine = bole_engine(tmp, "planted_async", depth=depth, topk=topk, budget=512, max_num_seqs=6)
     out = _run(tmp, model, requests_, "planted_async", engine, True)
