@@ -161,10 +161,9 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
     assert len(calls) == 2 and runner._bole_commit is None
 
 
-def test_structured_output_requests_verify_their_trees_best_chain():
-    """vLLM masks a structured-output request's draft rows as one sequence (the grammar advanced through the
-    drafts in order): a sibling's row would get the mask of a path it is not on. Such a request's tree becomes
-    its best path; the other requests keep their trees."""
+def test_structured_output_requests_carry_no_drafts():
+    """A structured-output request's next token comes from vLLM's sampler with its grammar (its tree would not be
+    walked past the root): its tree is dropped; the other requests keep theirs."""
     runner, calls = _runner(), []
     runner.requests = {"a": SimpleNamespace(sampling_params=SimpleNamespace(structured_outputs=object())),
                        "b": SimpleNamespace(sampling_params=None)}
@@ -172,7 +171,5 @@ def test_structured_output_requests_verify_their_trees_best_chain():
     step = DraftStep(req_ids=["a", "b"], contexts=[[1], [2]])
     runner._bole_pending = (step, lambda: [tree, tree])
     runner._finish_drafts()
-    chain = runner._bole_trees["a"]
-    assert chain.tokens == [6, 8] and chain.parents == [-1, 0] and chain.scores == [0.5, 0.45]
-    assert runner._bole_trees["b"] == tree and runner._draft_token_ids == [[6, 8], tree.tokens]
-    assert DraftTree().best_chain() == DraftTree()
+    assert runner._bole_trees["a"] == DraftTree() and runner._bole_trees["b"] == tree
+    assert runner._draft_token_ids == [[], tree.tokens] and runner._bole_last_nodes == len(tree)

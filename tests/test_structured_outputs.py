@@ -1,8 +1,7 @@
 """Structured outputs with Bole equal vLLM's without speculation (CPU, tiny Qwen3.5, greedy, a regex grammar).
 
-vLLM checks a structured-output request's drafts against its grammar and masks their rows as one sequence, so
-such a request verifies a chain (its tree's best path) under synchronous scheduling, and no drafts under async
-scheduling; the other requests of the batch keep their trees.
+A structured-output request's next token comes from vLLM's sampler with its grammar, so it carries no drafts
+(under synchronous and async scheduling); the other requests of the batch keep their trees.
 """
 
 import json

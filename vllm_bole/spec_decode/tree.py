@@ -29,19 +29,6 @@ class DraftTree:
     def truncated(self, n: int) -> "DraftTree":
         return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n])
 
-    def best_chain(self) -> "DraftTree":
-        """The path that takes the highest-scoring child at every level, from the root down, as a one-wide tree
-        (for structured outputs: vLLM checks a request's drafts against its grammar, and masks their rows, as one
-        sequence)."""
-        children = children_of(self.parents)
-        children[-1] = [i for i, p in enumerate(self.parents) if p < 0]
-        path, node = [], -1
-        while children.get(node):
-            node = max(children[node], key=lambda c: self.scores[c])
-            path.append(node)
-        return DraftTree([self.tokens[i] for i in path], list(range(-1, len(path) - 1)),
-                         [self.scores[i] for i in path])
-
     def padded(self, n: int, token: int = 0) -> "DraftTree":
         """At least ``n`` nodes: the missing ones as children of the root holding ``token`` (score 0, so they
         come last). For verification slots fixed before the drafts were made (async scheduling): a padding

@@ -74,7 +74,7 @@ class BoleModelRunnerMixin:
         self._bole_early_on = True   # off after a failure of the drafting before the walk
         # vLLM's async scheduling (engine ``async_scheduling=True``): the scheduler gives every decode request
         # ``num_spec_tokens_to_schedule`` placeholder drafts before this runner drafts them (worker/scheduler.py);
-        # that number, this step's, is each drafting request's quota (:meth:`_async_quotas`)
+        # that number, this step's, is each drafting request's quota (:meth:`_plan_async`)
         self._bole_async_k = 0
         # Under async scheduling: per request, the tokens the last host-walked step emitted (_fill_placeholders)
         self._bole_host_emitted: dict[str, list[int]] = {}
@@ -164,7 +164,7 @@ class BoleModelRunnerMixin:
     def _plan_async(self, step: DraftStep) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
         drafting request gets ``num_spec_tokens_to_schedule`` nodes (its placeholders), structured-output
-        requests none (the scheduler gave them no placeholders)."""
+        requests none (the scheduler gave them no placeholders; their trees would not be walked past the root)."""
         k = self._bole_async_k
         step.per_request = self.speculative_config.num_speculative_tokens
         step.quotas = [k if d and not self._structured(req_id) else 0
@@ -595,9 +595,9 @@ class BoleModelRunnerMixin:
                     trees = finish()
                     if not self.bole_drafter.selects:
                         trees = select_step(trees, step.per_request, step.budget)
-                    # vLLM checks a structured-output request's drafts against its grammar and masks their rows as
-                    # one sequence: such a request verifies a chain, its tree's best path.
-                    trees = [t.best_chain() if self._structured(req_id) else t
+                    # A structured-output request's next token comes from vLLM's sampler with its grammar, past
+                    # the root nothing of its tree would be walked (tree_sampler.is_plain_greedy): no drafts.
+                    trees = [DraftTree() if self._structured(req_id) else t
                              for req_id, t in zip(step.req_ids, trees)]
                 self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
                 self._bole_last_nodes = sum(len(t) for t in trees)

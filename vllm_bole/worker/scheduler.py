@@ -67,5 +67,6 @@ class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
         for req_id in scheduled:
             request = self.requests[req_id]
             if request.use_structured_output and not request.is_prefill_chunk:
-                # vLLM validates drafts against the grammar as a chain; a tree's nodes are not one: no drafts.
+                # Its next token comes from vLLM's sampler with its grammar: the runner walks no tree past the
+                # root for it (tree_sampler.is_plain_greedy), so it gets no placeholders.
                 request.spec_token_ids = []
