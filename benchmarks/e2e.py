@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-nodes", type=_ints, default=[8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024])
     p.add_argument("--calib-epsilon", type=float, default=0.1)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/e2e.json)")
-    p.add_argument("--log-dir", default=None, help="engine logs (default $OUT/e2e-logs or /tmp/bole-e2e)")
+    p.add_argument("--log-dir", default=None,
+                   help="engine logs (default /tmp/bole-e2e; with $OUT set, also packed into $OUT/e2e-logs.tgz)")
     p.add_argument("--profile-batch", type=int, default=None,
                    help="Bole: after the timed runs, one pass at this batch size with the step profiler (phase "
                         "times in the JSON) and one under cProfile (host call tables in the log directory)")
@@ -375,8 +376,7 @@ def _tail(path: Path, n: int = 30) -> str:
 def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
     """Start one worker per configuration at once, then give each its timed turn, merging each result into
     ``out`` as soon as it is in; returns results by name."""
-    run_dir = Path(args.log_dir or (Path(os.environ["OUT"]) / "e2e-logs" if os.environ.get("OUT")
-                                    else Path("/tmp/bole-e2e")))
+    run_dir = Path(args.log_dir or "/tmp/bole-e2e")
     run_dir.mkdir(parents=True, exist_ok=True)
     for f in run_dir.glob("*"):
         if f.suffix in (".ready", ".go", ".json") and f.stem in CONFIGS:
@@ -416,6 +416,14 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
             print(f"{name}: timed phase {time.monotonic() - t:.0f} s", flush=True)
         else:
             print(f"{name}: failed rc={proc.returncode}; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
+    if os.environ.get("OUT"):   # a GPU machine's output folder takes few files: the logs as one archive
+        import tarfile
+
+        with tarfile.open(Path(os.environ["OUT"]) / "e2e-logs.tgz", "w:gz") as tar:
+            for name in args.configs:
+                for suffix in (".log", ".json"):
+                    if (run_dir / f"{name}{suffix}").exists():
+                        tar.add(run_dir / f"{name}{suffix}", arcname=f"{name}{suffix}")
     return results
 
 

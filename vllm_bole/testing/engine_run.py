@@ -99,6 +99,11 @@ def force_cpu_async_scheduling() -> None:
     CpuPlatform.check_and_update_config = classmethod(keep_async)
 
 
+def _preemptions(llm) -> int:
+    """Requests vLLM preempted (KV cache full) over the run."""
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
+
+
 def _scheduling(llm) -> dict:
     """Whether the engine really scheduled asynchronously: its config flag, the engine core's batch queue and the
     scheduler class."""
@@ -133,7 +138,7 @@ def run(spec: dict) -> dict:
             "first_pass_steps": getattr(_runner(llm), "bole_first_pass_steps", None),
             "early_draft_steps": getattr(_runner(llm), "bole_early_draft_steps", None),
             "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None),
-            "scheduling": _scheduling(llm)}
+            "scheduling": _scheduling(llm), "preemptions": _preemptions(llm)}
 
 
 def main() -> None:
