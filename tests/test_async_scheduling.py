@@ -63,8 +63,8 @@ def test_sampled_requests_and_logprobs_run_async(tmp, model, requests_, referenc
     reqs = [dict(r) for r in requests_] + [{"prompt": requests_[2]["prompt"], "max_tokens": 20,
                                             "temperature": 0.8, "seed": 7}]
     engine = bole_engine(tmp, "mtp_sampled", depth=3, topk=2, budget=48, drafter="mtp", max_num_seqs=8)
-    out = run_engine(tmp, "mtp_sampled", {"model": model, "requests": reqs, "engine": engine | {"async_scheduling": True},
-                                          "cpu_async_scheduling": True})
+    out = run_engine(tmp, "mtp_sampled", {"model": model, "requests": reqs, "cpu_async_scheduling": True,
+                                          "engine": engine | {"async_scheduling": True}})
     _assert_async(out)
     sampled = out["outputs"].pop()
     assert len(sampled["tokens"]) == 20
