@@ -70,6 +70,8 @@ def test_sampled_requests_and_logprobs_run_async(tmp, model, requests_, referenc
     assert len(sampled["tokens"]) == 20
     assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in reference["outputs"]]
     assert out["early_draft_steps"] > 0 and out["outputs"][LONG]["finish_reason"] == "length", out
+    # Without logprobs the early steps hand vLLM their tokens on the device (no host copy of the walk).
+    assert out["device_output_steps"] == out["early_draft_steps"], out
 
 
 def _short(requests_, reference):
@@ -97,6 +99,7 @@ def test_mtp_drafter_async_is_lossless_and_accepts_as_sync(tmp, model, requests_
           f"{out['stale_placeholders']}, early {out['early_draft_steps']}\nsync: counters {s}")
     assert out["stale_placeholders"] == 0, out["stale_placeholders"]
     assert out["queued_trees"] > 0 and out["early_draft_steps"] > 0, out
+    assert out["device_output_steps"] == 0, out   # logprobs asked for: the walk's paths go to the host
     assert_graphs_used(out, drafter=True)
     # The drafter reads the true prefixes: acceptance as in the synchronous engine (the batches' make-up
     # over time may differ a little).

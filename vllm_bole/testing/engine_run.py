@@ -138,6 +138,7 @@ def run(spec: dict) -> dict:
             "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None),
             "first_pass_steps": getattr(_runner(llm), "bole_first_pass_steps", None),
             "early_draft_steps": getattr(_runner(llm), "bole_early_draft_steps", None),
+            "device_output_steps": getattr(_runner(llm), "bole_device_output_steps", None),
             "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None),
             "scheduling": _scheduling(llm), "preemptions": _preemptions(llm)}
 

@@ -167,6 +167,7 @@ def device_output(runner, forest) -> SamplerOutput:
     forest.accepted_paths = None
     runner._bole_paths = None
     runner._bole_host_emitted = {}
+    runner.bole_device_output_steps += 1
     return SamplerOutput(sampled_token_ids=runner._bole_first_pass.walk.emitted, logprobs_tensors=None)
 
 

@@ -68,6 +68,7 @@ class BoleModelRunnerMixin:
         self._bole_first_pass = None
         self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
         self.bole_early_draft_steps = 0   # steps whose whole drafting and commit were queued before the walk
+        self.bole_device_output_steps = 0   # of those, steps whose tokens stayed on the device (async scheduling)
         # speculative_config.early_drafting: the drafter's first pass over every node before the walk; otherwise
         # it catches up after the walk
         self._bole_first_pass_on = self.bole_config.early_drafting
