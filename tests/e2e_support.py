@@ -89,6 +89,11 @@ def assert_lossless(ref: dict, test: dict, max_near_ties: int) -> list[Divergenc
     return divs
 
 
+def vocab_size(model_dir: str) -> int:
+    """The tiny checkpoint's vocabulary size (its config's text part)."""
+    return json.load(open(f"{model_dir}/config.json"))["text_config"]["vocab_size"]
+
+
 def random_requests(vocab: int, prompt_lens, max_tokens: int, seed: int = 1234) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt": [rng.randrange(10, vocab) for _ in range(n)], "max_tokens": max_tokens} for n in prompt_lens]

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from e2e_support import assert_graphs_used, assert_lossless, bole_engine, random_requests, run_engine, write_oracle
+from e2e_support import (assert_graphs_used, assert_lossless, bole_engine, random_requests, run_engine, vocab_size,
+                          write_oracle)
 
 pytestmark = pytest.mark.vllm
 
@@ -27,16 +28,13 @@ def tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model():
-    from vllm_bole.testing.tiny_models import tiny_model_dir
-
-    return tiny_model_dir("qwen3_5")
+def model(tiny_qwen3_5_dir):
+    return tiny_qwen3_5_dir
 
 
 @pytest.fixture(scope="module")
 def requests_(model):
-    vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
-    reqs = random_requests(vocab, PROMPT_LENS, MAX_TOKENS, seed=77)
+    reqs = random_requests(vocab_size(model), PROMPT_LENS, MAX_TOKENS, seed=77)
     reqs[LONG]["max_tokens"] = 100
     return reqs
 

@@ -4,21 +4,16 @@ A structured-output request's next token comes from vLLM's sampler with its gram
 (under synchronous and async scheduling); the other requests of the batch keep their trees.
 """
 
-import json
-
 import pytest
 
-from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, write_oracle
+from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, vocab_size, write_oracle
 
 pytestmark = pytest.mark.vllm
 
 
-def test_structured_outputs_are_lossless_sync_and_async(tmp_path):
-    from vllm_bole.testing.tiny_models import tiny_model_dir
-
-    model = tiny_model_dir("qwen3_5")
-    vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
-    requests = random_requests(vocab, [5, 12, 30, 7, 9], 40, seed=3)
+def test_structured_outputs_are_lossless_sync_and_async(tmp_path, tiny_qwen3_5_dir):
+    model = tiny_qwen3_5_dir
+    requests = random_requests(vocab_size(model), [5, 12, 30, 7, 9], 40, seed=3)
     for r in requests[:3]:
         r |= {"structured": {"regex": "[a-z ]{8,80}"}, "ignore_eos": False}
     ref = run_engine(tmp_path, "ref", {"model": model, "requests": requests, "logprobs": 2,
