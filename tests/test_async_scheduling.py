@@ -123,3 +123,20 @@ def test_planted_trees_async_are_lossless_and_deep(tmp, model, requests_, refere
     planted = [d for d in stats if d["depth"] > 0]
     assert len(planted) > len(stats) // 2, f"{len(planted)} of {len(stats)} trees planted the truth"
     assert any(any(s > 0 for s in d["siblings"]) for d in planted), "truth never under a non-first sibling"
+
+
+def test_requests_stop_inside_accepted_paths_async(tmp, model, requests_, reference):
+    """Each request stops at a token of its reference continuation while the next step, with its placeholders,
+    is already scheduled: vLLM cuts the output at the stop token inside an accepted path and discards the step in
+    flight; the other requests go on with their trees."""
+    reqs, expected = [], []
+    for i, (r, out) in enumerate(zip(requests_[:LONG], reference["outputs"])):
+        stop = out["tokens"][5 + 3 * i]
+        reqs.append(dict(r, stop_token_ids=[stop]))
+        expected.append(out["tokens"][:out["tokens"].index(stop) + 1])
+    engine = bole_engine(tmp, "mtp_stop", depth=3, topk=2, budget=36, drafter="mtp", max_num_seqs=6)
+    out = _run(tmp, model, reqs, "mtp_stop", engine, True)
+    _assert_async(out)
+    assert [o["tokens"] for o in out["outputs"]] == expected
+    assert all(o["finish_reason"] == "stop" for o in out["outputs"])
+    assert out["counters"]["num_accepted_tokens"] > 0 and out["early_draft_steps"] > 0, out
