@@ -140,3 +140,14 @@ def test_requests_stop_inside_accepted_paths_async(tmp, model, requests_, refere
     assert [o["tokens"] for o in out["outputs"]] == expected
     assert all(o["finish_reason"] == "stop" for o in out["outputs"])
     assert out["counters"]["num_accepted_tokens"] > 0 and out["early_draft_steps"] > 0, out
+
+
+def test_a_budget_below_the_batch_drafts_nothing_async(tmp, model, requests_, reference):
+    """A budget of fewer nodes than decoding requests gives each a quota of 0: no placeholders, plain decode
+    steps (the tokens of vLLM's own sampler, on the device), outputs still exact."""
+    requests_, reference = _short(requests_, reference)
+    engine = bole_engine(tmp, "mtp_k0", depth=3, topk=2, budget=4, drafter="mtp", max_num_seqs=6)
+    out = _run(tmp, model, requests_, "mtp_k0", engine, True)
+    _assert_async(out)
+    assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in reference["outputs"]]
+    assert out["counters"]["num_draft_tokens"] == 0 and out["stale_placeholders"] == 0, out
