@@ -173,3 +173,18 @@ def test_structured_output_requests_carry_no_drafts():
     runner._finish_drafts()
     assert runner._bole_trees["a"] == DraftTree() and runner._bole_trees["b"] == tree
     assert runner._draft_token_ids == [[], tree.tokens] and runner._bole_last_nodes == len(tree)
+
+
+def test_async_placeholders_in_a_context_become_the_emitted_tokens():
+    """Under async scheduling vLLM's host output of a request ends in placeholders for the last step, as many as
+    it might have emitted (1 + its drafts); a host drafter's context gets the tokens that step really emitted."""
+    runner = _runner()
+    runner._bole_host_emitted = {"a": [11, 12], "b": [13]}
+    out_a = [1, 2, -1, -1, -1, -1]               # two emitted of four possible
+    runner._fill_placeholders("a", out_a)
+    assert out_a == [1, 2, 11, 12]
+    out_b, out_c, out_d = [3, -1], [4, -1, -1], [5, 6]
+    runner._fill_placeholders("b", out_b)
+    runner._fill_placeholders("c", out_c)        # no tokens on record (e.g. its last step drafted on the device)
+    runner._fill_placeholders("a", out_d)        # nothing to fill
+    assert out_b == [3, 13] and out_c == [4, -1, -1] and out_d == [5, 6]
