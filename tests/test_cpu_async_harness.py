@@ -3,18 +3,15 @@ engines, the harness keeps it on. Pinned here with vLLM's own MTP chain: the eng
 batch queue and AsyncScheduler, and its greedy tokens are those of the synchronous engine, so that async work on
 Bole's path can be checked on CPU against the same harness (docs/async_scheduling.md)."""
 
-import json
-
 import pytest
 
-from e2e_support import random_requests, run_engine
+from e2e_support import random_requests, run_engine, vocab_size
 
 pytestmark = pytest.mark.vllm
 
 
 def test_async_scheduling_runs_on_cpu_and_matches_sync(tmp_path, tiny_qwen3_5_dir):
-    vocab = json.load(open(f"{tiny_qwen3_5_dir}/config.json"))["text_config"]["vocab_size"]
-    requests = random_requests(vocab, [7, 30, 12, 19], max_tokens=24)
+    requests = random_requests(vocab_size(tiny_qwen3_5_dir), [7, 30, 12, 19], max_tokens=24)
     engine = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}, "max_num_seqs": 4}
     outs = {}
     for name, on in (("sync", False), ("async", True)):

@@ -8,7 +8,7 @@ copies the paths and tokens to the host once, runs the MTP drafter's first pass 
 (``MTPTreeDrafter.propose_from_walk``) and commits from the device paths. The runner's walk then only reads the
 copy (:func:`walked_output`), which waits for the forward and the walk alone, and vLLM's drafting call finds the
 drafts pending. Under vLLM's async scheduling there is no host copy: the step's tokens stay on the device
-(:func:`device_output`), and the trees' sizes are the scheduler's (``BoleModelRunnerMixin._plan_async``).
+(:func:`device_output`), and the trees' sizes are the scheduler's (``BoleModelRunnerMixin._plan_quotas``).
 """
 
 from dataclasses import dataclass
@@ -20,8 +20,7 @@ from vllm.v1.utils import record_function_or_nullcontext
 from ..attention.gdn import commit_step
 from ..logger import init_logger
 from ..spec_decode.device_walk import greedy_walk, synthetic_targets
-from ..spec_decode.drafter import DraftStep, drafting
-from ..spec_decode.queued_drafts import quotas_of
+from ..spec_decode.drafter import DraftStep
 from ..spec_decode.tree_sampler import draw_tree_rows, is_plain_greedy, is_plain_random, tree_rows_supported
 from .host_copy import HostCopy
 from .kv_compaction import compact_accepted_kv
@@ -102,20 +101,19 @@ def launch(runner, scheduler_output) -> FirstPass | None:
         on_device = walk is not None and runner.bole_async and metadata.max_num_logprobs is None
         host = None if on_device else HostCopy(payload)
         slots = runner.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
-        seq_lens = runner._bole_seq_lens[:num_reqs].tolist()
-        if runner.bole_async:
-            # The step was prepared from counts that assumed every draft accepted; vLLM has corrected them on the
-            # host by now (after launching the forward), and the drafter attends over the true prefixes.
-            computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].tolist()
-            seq_lens = [c + scheduler_output.num_scheduled_tokens[r]
-                        for c, r in zip(computed, runner.input_batch.req_ids)]
+        # Prefix + scheduled tokens per request. Under async scheduling the step was prepared from counts that
+        # assumed every draft accepted; vLLM has corrected them on the host by now (after launching the forward),
+        # so the drafter attends over the true prefixes.
+        computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].tolist()
+        seq_lens = [c + scheduler_output.num_scheduled_tokens[r] for c, r in zip(computed, runner.input_batch.req_ids)]
         rows = drafter.first_pass_all_rows(cm, forest, after, runner.positions[:n], slots, seq_lens,
                                            state.hidden_states[:n])
     runner.bole_first_pass_steps += 1
     first = FirstPass(host=host, rows=rows, walk=walk)
     if walk is not None:
         try:
-            _draft_before_walk(runner, forest, walk, rows, cm, max(seq_lens))
+            _draft_before_walk(runner, forest, walk, rows, cm, max(seq_lens),
+                               scheduler_output.num_spec_tokens_to_schedule)
             first.drafted = True
         except Exception as e:   # drafts only: this step drafts after the walk, with its catch-up
             logger.warning("Bole's drafting before the walk is off: it failed (%s: %s); drafting after it",
@@ -133,11 +131,12 @@ def _synthetic_generator(runner, device) -> torch.Generator:
     return gen
 
 
-def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int) -> None:
+def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int, placeholders: int) -> None:
     """The rest of the step on the device, queued before the host reads the walk: the paths' MTP K/V to
     contiguous slots, the next trees' levels from the path ends (their drafts stay queued for the next step,
     as ``propose_draft_token_ids`` would leave them), then the commit (GDN state, conv windows, the other
-    layers' K/V) from the device paths. vLLM's drafting call then finds it done."""
+    layers' K/V) from the device paths. vLLM's drafting call then finds it done. ``placeholders``: the step's
+    ``num_spec_tokens_to_schedule`` (each tree's size under async scheduling)."""
     drafter = runner.bole_drafter
     num_reqs = runner.input_batch.num_reqs
     runner.bole_early_draft_steps += 1
@@ -148,11 +147,7 @@ def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int) ->
         compact_accepted_kv(runner, forest, only=drafter.own_kv_layers(), walk=walk)
         step = DraftStep(req_ids=list(runner.input_batch.req_ids), contexts=[()] * num_reqs,
                          common_attn_metadata=cm)
-        if runner.bole_async:
-            runner._plan_async(step)
-        else:
-            runner._plan_budget(step)
-            step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+        runner._plan_quotas(step, placeholders, queued=True)
     finish = drafter.propose_from_walk(step, walk, first_pass, runner.positions, root_bound)
     runner._bole_pending = (step, finish)
     with record_function_or_nullcontext("bole: early_commit"):

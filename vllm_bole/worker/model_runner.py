@@ -63,7 +63,6 @@ class BoleModelRunnerMixin:
         self._bole_acceptance = AcceptanceModel(self.bole_config.topk, self.bole_config.max_depth)
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
         self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
-        self._bole_seq_lens = None   # per batch request of the step: prefix + scheduled tokens (numpy)
         # This step's drafting queued behind its target forward (early_drafting.FirstPass), if any
         self._bole_first_pass = None
         self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
@@ -73,10 +72,6 @@ class BoleModelRunnerMixin:
         # it catches up after the walk
         self._bole_first_pass_on = self.bole_config.early_drafting
         self._bole_early_on = True   # off after a failure of the drafting before the walk
-        # vLLM's async scheduling (engine ``async_scheduling=True``): the scheduler gives every decode request
-        # ``num_spec_tokens_to_schedule`` placeholder drafts before this runner drafts them (worker/scheduler.py);
-        # that number, this step's, is each drafting request's quota (:meth:`_plan_async`)
-        self._bole_async_k = 0
         # Under async scheduling: per request, the tokens the last host-walked step emitted (_fill_placeholders)
         self._bole_host_emitted: dict[str, list[int]] = {}
 
@@ -142,7 +137,6 @@ class BoleModelRunnerMixin:
         self._commit()
         self._finish_drafts()
         self._bole_first_pass = None
-        self._bole_async_k = scheduler_output.num_spec_tokens_to_schedule
         try:
             with profiled(self._bole_profiler, "forward"):
                 output = super().execute_model(scheduler_output, intermediate_tensors)
@@ -162,11 +156,22 @@ class BoleModelRunnerMixin:
         this one's drafts exist, and this step's tokens stay on the device (docs/async_scheduling.md)."""
         return bool(getattr(self, "use_async_spec_decode", False))
 
-    def _plan_async(self, step: DraftStep) -> None:
+    def _plan_quotas(self, step: DraftStep, placeholders: int, queued: bool) -> None:
+        """The step's per-request cap, node budget and, for drafts that go to vLLM as placeholders, each
+        request's quota. ``placeholders``: the step's ``num_spec_tokens_to_schedule`` (async scheduling);
+        ``queued``: the drafts are queued whatever the batch holds (the early path), else :meth:`_queues_drafts`
+        decides."""
+        if self.bole_async:
+            self._plan_async(step, placeholders)
+            return
+        self._plan_budget(step)
+        if queued or self._queues_drafts(step):
+            step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+
+    def _plan_async(self, step: DraftStep, k: int) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
-        drafting request gets ``num_spec_tokens_to_schedule`` nodes (its placeholders), structured-output
+        drafting request gets ``k`` nodes (``num_spec_tokens_to_schedule``, its placeholders), structured-output
         requests none (the scheduler gave them no placeholders; their trees would not be walked past the root)."""
-        k = self._bole_async_k
         step.per_request = self.speculative_config.num_speculative_tokens
         step.quotas = [k if d and not self._structured(req_id) else 0
                        for d, req_id in zip(drafting(step.contexts), step.req_ids)]
@@ -288,7 +293,6 @@ class BoleModelRunnerMixin:
             flat = torch.tensor(parent + cu, dtype=torch.int32).to(self.device, non_blocking=True)
             parent, cu_seqlens = flat[:n], flat[n:]
         seq_lens = self.input_batch.num_computed_tokens_cpu[:len(req_ids)] + num_scheduled_tokens[:len(req_ids)]
-        self._bole_seq_lens = seq_lens   # per batch request (plain decodes may become trees in the forward)
         forest = StepForest(
             req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
             parent=parent, cu_seqlens=cu_seqlens, tokens=tokens, tree_parents=tree_parents,
@@ -541,12 +545,7 @@ class BoleModelRunnerMixin:
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             if self._bole_first_pass is not None:
                 step.all_rows = self._bole_first_pass.rows
-            if self.bole_async:
-                self._plan_async(step)
-            else:
-                self._plan_budget(step)
-                if self._queues_drafts(step):
-                    step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+            self._plan_quotas(step, scheduler_output.num_spec_tokens_to_schedule, queued=False)
             finish = self.bole_drafter.propose_deferred(step)
             if step.quotas is not None and step.queued is None:
                 # A drafter that builds its trees on the host: they exist now; each keeps its quota (under async
@@ -608,8 +607,8 @@ class BoleModelRunnerMixin:
 
     def _queues_drafts(self, step: DraftStep) -> bool:
         """Whether this step's drafts go to vLLM as placeholders (``selection: "per_request"``): not when a
-        request has structured outputs, whose grammar vLLM checks the draft tokens against (under async
-        scheduling they always do, and those requests get no drafts: :meth:`_plan_async`)."""
+        request has structured outputs, whose grammar vLLM checks the draft tokens against (not asked under async
+        scheduling, where drafts always go as placeholders and structured-output requests get none)."""
         if self.bole_config.selection != "per_request":
             return False
         return not any(self._structured(req_id) for req_id in step.req_ids)

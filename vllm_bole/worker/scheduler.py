@@ -8,7 +8,7 @@ path is moved to contiguous KV slots before the next step.
 Under ``async_scheduling`` vLLM schedules step N+1 before step N's drafts exist, giving every decode request
 ``num_spec_tokens_to_schedule`` placeholder drafts; :class:`BoleAsyncScheduler` sets that number to each request's
 node quota for the batch (the calibrated budget split evenly), and the runner drafts exactly that many nodes per
-request (``BoleModelRunnerMixin._async_quotas``), so every placeholder has its queued node.
+request (``BoleModelRunnerMixin._plan_quotas``), so every placeholder has its queued node.
 """
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
