@@ -127,13 +127,13 @@ def _host_profile(llm, batch: int, args, out_dir: Path, tag: str) -> None:
 
     prof = cProfile.Profile()
     prof.enable()
-    _generate(llm, batch, args.prompt_len, 64, seed=batch + 2)
+    _generate(llm, batch, args.prompt_len, args.host_profile_tokens or args.new_tokens, seed=batch + 2)
     prof.disable()
     out_dir.mkdir(parents=True, exist_ok=True)
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("cumulative").print_stats(80)
-    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats(120)
+    stats.sort_stats("tottime").print_stats(80)
     (out_dir / f"host_B{tag}.txt").write_text(text.getvalue())
 
 
@@ -157,6 +157,9 @@ def main() -> None:
                              "by side in the same engine (default: as the configuration sets it, on)")
     parser.add_argument("--host-profile", metavar="DIR",
                         help="also run each batch under cProfile and write the host call tables to DIR")
+    parser.add_argument("--host-profile-tokens", type=int, default=0,
+                        help="new tokens per request of the cProfile pass (default: --new-tokens, so that the "
+                             "steady state outweighs the prefill)")
     parser.add_argument("--engine", default="{}",
                         help='more LLM keyword arguments as JSON, e.g. \'{"async_scheduling": true}\'')
     args = parser.parse_args()
