@@ -137,6 +137,30 @@ def _host_profile(llm, batch: int, args, out_dir: Path, tag: str) -> None:
     (out_dir / f"host_B{tag}.txt").write_text(text.getvalue())
 
 
+def _host_audit(llm, batch: int, args, out_dir: Path, tag: str) -> None:
+    """Host wall time per step of the engine's and runner's phases, and where the host waited for the GPU
+    (``host_audit.py``), over one generate call at the measured length."""
+    import host_audit
+
+    if not hasattr(llm, "_host_audit"):
+        llm._host_audit = (host_audit.HostTimer(), host_audit.SyncAudit())
+        host_audit.time_engine(llm, llm._host_audit[0])
+    timer, syncs = llm._host_audit
+    timer.reset()
+    timer.on = True
+    syncs.start()
+    tokens, elapsed = _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch + 3)
+    syncs.stop()
+    timer.on = False
+    steps = timer.calls["engine: execute_model"]
+    head = (f"B={tag}: {tokens} tokens in {elapsed * 1e3:.1f} ms with the audit on, {steps} steps, "
+            f"{elapsed * 1e3 / max(steps, 1):.2f} ms/step")
+    text = head + "\n\n" + timer.report(f"B={tag}", "engine: execute_model") + "\n\n" + syncs.report(f"B={tag}", steps)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"hostaudit_B{tag}.txt").write_text(text + "\n")
+    print(text, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(MODEL))
@@ -160,6 +184,9 @@ def main() -> None:
     parser.add_argument("--host-profile-tokens", type=int, default=0,
                         help="new tokens per request of the cProfile pass (default: --new-tokens, so that the "
                              "steady state outweighs the prefill)")
+    parser.add_argument("--host-audit", metavar="DIR",
+                        help="also run each batch with host timers and a GPU-wait audit (benchmarks/host_audit.py, no "
+                             "profiler) and write hostaudit_B<b>.txt to DIR")
     parser.add_argument("--engine", default="{}",
                         help='more LLM keyword arguments as JSON, e.g. \'{"async_scheduling": true}\'')
     args = parser.parse_args()
@@ -223,6 +250,8 @@ def main() -> None:
         tag = f"{batch}" if mode is None else f"{batch}_{mode}"
         if args.torch_profile:
             row |= _torch_profile(llm, batch, args, Path(args.torch_profile), tag)
+        if args.host_audit:
+            _host_audit(llm, batch, args, Path(args.host_audit), tag)
         if args.host_profile:
             _host_profile(llm, batch, args, Path(args.host_profile), tag)
         label = f"B={batch}" if mode is None else f"B={batch} first pass {mode}"
