@@ -194,5 +194,17 @@ def time_engine(llm, timer: HostTimer) -> None:
         (verify_graphs.VerifyGraphs, "forest_tensors", "bole: VerifyGraphs.forest_tensors"),
         (gdn, "commit_step", "bole: gdn.commit_step"),
         (torch.cuda.CUDAGraph, "replay", "torch: CUDAGraph.replay"),
+        (runner, "_determine_batch_execution_and_padding", "runner: _determine_batch_execution_and_padding"),
+        (runner, "_get_slot_mappings", "runner: _get_slot_mappings"),
+        (runner, "_calc_spec_decode_metadata", "runner: _calc_spec_decode_metadata"),
+        (runner, "_get_valid_sampled_token_count", "runner: _get_valid_sampled_token_count"),
+        (runner, "_prepare_input_ids", "runner: _prepare_input_ids"),
+        (runner.model, "compute_logits", "runner: model.compute_logits"),
     ]:
         timer.wrap(obj, name, label)
+    # Every metadata builder class the step uses (one label per class and method).
+    builders = {type(b) for groups in runner.attn_groups for g in groups for b in g.metadata_builders}
+    for cls in builders:
+        for name in ("build", "update_block_table"):
+            if name in cls.__dict__ or hasattr(cls, name):
+                timer.wrap(cls, name, f"builder: {cls.__name__}.{name}")

@@ -151,7 +151,7 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
                         lambda runner, forest, skip: calls.append(("kv", forest, skip)))
     runner = _runner()
     runner.device = SimpleNamespace(type="cpu")
-    forest = runner._bole_forest = SimpleNamespace(accepted_paths=[[0, 2]], accepted_device=None)
+    forest = runner._bole_forest = SimpleNamespace(accepted_paths=[[0, 2]], accepted_device=None, kv_compacted=False)
     runner._update_states_after_model_execute(SimpleNamespace(device=SimpleNamespace(type="cpu")), None)
     assert calls == [] and runner._bole_commit is forest and runner.vllm_updates == 1
     runner._bole_forest = None
@@ -159,6 +159,13 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
     assert out[0] == "executed" and calls == [("state", forest), ("kv", forest, ("mtp.attn",))]
     runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
     assert len(calls) == 2 and runner._bole_commit is None
+    # A step whose drafting before the walk moved every layer's K/V and then failed: the state only (a second
+    # move of the same path would read slots the first one overwrote).
+    moved = runner._bole_forest = SimpleNamespace(accepted_paths=[[0, 2]], accepted_device=None, kv_compacted=True)
+    runner._update_states_after_model_execute(SimpleNamespace(device=SimpleNamespace(type="cpu")), None)
+    runner._bole_forest = None
+    runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
+    assert calls[2:] == [("state", moved)] and runner._bole_commit is None
 
 
 def test_structured_output_requests_carry_no_drafts():

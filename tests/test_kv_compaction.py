@@ -127,3 +127,50 @@ def test_gpu_compaction_moves_every_attention_layer_in_one_launch_per_layout(mon
             compact_kv(FlashPagedKV(want), src.to(DEV), dst.to(DEV))
             assert torch.equal(caches[name], want), name
             assert not torch.equal(want, before[name])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_compaction_of_a_device_walk_is_the_host_paths_compaction(monkeypatch, seed):
+    """A device walk's moves (the one-launch kernel that reads the walk's rows and the slot mappings itself,
+    drafting before the walk) leave every layer's cache as the host paths' moves do: random paths (chains, deep
+    paths under later siblings, root only), a layer group of its own, padded path columns."""
+    import random
+
+    from vllm_bole.spec_decode.device_walk import DeviceWalk
+
+    if not GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kv_compaction.current_platform, "is_cpu", lambda: False)
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    sizes = [rng.randint(1, 9) for _ in range(rng.randint(1, 4))]
+    paths = []
+    for size in sizes:   # increasing local nodes from the root: node j of a path lies at depth j
+        path = [0]
+        while path[-1] < size - 1 and rng.random() < 0.8:
+            path.append(rng.randint(path[-1] + 1, size - 1))
+        paths.append(path)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    n, w = sum(sizes), max(len(p) for p in paths) + rng.randint(0, 2)
+    rows = torch.full((len(sizes), w), -1, dtype=torch.long)
+    for b, path in enumerate(paths):
+        rows[b, :len(path)] = torch.tensor([starts[b] + j for j in path])
+    walk = DeviceWalk(rows=rows.to(DEV), length=None, deepest=None, emitted=None)
+    forest = StepForest(req_ids=[str(i) for i in range(len(sizes))], tree_req_indices=list(range(len(sizes))),
+                        parent=None, cu_seqlens=torch.tensor(starts + [n], dtype=torch.int32).to(DEV),
+                        tokens=[[0] * s for s in sizes], query_starts=starts)
+    forest.accepted_paths = paths
+    buf = torch.randn(8, 2, 16, 2, 16, generator=g).to(DEV)
+    caches = {"attn0": buf[:, 0].permute(0, 2, 1, 3), "attn1": buf[:, 1].permute(0, 2, 1, 3)}
+    caches["mtp"] = torch.randn(8, 16, 2, 16, generator=g).to(DEV).permute(0, 2, 1, 3)
+    perm = torch.randperm(8 * 16, generator=g)
+    groups = [(spec, ["attn0", "mtp"], perm[:n]), (spec, ["attn1"], perm[n:2 * n])]
+    before = {k: c.clone() for k, c in caches.items()}
+    kv_compaction.compact_accepted_kv(_fake_runner(groups, caches), forest, walk=walk)
+    for spec_, names, slots in groups:
+        src, dst = accepted_slot_moves(forest, slots)
+        for name in names:
+            want = before[name].clone()
+            compact_kv(FlashPagedKV(want), src.to(DEV), dst.to(DEV))
+            assert torch.equal(caches[name], want), name

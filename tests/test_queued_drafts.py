@@ -42,6 +42,37 @@ def test_quota_selection_is_select_quotas(seed):
     _assert_queued_is(queued, want)
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_triton_quota_selection_is_the_torch_one(seed):
+    """The one-launch selection (kernels/tree_select, the interpreter without a GPU) keeps the nodes the torch
+    pair keeps (chosen mask) and queues the same trees, on random candidates with and without score ties, strided
+    candidate rows (the beam's buffers are wider than a step's candidates), zero and full quotas, up to 256
+    candidates."""
+    from triton_modes import DEV, import_kernel_modules, interpreter
+
+    (mod,) = import_kernel_modules("vllm_bole.kernels.tree_select.triton_select")
+    rng = np.random.default_rng(500 + seed)
+    g, k = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    levels = int(rng.integers(0, 256 // (k * k) if seed % 4 == 0 else 4))
+    n, depths, parents, scores, tokens = random_candidates(rng, g, k, levels, ties=seed % 2 == 1)
+    n = min(n, mod.MAX_CANDIDATES)
+    counts = [int(c) for c in rng.integers(0, n + 1, size=g)]
+    counts[0] = n if seed % 3 == 0 else counts[0]
+    # Candidates as columns :n of wider rows, as BeamState holds them.
+    wide = [np.concatenate([a[:, :n], np.full((g, 7), -5.0)], axis=1) for a in (scores, tokens, parents)]
+    sc, tok, par = (torch.tensor(a, dtype=torch.float64, device=DEV)[:, :n] for a in wide)
+    dep = torch.tensor(depths[:n], device=DEV)
+    width = max(max(counts), 1)
+    with interpreter():
+        chosen, q_tok, q_par, q_dep = mod.quota_select(sc, dep, tok, par, torch.tensor(counts, device=DEV), width)
+    want_chosen = quota_mask(sc.cpu(), dep.cpu(), torch.tensor(counts))
+    assert torch.equal(chosen.cpu(), want_chosen.double())
+    want = queued_selection(want_chosen, tok.cpu(), par.cpu(), dep.cpu(), [f"r{j}" for j in range(g)], counts)
+    for j, c in enumerate(counts):
+        for got, ref in ((q_tok, want.tokens), (q_par, want.parents), (q_dep, want.depths)):
+            assert got[j, :c].cpu().tolist() == ref[j, :c].tolist(), (j, c)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_beam_with_quotas_queues_its_trees(seed):
     k, depth, reqs, roots, synthetic = _case(seed)

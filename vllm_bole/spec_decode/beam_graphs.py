@@ -29,7 +29,7 @@ from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest
 from ..worker.verify_graphs import GraphStep, capture
-from .device_beam import BeamState, LevelPlan, pack_bits, selection_alive
+from .device_beam import BeamState, LevelPlan, device_constant, pack_bits, selection_alive
 
 logger = init_logger(__name__)
 
@@ -58,6 +58,8 @@ class BeamGraphs:
         self.disabled = False
         self._full_logged = False
         self._step = None           # (request bucket, padded rows) of the step being grown
+        self._layout = None         # (requests, bucket, levels) whose row layout the buffers hold
+        self._budget_value = None   # the budget the buffer holds
 
     def start(self, cm, reqs: list[int], plan: LevelPlan, hidden: torch.Tensor, top: torch.Tensor,
               budget: int | None = None):
@@ -76,21 +78,30 @@ class BeamGraphs:
         if self.block_table is None:
             self.block_table = torch.zeros_like(cm.block_table_tensor[:1]).expand(self.max_reqs, -1).contiguous()
         levels, rows = plan.seq_lens.shape[0], g * k
-        # Padding requests: no query rows (meta rows 0, its own batch index), no keys, KV slot -1.
-        qsl = np.full(bucket + 1, rows, dtype=np.int32)
-        qsl[:g + 1] = np.arange(g + 1) * k
-        meta = np.zeros((levels, bucket, 5), dtype=np.int32)
-        meta[:, :g] = plan.meta
-        meta[:, g:, 0] = np.arange(g, bucket)
-        self.query_start_loc[:bucket + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
-        self.meta[:levels, :bucket].copy_(torch.from_numpy(meta), non_blocking=True)
-        self.budget.fill_(budget if budget is not None else 1 << 40)
+        # The row layout (query_start_loc, tree-row metadata, padding rows) depends on (g, bucket, levels) alone
+        # (LevelPlan.meta): a step of the same shape as the last one finds it in the buffers already.
+        shape = (g, bucket, levels)
+        same_shape = shape == self._layout
+        if not same_shape:
+            # Padding requests: no query rows (meta rows 0, its own batch index), no keys, KV slot -1.
+            qsl = np.full(bucket + 1, rows, dtype=np.int32)
+            qsl[:g + 1] = np.arange(g + 1) * k
+            meta = np.zeros((levels, bucket, 5), dtype=np.int32)
+            meta[:, :g] = plan.meta
+            meta[:, g:, 0] = np.arange(g, bucket)
+            self.query_start_loc[:bucket + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
+            self.meta[:levels, :bucket].copy_(torch.from_numpy(meta), non_blocking=True)
+        budget = budget if budget is not None else 1 << 40
+        if budget != self._budget_value:
+            self.budget.fill_(budget)
+            self._budget_value = budget
         if isinstance(plan.seq_lens, torch.Tensor):   # from device roots: device to device
-            self.seq_lens[:levels, g:bucket].zero_()
+            if not same_shape:
+                self.seq_lens[:levels, g:bucket].zero_()
+                self.positions[:levels, rows:bucket * k].zero_()
+                self.slots[:levels, rows:bucket * k].fill_(PADDING_SLOT_ID)
             self.seq_lens[:levels, :g].copy_(plan.seq_lens)
-            self.positions[:levels, rows:bucket * k].zero_()
             self.positions[:levels, :rows].copy_(plan.positions)
-            self.slots[:levels, rows:bucket * k].fill_(PADDING_SLOT_ID)
             self.slots[:levels, :rows].copy_(plan.slots)
         else:
             seq_lens = np.zeros((levels, bucket), dtype=np.int32)
@@ -102,9 +113,12 @@ class BeamGraphs:
             pos_slots = torch.from_numpy(pos_slots).to(hidden.device, non_blocking=True)
             self.positions[:levels, :bucket * k].copy_(pos_slots[0])
             self.slots[:levels, :bucket * k].copy_(pos_slots[1])
+        self._layout = shape
         dev = hidden.device
-        self.block_table[:g].copy_(cm.block_table_tensor[torch.from_numpy(np.asarray(reqs)).to(dev,
-                                                                                                non_blocking=True)])
+        if reqs == list(range(g)):   # every request of the batch, in order: no gather
+            self.block_table[:g].copy_(cm.block_table_tensor[:g])
+        else:
+            self.block_table[:g].copy_(cm.block_table_tensor[device_constant(tuple(reqs), dev)])
         state = self._views(bucket)
         if bucket > g:
             hidden = torch.cat([hidden, hidden.new_zeros(bucket - g, hidden.shape[1])])

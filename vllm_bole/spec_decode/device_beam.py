@@ -27,6 +27,21 @@ from ..worker.host_copy import HostCopy
 from .tree import DraftTree
 
 
+_CONSTANTS: dict = {}
+
+
+def device_constant(values: tuple, device) -> torch.Tensor:
+    """An int64 device tensor of ``values``, made once (pinned, non-blocking) and never written: the small
+    per-step index tensors a fixed step shape repeats (request rows, quotas) cost a host copy each otherwise."""
+    key = (str(device), values)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) > 1024:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = async_tensor_h2d(list(values), device, torch.long)
+    return t
+
+
 def region_words(max_depth: int, topk: int) -> int:
     """Bit words of a drafter level's region (a request's queries so far, at most depth * topk keys), with the
     width of the drafter level graphs' bit buffer."""
@@ -133,6 +148,27 @@ def queued_selection(chosen: torch.Tensor, tokens: torch.Tensor, parents: torch.
                         depths=depths[index])
 
 
+def quota_selection(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                    req_ids: list[str], counts: list[int]):
+    """(chosen ``[G, n]`` float64 0/1, :class:`~.queued_drafts.QueuedDrafts`): :func:`quota_mask` with
+    ``counts`` then :func:`queued_selection`; on CUDA one Triton launch (``kernels/tree_select``) instead of their
+    twenty-odd ops. Entries of the queued rows past a request's count are unspecified."""
+    from ..kernels import _use_triton
+
+    device, n = scores.device, scores.shape[1]
+    counts_dev = device_constant(tuple(counts), device)
+    if _use_triton(scores):
+        from ..kernels.tree_select import triton_select
+        from .queued_drafts import QueuedDrafts
+
+        if n <= triton_select.MAX_CANDIDATES:
+            width = max(max(counts, default=0), 1)
+            chosen, tok, par, dep = triton_select.quota_select(scores, depths, tokens, parents, counts_dev, width)
+            return chosen, QueuedDrafts(req_ids=req_ids, counts=counts, tokens=tok, parents=par, depths=dep)
+    chosen = quota_mask(scores, depths, counts_dev)
+    return chosen.double(), queued_selection(chosen, tokens, parents, depths, req_ids, counts)
+
+
 def trees_of_selection(host: np.ndarray, g: int, n: int) -> list[DraftTree]:
     """The ``g`` trees of selected nodes given as ``[5, S]`` rows (request, node, token, parent node, score),
     sorted by request then node: parents re-indexed within each request's kept nodes."""
@@ -203,11 +239,11 @@ class LevelPlan:
         if isinstance(roots, torch.Tensor):
             dev = roots.device
             roots = roots.long()
-            d = torch.arange(1, levels + 1, device=dev)[:, None]                   # [L, 1]
+            d = device_constant(tuple(range(1, levels + 1)), dev)[:, None]          # [L, 1]
             positions = (roots[None, :] + d - 1).repeat_interleave(k, dim=1)       # [L, G*k]
             kv_pos = (roots[None, :, None] + (d[:, :, None] - 1) * k
-                      + torch.arange(k, device=dev)).reshape(levels, g * k)
-            r = torch.tensor(reqs, dtype=torch.long).repeat_interleave(k).to(dev, non_blocking=True)
+                      + device_constant(tuple(range(k)), dev)).reshape(levels, g * k)
+            r = device_constant(tuple(x for x in reqs for _ in range(k)), dev)
             slots = drafter._device_slots(r[None, :], kv_pos)
             return cls(positions=positions, slots=slots, seq_lens=roots[None, :] + d * k, meta=meta,
                        seq_max=[root_bound + (i + 1) * k for i in range(levels)])
@@ -326,9 +362,8 @@ class DeviceBeam:
         else:
             counts = [min(q, n) for q in quotas]
             # pinned, non-blocking: the copy does not wait for the levels queued before it
-            chosen = quota_mask(s.scores[:g, :n], depths, async_tensor_h2d(counts, device, torch.long))
-            step.queued = queued_selection(chosen, s.tokens[:g, :n], s.parents[:g, :n], depths,
-                                           [step.req_ids[r] for r in reqs], counts)
+            chosen, step.queued = quota_selection(s.scores[:g, :n], s.tokens[:g, :n], s.parents[:g, :n], depths,
+                                                  [step.req_ids[r] for r in reqs], counts)
         # Every candidate and the selection mask in one fixed-size copy (no sync for the selection's size).
         # A copy of its own per call: a step's selection can still be unread when the next one is copied (drafting
         # before the walk grows step t+2's trees before step t+1's are read).

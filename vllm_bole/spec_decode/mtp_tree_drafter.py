@@ -140,7 +140,11 @@ class MTPTreeDrafter(TreeDrafter):
         pad = (num_reqs or len(chunks)) - len(chunks)
         qsl = torch.tensor([0] + [len(c[1]) for c in chunks] + [0] * pad, dtype=torch.int32).cumsum(0)
         seq_lens_cpu = torch.tensor([c[3] for c in chunks] + [0] * pad, dtype=torch.int32)
-        rows = cm.block_table_tensor[_to_device([c[0] for c in chunks], cm.block_table_tensor.device)]
+        reqs = [c[0] for c in chunks]
+        if reqs == list(range(len(chunks))):   # every request of the batch in order (a first pass): no gather
+            rows = cm.block_table_tensor[:len(chunks)]
+        else:
+            rows = cm.block_table_tensor[_to_device(reqs, cm.block_table_tensor.device)]
         return qsl.to(torch.int32), seq_lens_cpu, rows
 
     def _metadata(self, cm: CommonAttentionMetadata, chunks, n: int, device_tensors=None):

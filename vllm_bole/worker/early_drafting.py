@@ -132,10 +132,10 @@ def _synthetic_generator(runner, device) -> torch.Generator:
 
 
 def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int, placeholders: int) -> None:
-    """The rest of the step on the device, queued before the host reads the walk: the paths' MTP K/V to
-    contiguous slots, the next trees' levels from the path ends (their drafts stay queued for the next step,
-    as ``propose_draft_token_ids`` would leave them), then the commit (GDN state, conv windows, the other
-    layers' K/V) from the device paths. vLLM's drafting call then finds it done. ``placeholders``: the step's
+    """The rest of the step on the device, queued before the host reads the walk: the paths' K/V to contiguous
+    slots (every attention layer, the drafter's included), the next trees' levels from the path ends (their drafts
+    stay queued for the next step, as ``propose_draft_token_ids`` would leave them), then the commit (GDN state,
+    conv windows) from the device paths. vLLM's drafting call then finds it done. ``placeholders``: the step's
     ``num_spec_tokens_to_schedule`` (each tree's size under async scheduling)."""
     drafter = runner.bole_drafter
     num_reqs = runner.input_batch.num_reqs
@@ -144,7 +144,10 @@ def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int, pl
     # Profiling scopes (traces: benchmarks/step_profile.py --trace) for the host work queued here besides the
     # levels, which have their own.
     with record_function_or_nullcontext("bole: early_plan"):
-        compact_accepted_kv(runner, forest, only=drafter.own_kv_layers(), walk=walk)
+        # Every attention layer's accepted K/V in one move: the levels read the drafter's own layers at contiguous
+        # slots, and the target's layers are read by the next verification only.
+        compact_accepted_kv(runner, forest, walk=walk)
+        forest.kv_compacted = True
         step = DraftStep(req_ids=list(runner.input_batch.req_ids), contexts=[()] * num_reqs,
                          common_attn_metadata=cm)
         runner._plan_quotas(step, placeholders, queued=True)
@@ -152,7 +155,6 @@ def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int, pl
     runner._bole_pending = (step, finish)
     with record_function_or_nullcontext("bole: early_commit"):
         commit_step(forest)
-        compact_accepted_kv(runner, forest, skip=drafter.own_kv_layers(), walk=walk)
 
 
 def device_output(runner, forest) -> SamplerOutput:

@@ -45,15 +45,21 @@ def walked_row_moves(walk, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch.where(moves, walk.rows, -1).flatten(), torch.where(moves, dst, -1).flatten()
 
 
-def compact_layers(kv_caches, src_slots, dst_slots) -> None:
+def compact_layers(kv_caches, src_slots, dst_slots, walk=None, starts=None) -> None:
     """GPU: move ``src_slots[i] -> dst_slots[i]`` in each layer's FlashAttention cache, one launch per cache
-    layout; layers that share one slot tensor (one KV-cache group) share it in the launch too."""
+    layout; layers that share one slot tensor (one KV-cache group) share it in the launch too. With ``walk`` (a
+    device walk; ``starts``: each tree's first row) the slot tensors are the layers' slot mappings and the kernel
+    reads the walk's moves itself."""
     by_layout = {}
     for entry in zip(kv_caches, src_slots, dst_slots):
         by_layout.setdefault((tuple(entry[0].shape), entry[0].stride(), entry[0].dtype), []).append(entry)
     for entries in by_layout.values():
         caches, src, dst = zip(*entries)
-        if all(s is src[0] for s in src):
+        shared = all(s is src[0] for s in src)
+        if walk is not None:
+            slots = src[0] if shared else torch.stack(src)
+            triton_tree_attn.compact_walked_kv_paged(caches, walk.rows, starts, slots)
+        elif shared:
             triton_tree_attn.compact_kv_paged(caches, src[0], dst[0])
         else:
             triton_tree_attn.compact_kv_paged(caches, torch.stack(src), torch.stack(dst))
@@ -63,11 +69,12 @@ def compact_accepted_kv(runner, forest, skip=(), only=None, walk=None) -> None:
     """Moves the accepted K/V of every attention layer but those named in ``skip`` (of those named in ``only``,
     if given). ``walk``: the step's device walk, whose paths the host does not know yet (the forest's trees are
     then all the step's requests, in batch order); else the forest's host paths."""
+    gpu = not current_platform.is_cpu()
     if walk is None:
         rows = accepted_row_moves(forest)
         if not rows[0]:
             return
-    else:
+    elif not gpu:
         src_rows, dst_rows = walked_row_moves(walk, forest.cu_seqlens[:-1])
     layers = runner.compilation_config.static_forward_context
     caches, src, dst = [], [], []
@@ -78,7 +85,9 @@ def compact_accepted_kv(runner, forest, skip=(), only=None, walk=None) -> None:
         if not names:
             continue
         slot_mapping = runner.input_batch.block_table[gid].slot_mapping.gpu
-        if walk is None:
+        if walk is not None and gpu:   # the kernel reads the walk's rows and this slot mapping itself
+            s = d = slot_mapping
+        elif walk is None:
             s, d = accepted_slot_moves(forest, slot_mapping, rows)
         else:   # -1 stays -1: the kernel skips it
             s = torch.where(src_rows >= 0, slot_mapping[src_rows.clamp(min=0)].long(), -1)
@@ -87,11 +96,11 @@ def compact_accepted_kv(runner, forest, skip=(), only=None, walk=None) -> None:
             caches.append(layers[name].kv_cache)
             src.append(s)
             dst.append(d)
-    if current_platform.is_cpu():
+    if not gpu:
         from ..attention.tree_attn_cpu import CPUPagedKV
 
         for cache, s, d in zip(caches, src, dst):
             keep = s >= 0
             compact_kv(CPUPagedKV(cache), s[keep], d[keep])
         return
-    compact_layers(caches, src, dst)
+    compact_layers(caches, src, dst, walk=walk, starts=forest.cu_seqlens[:-1] if walk is not None else None)

@@ -25,6 +25,7 @@ from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel
 from ..spec_decode.budget import StepClock, node_budget, verify_ms
+from ..spec_decode.device_beam import device_constant
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
@@ -331,16 +332,18 @@ class BoleModelRunnerMixin:
         host_par = [(cu[i] + j, p) for i, par in enumerate(tree_parents) if par is not None
                     for j, p in enumerate(par)]
         device = self.device
-        # pinned, non-blocking: the copies do not wait for the drafter still running
-        index = async_tensor_h2d(torch.tensor([rows, nodes, g_idx, j_idx], dtype=torch.long).reshape(4, -1), device)
-        host = async_tensor_h2d(torch.tensor([host_rows, host_tokens], dtype=torch.long).reshape(2, -1), device)
-        pairs = async_tensor_h2d(torch.tensor(host_par, dtype=torch.long).reshape(-1, 2).T.contiguous(), device)
         parent = torch.full((n,), -1, dtype=torch.int32, device=device)
-        if host.shape[1]:
+        # pinned, non-blocking: the copies do not wait for the drafter still running (none when empty: under
+        # async scheduling every tree is usually a queued one)
+        if host_rows:
+            host = async_tensor_h2d([host_rows, host_tokens], device, torch.long)
             self.input_ids.gpu[host[0]] = host[1].to(self.input_ids.gpu.dtype)
-        if pairs.shape[1]:
+        if host_par:
+            pairs = async_tensor_h2d(torch.tensor(host_par, dtype=torch.long).T.contiguous(), device)
             parent[pairs[0]] = pairs[1].to(torch.int32)
-        if index.shape[1]:
+        if rows:
+            # the same rows every step at a fixed step shape (async scheduling): one copy, kept
+            index = device_constant((*rows, *nodes, *g_idx, *j_idx), device).view(4, -1)
             drafts = queued[0]
             g, j = index[2], index[3]
             self.input_ids.gpu[index[0]] = drafts.tokens[g, j].to(self.input_ids.gpu.dtype)
@@ -515,7 +518,8 @@ class BoleModelRunnerMixin:
             return
         with profiled(self._bole_profiler, "commit"):
             commit_step(forest)
-            compact_accepted_kv(self, forest, skip=self.bole_drafter.own_kv_layers() if self.bole_drafter else ())
+            if not forest.kv_compacted:   # (drafting before the walk moved every layer's before it failed)
+                compact_accepted_kv(self, forest, skip=self.bole_drafter.own_kv_layers() if self.bole_drafter else ())
 
     def _accepted_counts_from_host(self, output_token_ids: torch.Tensor, scheduler_output) -> None:
         """vLLM's accepted-token counts for hybrid models (what its GDN metadata reads next step), from host

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tree_gdn.triton_commit import device_table
+from ..tree_gdn.triton_commit import device_table, launch_plan
 from .reference import FlashPagedKV, paged_tree_attention
 
 META_FIELDS = 5  # batch index, first query row, rows, region length, first row of bits
@@ -344,10 +344,13 @@ def tree_attention_paged_reference(q, kv_cache, block_table, seq_lens, tree_rows
 # ---------------------------------------------------------------------------------------------------------
 # Runs eagerly every step with that step's number of moves; the source and destination slots are views of one
 # tensor at an offset that varies: no specialization on either, so no recompilation mid-run.
-@triton.jit(do_not_specialize=["idx_layer_stride", "M"], do_not_specialize_on_alignment=["src", "dst"])
-def _compact_kernel(ptrs, ref, src, dst, idx_layer_stride, M, s0, s1, s2, s3,
+# FROM_WALK: the moves come as a device walk's path rows (``compact_walked_kv_paged``) and their slots are read
+# here from the slot mapping, instead of a dozen small torch ops per step building ``src``/``dst``.
+@triton.jit(do_not_specialize=["idx_layer_stride", "M", "W"],
+            do_not_specialize_on_alignment=["src", "dst", "walk_rows", "starts"])
+def _compact_kernel(ptrs, ref, src, dst, idx_layer_stride, M, s0, s1, s2, s3, walk_rows, starts, W,
                     BS: tl.constexpr, TWO_D: tl.constexpr, BD: tl.constexpr, BMC: tl.constexpr,
-                    ALIGNED: tl.constexpr):
+                    ALIGNED: tl.constexpr, FROM_WALK: tl.constexpr):
     layer, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     base = tl.load(ptrs + layer).to(tl.pointer_type(ref.dtype.element_ty))
     if ALIGNED:
@@ -360,8 +363,15 @@ def _compact_kernel(ptrs, ref, src, dst, idx_layer_stride, M, s0, s1, s2, s3,
     for m0 in range(0, M, BMC):
         i = m0 + tl.arange(0, BMC)
         ok = i < M
-        a = tl.load(src + idx + i, mask=ok, other=-1).to(tl.int64)
-        z = tl.load(dst + idx + i, mask=ok, other=-1).to(tl.int64)
+        if FROM_WALK:   # src, dst: slot mappings; path node j of request b moves to row starts[b] + j
+            row = tl.load(walk_rows + i, mask=ok, other=-1).to(tl.int64)
+            to = tl.load(starts + i // W, mask=ok, other=0).to(tl.int64) + i % W
+            ok = ok & (row >= 0) & (row != to)
+            a = tl.load(src + idx + row, mask=ok, other=-1).to(tl.int64)
+            z = tl.load(dst + idx + to, mask=ok, other=-1).to(tl.int64)
+        else:
+            a = tl.load(src + idx + i, mask=ok, other=-1).to(tl.int64)
+            z = tl.load(dst + idx + i, mask=ok, other=-1).to(tl.int64)
         ok = ok & (a >= 0) & (z >= 0)
         m2 = ok[:, None] & c_ok
         x = tl.load(base + ((a // BS) * s0 + (a % BS) * s2 + head)[:, None] + c_off, mask=m2)
@@ -369,6 +379,42 @@ def _compact_kernel(ptrs, ref, src, dst, idx_layer_stride, M, s0, s1, s2, s3,
         tl.debug_barrier()
         tl.store(base + ((z // BS) * s0 + (z % BS) * s2 + head)[:, None] + c_off, x, mask=m2)
         tl.debug_barrier()
+
+
+def compact_walked_kv_paged(kv_caches, walk_rows, starts, slot_mappings, *, block_d=128, block_m=64, num_warps=4):
+    """:func:`compact_kv_paged` of a device walk's moves (``spec_decode.device_walk.DeviceWalk``), in one launch
+    that reads the slots itself: ``walk_rows`` ``[B, W]`` each request's path rows in path order (-1 past the
+    path), ``starts`` ``[B]`` its first row; node j moves from row ``walk_rows[b, j]`` to row ``starts[b] + j``
+    unless it is there. ``slot_mappings``: ``[N']`` the rows' slots, shared by all layers, or ``[L, N']`` per
+    layer. The torch version is ``worker/kv_compaction.walked_row_moves`` plus :func:`compact_kv_paged`."""
+    kv_caches = list(kv_caches)
+    if not kv_caches or walk_rows.numel() == 0:
+        return
+    assert walk_rows.is_contiguous() and walk_rows.dim() == 2 and starts.shape[0] == walk_rows.shape[0]
+    if slot_mappings.dim() == 2:
+        assert slot_mappings.shape[0] == len(kv_caches) and slot_mappings.stride(1) == 1
+    _launch_compact(kv_caches, slot_mappings, slot_mappings, walk_rows.numel(), walk_rows, starts,
+                    walk_rows.shape[1], block_d, block_m, num_warps)
+
+
+def _launch_compact(kv_caches, src, dst, m, walk_rows, starts, w, block_d, block_m, num_warps):
+    ref = kv_caches[0]
+    nb, hkv, bs, two_d = ref.shape
+
+    def plan():
+        assert all(c.shape == ref.shape and c.dtype == ref.dtype and c.stride() == ref.stride() for c in kv_caches)
+        return (device_table([[c.data_ptr() for c in kv_caches]], ref.device),
+                all(c.data_ptr() % 16 == 0 for c in kv_caches))
+
+    ptrs, aligned = launch_plan("compact_kv", kv_caches, plan)
+    bd = min(block_d, triton.next_power_of_2(two_d))
+    walk = walk_rows is not None
+    _compact_kernel[(len(kv_caches), hkv, triton.cdiv(two_d, bd))](
+        ptrs[0], ref, src, dst, src.stride(0) if src.dim() == 2 else 0, m, *ref.stride(),
+        walk_rows if walk else src, starts if walk else src, max(w, 1),
+        BS=bs, TWO_D=two_d, BD=bd, BMC=min(block_m, max(16, triton.next_power_of_2(m))),
+        ALIGNED=aligned, FROM_WALK=walk, num_warps=num_warps,
+    )
 
 
 def compact_kv_paged(kv_caches, src_slots, dst_slots, *, block_d=128, block_m=64, num_warps=4):
@@ -388,20 +434,12 @@ def compact_kv_paged(kv_caches, src_slots, dst_slots, *, block_d=128, block_m=64
     if ref.device.type != "cuda" and not _interpreting():
         compact_kv_paged_reference(kv_caches, src_slots, dst_slots)
         return
-    assert all(c.shape == ref.shape and c.dtype == ref.dtype and c.stride() == ref.stride() for c in kv_caches)
     assert src_slots.shape == dst_slots.shape and src_slots.dim() in (1, 2)
     if src_slots.dim() == 2:
         assert src_slots.shape[0] == len(kv_caches)
     src_slots, dst_slots = src_slots.contiguous(), dst_slots.contiguous()
-    nb, hkv, bs, two_d = ref.shape
-    m = src_slots.shape[-1]
-    ptrs = device_table([[c.data_ptr() for c in kv_caches]], ref.device)
-    bd = min(block_d, triton.next_power_of_2(two_d))
-    _compact_kernel[(len(kv_caches), hkv, triton.cdiv(two_d, bd))](
-        ptrs[0], ref, src_slots, dst_slots, m if src_slots.dim() == 2 else 0, m, *ref.stride(),
-        BS=bs, TWO_D=two_d, BD=bd, BMC=min(block_m, max(16, triton.next_power_of_2(m))),
-        ALIGNED=all(c.data_ptr() % 16 == 0 for c in kv_caches), num_warps=num_warps,
-    )
+    _launch_compact(kv_caches, src_slots, dst_slots, src_slots.shape[-1], None, None, 0, block_d, block_m,
+                    num_warps)
 
 
 def compact_kv_paged_reference(kv_caches, src_slots, dst_slots):

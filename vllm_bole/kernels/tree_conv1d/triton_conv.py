@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tree_gdn.triton_commit import device_table
+from ..tree_gdn.triton_commit import device_table, launch_plan
 
 
 @triton.jit
@@ -125,10 +125,14 @@ def _launch_commit(srcs, dsts, state_indices, xs, parent, cu_seqlens, accepted, 
         return
     ref = dsts[0]
     dim, width = ref.shape[1], ref.shape[2] + 1
-    assert all(t.dtype == ref.dtype and t.shape[1:] == ref.shape[1:] for t in list(srcs) + list(dsts))
     assert xs.shape[0] == n_layers and xs.shape[2] == dim and xs.stride(2) == 1
-    ptrs = device_table([[t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts]], ref.device)
-    strides = device_table([list(s.stride()) + list(d.stride()) for s, d in zip(srcs, dsts)], ref.device)
+
+    def plan():
+        assert all(t.dtype == ref.dtype and t.shape[1:] == ref.shape[1:] for t in list(srcs) + list(dsts))
+        return (device_table([[t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts]], ref.device),
+                device_table([list(s.stride()) + list(d.stride()) for s, d in zip(srcs, dsts)], ref.device))
+
+    ptrs, strides = launch_plan("commit_conv", [*srcs, *dsts], plan)
     block_d = min(256, triton.next_power_of_2(dim))
     _commit_conv_kernel[(batch, triton.cdiv(dim, block_d), n_layers)](
         ptrs[0], ptrs[1], strides, ref, state_indices, state_indices.stride(0) if state_indices.dim() == 2 else 0,

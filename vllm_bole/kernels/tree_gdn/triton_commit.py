@@ -6,6 +6,8 @@ in place without a gather or scatter copy. Each program owns one [BV, dk] block 
 value head) state.
 """
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,23 @@ def device_table(rows, device) -> torch.Tensor:
             _TABLES.clear()
         table = _TABLES[key] = torch.tensor(rows, dtype=torch.int64, device=device)
     return table
+
+
+_PLANS: dict = {}
+
+
+def launch_plan(kind: str, tensors, build):
+    """``build()`` (a launch's checks, address tables and flags) once per kernel ``kind`` and exact tensor
+    objects: over vLLM's persistent per-layer caches the per-layer checks cost more host time than the launch.
+    The entry keeps weak references: a tensor that died (its id then reusable) makes the entry rebuild."""
+    tensors = list(tensors)
+    key = (kind, *map(id, tensors))
+    hit = _PLANS.get(key)
+    if hit is None or any(ref() is not t for ref, t in zip(hit[0], tensors)):
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        hit = _PLANS[key] = (tuple(weakref.ref(t) for t in tensors), build())
+    return hit[1]
 
 
 # The commit runs eagerly every step with that step's node count and batch: without specializing on them (or
@@ -87,12 +106,16 @@ def _launch(srcs, dsts, state_indices, factors: TreeFactors, accepted, parent, c
     if batch == 0 or n_layers == 0:
         return
     ref = dsts[0]
-    assert all(t.dtype == ref.dtype and t.shape[1:] == (hv, dv, dk) for t in list(srcs) + list(dsts))
-    # One set of strides serves every layer (vLLM's per-layer caches are views of one shape).
-    assert all(t.stride() == srcs[0].stride() for t in srcs) and all(t.stride() == ref.stride() for t in dsts)
-    assert srcs[0].stride(-1) == 1 and ref.stride(-1) == 1, "the state's last (dk) dim must be contiguous"
-    ptrs = device_table([[t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts]], ref.device)
-    aligned = all(t.data_ptr() % 16 == 0 for t in list(srcs) + list(dsts))
+
+    def plan():
+        assert all(t.dtype == ref.dtype and t.shape[1:] == (hv, dv, dk) for t in list(srcs) + list(dsts))
+        # One set of strides serves every layer (vLLM's per-layer caches are views of one shape).
+        assert all(t.stride() == srcs[0].stride() for t in srcs) and all(t.stride() == ref.stride() for t in dsts)
+        assert srcs[0].stride(-1) == 1 and ref.stride(-1) == 1, "the state's last (dk) dim must be contiguous"
+        return (device_table([[t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts]], ref.device),
+                all(t.data_ptr() % 16 == 0 for t in list(srcs) + list(dsts)))
+
+    ptrs, aligned = launch_plan(f"commit{(hv, dv, dk)}", [*srcs, *dsts], plan)
     block_v = min(block_v, max(16, triton.next_power_of_2(dv)))
     nv = triton.cdiv(dv, block_v)
     _commit_kernel[(batch, hv, n_layers * nv)](
