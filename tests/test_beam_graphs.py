@@ -128,6 +128,40 @@ def test_graph_levels_grow_the_eager_trees_across_steps(seed, per_request, budge
     assert all(key[0] in (1, 2, 4, 8) for key in graphs.graphs)
 
 
+@pytest.mark.parametrize("device_roots", [False, True])
+def test_repeated_step_shapes_reuse_the_written_layout(device_roots, stand_in_capture):
+    """Steps of one shape in a row (async scheduling) skip rewriting the row layout the buffers hold; a step of
+    another shape (fewer requests in the same bucket, a gathered request list, then the first shape again)
+    rewrites it: every step's trees and level inputs stay the eager ones."""
+    k, depth, _, _, synthetic = _case(3)
+    rng = random.Random(7)
+    drafter = _graph_drafter(k, depth, synthetic)
+    beam = drafter.beam = DeviceBeam(drafter)
+    beam.host_rows = lambda hidden: False
+    cm = SimpleNamespace(block_table_tensor=BLOCKS)
+    step = DraftStep(req_ids=[], contexts=[], per_request=6, budget=20)
+    layouts = []
+    for reqs in ([0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2], [1, 5, 6, 9], [0, 1, 2, 3], [0, 1, 2, 3]):
+        roots = [rng.randint(1, 700) for _ in reqs]
+        hidden = torch.tensor([[float(rng.randint(1, 10**6))] for _ in reqs])
+        want, want_levels = _eager(k, depth, synthetic, reqs, roots, hidden, 6, 20)
+        drafter.graph_levels = []
+        if device_roots:
+            got = beam.grow(step, cm, reqs, torch.tensor(roots), hidden, root_bound=max(roots))
+        else:
+            got = beam.grow(step, cm, reqs, roots, hidden)
+        assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
+        assert len(drafter.graph_levels) == len(want_levels)
+        for level, w in zip(drafter.graph_levels, want_levels):
+            for name in ("tokens", "positions", "slots", "hidden", "meta"):
+                assert level[name] == w[name], name
+            assert level["seq_lens"] == [c[2] for c in w["chunks"]]
+            assert all(s == -1 for s in level["padding_slots"])
+        assert torch.equal(beam.graphs.block_table[:len(reqs)], BLOCKS[reqs])
+        layouts.append(beam.graphs._layout)
+    assert layouts[0] == layouts[1] == layouts[3] and layouts[2] != layouts[0]
+
+
 def test_capture_failure_keeps_the_level_and_runs_later_levels_eagerly(monkeypatch):
     k, depth, synthetic = 2, 5, None
     drafter = _graph_drafter(k, depth, synthetic)
