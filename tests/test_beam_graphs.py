@@ -87,6 +87,30 @@ def _eager(k, depth, synthetic, reqs, roots, hidden, per_request, budget):
     return trees, drafter.levels
 
 
+def _grow_and_check(drafter, step, cm, reqs, rng, case, device_roots) -> int:
+    """One step of the graph beam on new roots: its trees and every level's inputs are the eager beam's (the
+    level plan from device roots fills the graphs' buffers on the device). Returns the levels run."""
+    k, depth, synthetic = case
+    roots = [rng.randint(1, 700) for _ in reqs]
+    hidden = torch.tensor([[float(rng.randint(1, 10**6))] for _ in reqs])
+    want, want_levels = _eager(k, depth, synthetic, reqs, roots, hidden, step.per_request, step.budget)
+    drafter.graph_levels = []
+    if device_roots:
+        got = drafter.beam.grow(step, cm, reqs, torch.tensor(roots), hidden, root_bound=max(roots))
+    else:
+        got = drafter.beam.grow(step, cm, reqs, roots, hidden)
+    assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
+    assert len(drafter.graph_levels) == len(want_levels)
+    for level, w in zip(drafter.graph_levels, want_levels):
+        for name in ("tokens", "positions", "slots", "hidden", "meta"):
+            assert level[name] == w[name], name
+        assert level["seq_lens"] == [c[2] for c in w["chunks"]]
+        assert level["bits"] == [b[:len(level["bits"][0])] for b in w["bits"]]
+        assert all(s == -1 for s in level["padding_slots"])     # padding requests write no KV
+    assert torch.equal(drafter.beam.graphs.block_table[:len(reqs)], BLOCKS[reqs])
+    return len(want_levels)
+
+
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("per_request,budget", [(32, 64), (6, 9), (3, 40)])
 @pytest.mark.parametrize("device_roots", [False, True])
@@ -103,24 +127,7 @@ def test_graph_levels_grow_the_eager_trees_across_steps(seed, per_request, budge
     levels_seen = 0
     for _ in range(5):   # several steps: request counts within one bucket and across buckets, new roots
         reqs = sorted(rng.sample(range(12), rng.randint(1, 7)))
-        roots = [rng.randint(1, 700) for _ in reqs]
-        hidden = torch.tensor([[float(rng.randint(1, 10**6))] for _ in reqs])
-        want, want_levels = _eager(k, depth, synthetic, reqs, roots, hidden, per_request, budget)
-        drafter.graph_levels = []
-        if device_roots:   # the level plan from device roots: the graphs' buffers filled on the device
-            got = beam.grow(step, cm, reqs, torch.tensor(roots), hidden, root_bound=max(roots))
-        else:
-            got = beam.grow(step, cm, reqs, roots, hidden)
-        assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
-        assert len(drafter.graph_levels) == len(want_levels)
-        for level, w in zip(drafter.graph_levels, want_levels):
-            for name in ("tokens", "positions", "slots", "hidden", "meta"):
-                assert level[name] == w[name], name
-            assert level["seq_lens"] == [c[2] for c in w["chunks"]]
-            assert level["bits"] == [b[:len(level["bits"][0])] for b in w["bits"]]
-            assert all(s == -1 for s in level["padding_slots"])     # padding requests write no KV
-        assert torch.equal(beam.graphs.block_table[:len(reqs)], BLOCKS[reqs])
-        levels_seen += len(want_levels)
+        levels_seen += _grow_and_check(drafter, step, cm, reqs, rng, (k, depth, synthetic), device_roots)
     graphs = beam.graphs
     # Every level ran from a graph: captured on first use (run eagerly then), replayed afterwards.
     assert len(graphs.graphs) + graphs.replays == levels_seen
@@ -142,22 +149,7 @@ def test_repeated_step_shapes_reuse_the_written_layout(device_roots, stand_in_ca
     step = DraftStep(req_ids=[], contexts=[], per_request=6, budget=20)
     layouts = []
     for reqs in ([0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2], [1, 5, 6, 9], [0, 1, 2, 3], [0, 1, 2, 3]):
-        roots = [rng.randint(1, 700) for _ in reqs]
-        hidden = torch.tensor([[float(rng.randint(1, 10**6))] for _ in reqs])
-        want, want_levels = _eager(k, depth, synthetic, reqs, roots, hidden, 6, 20)
-        drafter.graph_levels = []
-        if device_roots:
-            got = beam.grow(step, cm, reqs, torch.tensor(roots), hidden, root_bound=max(roots))
-        else:
-            got = beam.grow(step, cm, reqs, roots, hidden)
-        assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
-        assert len(drafter.graph_levels) == len(want_levels)
-        for level, w in zip(drafter.graph_levels, want_levels):
-            for name in ("tokens", "positions", "slots", "hidden", "meta"):
-                assert level[name] == w[name], name
-            assert level["seq_lens"] == [c[2] for c in w["chunks"]]
-            assert all(s == -1 for s in level["padding_slots"])
-        assert torch.equal(beam.graphs.block_table[:len(reqs)], BLOCKS[reqs])
+        _grow_and_check(drafter, step, cm, reqs, rng, (k, depth, synthetic), device_roots)
         layouts.append(beam.graphs._layout)
     assert layouts[0] == layouts[1] == layouts[3] and layouts[2] != layouts[0]
 
