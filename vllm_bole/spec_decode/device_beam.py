@@ -361,7 +361,7 @@ class DeviceBeam:
             chosen = selected_mask(s.scores[:g, :n], depths, step.per_request, step.budget)
         else:
             counts = [min(q, n) for q in quotas]
-            # pinned, non-blocking: the copy does not wait for the levels queued before it
+            # (the quotas' device copy is made once per quota tuple, pinned and non-blocking: no wait for the levels)
             chosen, step.queued = quota_selection(s.scores[:g, :n], s.tokens[:g, :n], s.parents[:g, :n], depths,
                                                   [step.req_ids[r] for r in reqs], counts)
         # Every candidate and the selection mask in one fixed-size copy (no sync for the selection's size).
