@@ -43,8 +43,9 @@ list its last conditional rate repeats) plus ``--sibling-rates`` for rank-2.. ch
 
 Output rows (``rows`` in the JSON, one per B): B, ar_tok_s, mtp_best_k, mtp_best_tok_s, bole_tok_s,
 bole_mean_accepted, speedup_vs_mtp, speedup_vs_ar, concurrency_ar, concurrency_mtp (of the best k),
-concurrency_bole, gpu, plus per-k MTP numbers; ``configs`` holds each configuration's raw results and settings,
-``calibration`` the T_ver(N)/T_dec curves. A markdown table is printed at the end.
+concurrency_bole, gpu, plus per-k MTP numbers; ``configs`` holds each configuration's raw results and settings
+(a Bole configuration's batches also: graphs captured in the timed runs, by count and by key), ``calibration``
+the T_ver(N)/T_dec curves. A markdown table is printed at the end.
 """
 
 import argparse
@@ -281,7 +282,7 @@ def run_worker(args) -> None:
                     break
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         before = spec_decode_counters(llm.get_metrics())
-        graphs_before = _bole_graph_counts(runner)
+        graphs_before, keys_before = _bole_graph_counts(runner), _bole_graph_keys(runner)
         budgets_before = collections.Counter(getattr(runner, "bole_budgets", {}))
         # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second), at least
         # --min-timed-runs times, so that the median leaves out a run that captured a graph or compiled a kernel;
@@ -312,6 +313,10 @@ def run_worker(args) -> None:
             row["budgets_at_b"] = dict(sorted(at_b.items()))
             # Bole captures its full graphs lazily: captures inside the timed run are part of its wall time.
             row["graphs_captured_in_timed_run"] = [a - b for a, b in zip(graphs_after, graphs_before)]
+            # which shapes they were (the shapes the warm-up and settle passes did not meet)
+            row["graph_keys_captured_in_timed_run"] = {
+                kind: sorted(keys - keys_before.get(kind, set())) for kind, keys in _bole_graph_keys(runner).items()
+                if keys - keys_before.get(kind, set())}
             row["graphs_held"] = list(graphs_after)
             row["settle_passes"] = settle
         per_batch[str(b)] = row
@@ -331,6 +336,17 @@ def _bole_graph_counts(runner) -> tuple[int, int]:
     beam = getattr(getattr(drafter, "beam", None), "graphs", None)
     return (len(verify.graphs) if verify is not None else 0,
             (len(draft.graphs) if draft is not None else 0) + (len(beam.graphs) if beam is not None else 0))
+
+
+def _bole_graph_keys(runner) -> dict[str, set]:
+    """The keys of every graph a Bole runner holds, by kind ("verify": (padded tokens, request bucket, long
+    prefix); "draft": (padded tokens, request bucket, long prefix, rows per request); "beam": (request bucket,
+    level, long prefix)) as lists; empty for other engines."""
+    drafter = getattr(runner, "bole_drafter", None)
+    holders = {"verify": getattr(runner, "_bole_graphs", None), "draft": getattr(drafter, "graphs", None),
+               "beam": getattr(getattr(drafter, "beam", None), "graphs", None)}
+    return {kind: {tuple(int(x) if isinstance(x, (bool, int)) else x for x in key) for key in h.graphs}
+            for kind, h in holders.items() if h is not None}
 
 
 def profile_bole(llm, runner, args, run_dir: Path, rng, name: str = "bole") -> dict:

@@ -39,3 +39,17 @@ def test_rows_without_the_extra_configs_keep_the_issue_schema():
             "speedup_vs_ar", "concurrency_ar", "concurrency_mtp", "concurrency_bole", "gpu"} <= set(row)
     assert not any(k.startswith(("bole_step", "bole_pr", "mtp_sync")) for k in row)
     assert "budget_rule" not in e2e.markdown([row]) and "async" not in e2e.markdown([row])
+
+
+def test_graph_keys_by_kind_for_the_timed_runs_report():
+    """The keys of the graphs a Bole runner holds, by kind (what the timed runs report as newly captured); none
+    for an engine without Bole's graphs."""
+    from types import SimpleNamespace
+
+    e2e = _e2e()
+    beam = SimpleNamespace(graphs={(16, 3, False): 0, (16, 4, True): 0})
+    drafter = SimpleNamespace(graphs=SimpleNamespace(graphs={}), beam=SimpleNamespace(graphs=beam))
+    runner = SimpleNamespace(_bole_graphs=SimpleNamespace(graphs={(80, 16, False): 0}), bole_drafter=drafter)
+    keys = e2e._bole_graph_keys(runner)
+    assert keys == {"verify": {(80, 16, 0)}, "draft": set(), "beam": {(16, 3, 0), (16, 4, 1)}}
+    assert e2e._bole_graph_keys(SimpleNamespace()) == {}
