@@ -37,7 +37,6 @@ class HostTimer:
         self.self_time = collections.defaultdict(float)
         self.calls = collections.Counter()
         self._stack: list[list] = []
-        self._undo: list = []
         self.on = False
 
     def wrap(self, obj, name: str, label: str) -> None:
@@ -63,7 +62,6 @@ class HostTimer:
                 if timer._stack:
                     timer._stack[-1][1] += spent
 
-        self._undo.append((obj, name, obj.__dict__.get(name) if hasattr(obj, "__dict__") else None))
         setattr(obj, name, timed)
 
     def reset(self) -> None:
@@ -174,6 +172,12 @@ def time_engine(llm, timer: HostTimer) -> None:
         (runner, "propose_draft_token_ids", "runner: propose_draft_token_ids"),
         (runner, "_async_next_tokens", "bole: _async_next_tokens"),
         (runner, "_update_states_after_model_execute", "runner: _update_states_after_model_execute"),
+        (runner, "_determine_batch_execution_and_padding", "runner: _determine_batch_execution_and_padding"),
+        (runner, "_get_slot_mappings", "runner: _get_slot_mappings"),
+        (runner, "_calc_spec_decode_metadata", "runner: _calc_spec_decode_metadata"),
+        (runner, "_get_valid_sampled_token_count", "runner: _get_valid_sampled_token_count"),
+        (runner, "_prepare_input_ids", "runner: _prepare_input_ids"),
+        (runner.model, "compute_logits", "runner: model.compute_logits"),
         (early_drafting, "launch", "bole: early_drafting.launch"),
         (early_drafting, "_draft_before_walk", "bole: _draft_before_walk"),
         (early_drafting, "compact_accepted_kv", "bole: compact_accepted_kv"),
@@ -193,12 +197,6 @@ def time_engine(llm, timer: HostTimer) -> None:
         (verify_graphs.VerifyGraphs, "forest_tensors", "bole: VerifyGraphs.forest_tensors"),
         (gdn, "commit_step", "bole: gdn.commit_step"),
         (torch.cuda.CUDAGraph, "replay", "torch: CUDAGraph.replay"),
-        (runner, "_determine_batch_execution_and_padding", "runner: _determine_batch_execution_and_padding"),
-        (runner, "_get_slot_mappings", "runner: _get_slot_mappings"),
-        (runner, "_calc_spec_decode_metadata", "runner: _calc_spec_decode_metadata"),
-        (runner, "_get_valid_sampled_token_count", "runner: _get_valid_sampled_token_count"),
-        (runner, "_prepare_input_ids", "runner: _prepare_input_ids"),
-        (runner.model, "compute_logits", "runner: model.compute_logits"),
     ]:
         timer.wrap(obj, name, label)
     # Every metadata builder class the step uses (one label per class and method).
