@@ -29,7 +29,7 @@ from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest
 from ..worker.verify_graphs import GraphStep, capture
-from .device_beam import BeamState, LevelPlan, device_constant, pack_bits, selection_alive
+from .device_beam import BeamState, LevelPlan, pack_bits, request_rows, selection_alive
 
 logger = init_logger(__name__)
 
@@ -114,11 +114,7 @@ class BeamGraphs:
             self.positions[:levels, :bucket * k].copy_(pos_slots[0])
             self.slots[:levels, :bucket * k].copy_(pos_slots[1])
         self._layout = shape
-        dev = hidden.device
-        if reqs == list(range(g)):   # every request of the batch, in order: no gather
-            self.block_table[:g].copy_(cm.block_table_tensor[:g])
-        else:
-            self.block_table[:g].copy_(cm.block_table_tensor[device_constant(tuple(reqs), dev)])
+        self.block_table[:g].copy_(request_rows(cm.block_table_tensor, reqs))
         state = self._views(bucket)
         if bucket > g:
             hidden = torch.cat([hidden, hidden.new_zeros(bucket - g, hidden.shape[1])])

@@ -42,6 +42,14 @@ def device_constant(values: tuple, device) -> torch.Tensor:
     return t
 
 
+def request_rows(table: torch.Tensor, reqs: list[int]) -> torch.Tensor:
+    """Rows ``reqs`` of a per-request device table (a block table): a slice when they are the batch's first
+    requests in order (a step over the whole batch), else one gather by an index made once (:func:`device_constant`)."""
+    if reqs == list(range(len(reqs))):
+        return table[:len(reqs)]
+    return table[device_constant(tuple(reqs), table.device)]
+
+
 def region_words(max_depth: int, topk: int) -> int:
     """Bit words of a drafter level's region (a request's queries so far, at most depth * topk keys), with the
     width of the drafter level graphs' bit buffer."""

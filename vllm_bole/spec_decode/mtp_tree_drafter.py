@@ -22,6 +22,7 @@ from vllm.v1.utils import record_function_or_nullcontext
 
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
+from .device_beam import request_rows
 from .drafter import DraftStep, TreeDrafter, drafting
 from .synthetic import parse_synthetic
 from .tree import DraftTree, select_step, selection_floors
@@ -140,11 +141,7 @@ class MTPTreeDrafter(TreeDrafter):
         pad = (num_reqs or len(chunks)) - len(chunks)
         qsl = torch.tensor([0] + [len(c[1]) for c in chunks] + [0] * pad, dtype=torch.int32).cumsum(0)
         seq_lens_cpu = torch.tensor([c[3] for c in chunks] + [0] * pad, dtype=torch.int32)
-        reqs = [c[0] for c in chunks]
-        if reqs == list(range(len(chunks))):   # every request of the batch in order (a first pass): no gather
-            rows = cm.block_table_tensor[:len(chunks)]
-        else:
-            rows = cm.block_table_tensor[_to_device(reqs, cm.block_table_tensor.device)]
+        rows = request_rows(cm.block_table_tensor, [c[0] for c in chunks])
         return qsl.to(torch.int32), seq_lens_cpu, rows
 
     def _metadata(self, cm: CommonAttentionMetadata, chunks, n: int, device_tensors=None):
