@@ -50,6 +50,7 @@ the T_ver(N)/T_dec curves. A markdown table is printed at the end.
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import random
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-batch", type=int, default=None,
                    help="Bole: after the timed runs, one pass at this batch size with the step profiler (phase "
                         "times in the JSON) and one under cProfile (host call tables in the log directory)")
+    p.add_argument("--turn-lock", metavar="FILE",
+                   help="hold this file's lock over each configuration's timed phase, so that other benchmarks "
+                        "sharing the GPU (step_profile.py --turn-lock) measure in turn")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny bundled model, tiny grid")
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -212,6 +216,22 @@ def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
         if os.getppid() == 1 or time.monotonic() - start > timeout_s:
             raise SystemExit(f"gave up waiting for {path}")
         time.sleep(POLL_S)
+
+
+@contextlib.contextmanager
+def _turn(lock_path: str | None):
+    """``--turn-lock``: this file's exclusive lock for the duration (nothing without a path)."""
+    if not lock_path:
+        yield
+        return
+    import fcntl
+
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _write_json(path: Path, data) -> None:
@@ -423,8 +443,9 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
             print(f"{name}: failed during start-up; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
             continue
         t = time.monotonic()
-        (run_dir / f"{name}.go").touch()
-        proc.wait()
+        with _turn(args.turn_lock):
+            (run_dir / f"{name}.go").touch()
+            proc.wait()
         result = run_dir / f"{name}.json"
         if proc.returncode == 0 and result.exists():
             results[name] = json.loads(result.read_text()) | {"run": started}

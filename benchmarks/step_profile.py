@@ -21,7 +21,9 @@ MODEL = Path(__file__).resolve().parent / "models" / "qwen3.5-9b-shape"   # conf
 DEFAULT_SPEC = {"method": "bole", "num_speculative_tokens": 8, "topk": 4, "synthetic_acceptance": True}
 
 
-def _generate(llm, batch: int, prompt_len: int, new_tokens: int, seed: int):
+def _generate(llm, batch: int, prompt_len: int, new_tokens: int, seed: int, on_step=None):
+    """(new tokens, seconds) of one batch of random token-id prompts. ``on_step(i)``: called before engine step
+    ``i`` (the engine is then stepped here, not by ``llm.generate``), e.g. to start a profiler after the prefill."""
     import random
 
     from vllm import SamplingParams
@@ -31,9 +33,18 @@ def _generate(llm, batch: int, prompt_len: int, new_tokens: int, seed: int):
                for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
+    if on_step is None:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
+    engine, tokens, step = llm.llm_engine, {}, 0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profiled-{seed}-{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        on_step(step)
+        for out in engine.step():
+            tokens[out.request_id] = len(out.outputs[0].token_ids)
+        step += 1
+    return sum(tokens.values()), time.perf_counter() - start
 
 
 def _gpu_busy_ms(prof) -> float:
@@ -63,14 +74,26 @@ def _torch_profile(llm, batch: int, args, out_dir: Path, tag: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _, elapsed = _generate(llm, batch, args.prompt_len, 64, seed=batch + 1)
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    started = {}
+
+    def on_step(i: int) -> None:   # the decode steps only: the prefill's kernels would blur the op table
+        if i == args.profile_skip_steps:
+            torch.cuda.synchronize()
+            prof.start()
+            started["t"] = time.perf_counter()
+
+    _generate(llm, batch, args.prompt_len, 64, seed=batch + 1, on_step=on_step)
     torch.cuda.synchronize()
+    if not started:
+        raise SystemExit(f"--profile-skip-steps {args.profile_skip_steps}: B={batch} finished before that step")
+    elapsed = time.perf_counter() - started["t"]
+    prof.stop()
     busy = _gpu_busy_ms(prof)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = prof.key_averages()
-    head = (f"B={tag}: 64 new tokens, wall {elapsed * 1e3:.1f} ms under the profiler, GPU busy {busy:.1f} ms "
-            f"({100 * busy / (elapsed * 1e3):.0f}%)\n\n")
+    head = (f"B={tag}: 64 new tokens (profiled from engine step {args.profile_skip_steps}), wall "
+            f"{elapsed * 1e3:.1f} ms under the profiler, GPU busy {busy:.1f} ms ({100 * busy / (elapsed * 1e3):.0f}%)\n\n")
     text = (head + table.table(sort_by="self_cuda_time_total", row_limit=50) + "\n\n"
             + table.table(sort_by="self_cpu_time_total", row_limit=40))
     (out_dir / f"ops_B{tag}.txt").write_text(text)
@@ -173,6 +196,11 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--torch-profile", metavar="DIR",
                         help="also run each batch under torch.profiler and write op tables to DIR")
+    parser.add_argument("--profile-skip-steps", type=int, default=2,
+                        help="with --torch-profile: engine steps before the profiler starts (the prefill's)")
+    parser.add_argument("--turn-lock", metavar="FILE",
+                        help="take this file's lock once the engine is up and keep it to the end: several step_profile "
+                             "processes (e.g. Bole and MTP) start their engines side by side and measure in turn")
     parser.add_argument("--trace", action="store_true",
                         help="with --torch-profile: also write the chrome trace (trace_B<b>.json.gz) with vLLM's and "
                              "Bole's profiling scopes, and the GPU's idle time by host scope (gaps_B<b>.txt)")
@@ -213,6 +241,12 @@ def main() -> None:
                                                                       | set(args.batch))},
               speculative_config=spec, **json.loads(args.engine))
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    if args.turn_lock:   # held until the process exits
+        import fcntl
+
+        lock = open(args.turn_lock, "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        print(f"took {args.turn_lock}", flush=True)
     modes = [None]
     if bole and args.first_pass != "config":
         modes = ["off", "on"] if args.first_pass == "both" else [args.first_pass]

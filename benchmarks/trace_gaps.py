@@ -13,10 +13,33 @@ import argparse
 import bisect
 import gzip
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+# Kernel classes by name, first match wins: what a step's GPU time is made of (GEMMs near the weight-read floor,
+# or the small kernels around them).
+KERNEL_CLASSES = [
+    ("gemm", r"nvjet|gemm|cutlass|splitKreduce|xmma|cublas"),
+    ("commit/kv move", r"commit|compact"),
+    ("gdn", r"delta|gdn|recurrent|chunk_|solve_tril|l2norm|tree_matrices|tree_values"),
+    ("conv1d", r"conv"),
+    ("attention", r"flash|attn|fmha|reshape_and_cache"),
+    ("tree bookkeeping", r"ancestor|tree_walk|synthetic|quota"),
+    ("sort/top-k", r"topk|sort|radix|bitonic|scan|cumsum"),
+    ("inductor", r"^triton_"),
+    ("copy/fill", r"memcpy|memset|fill|copy"),
+    ("torch elementwise/index/reduce", r"elementwise|index|reduce|gather|scatter|where|arange|cat"),
+]
+
+
+def kernel_class(name: str) -> str:
+    for label, pattern in KERNEL_CLASSES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
 
 
 def load(path: Path) -> list[dict]:
@@ -105,7 +128,7 @@ def analyze(events: list[dict]) -> dict:
     for e in events:
         if e.get("ph") == "f" and e.get("cat") == "ac2g" and e["id"] in launch_ts:
             kernel_flow[(e["pid"], e["tid"], e["ts"])] = launch_ts[e["id"]]
-    gpu_by = defaultdict(float)
+    gpu_by, by_class = defaultdict(float), defaultdict(float)
     for e in gpu:
         if not start <= e["ts"] < end:
             continue
@@ -113,14 +136,18 @@ def analyze(events: list[dict]) -> dict:
         if t is None:
             corr = e.get("args", {}).get("correlation")
             t = launch_ts.get(corr)
-        gpu_by[host.at(t) if t is not None else "(unmatched)"] += e["dur"]
+        scope = host.at(t) if t is not None else "(unmatched)"
+        gpu_by[scope] += e["dur"]
+        by_class[(scope, kernel_class(e["name"]))] += e["dur"]
     n = max(len(steps), 1)
     wall = end - start
     busy_us = sum(b - a for a, b in busy)
     return {"steps": len(steps), "wall_ms_per_step": wall / n / 1e3, "gpu_busy_ms_per_step": busy_us / n / 1e3,
             "gpu_idle_ms_per_step_by_scope": {k: v / n / 1e3 for k, v in sorted(idle_by.items(), key=lambda kv: -kv[1])},
             "gpu_ms_per_step_by_launching_scope": {k: v / n / 1e3
-                                                   for k, v in sorted(gpu_by.items(), key=lambda kv: -kv[1])}}
+                                                   for k, v in sorted(gpu_by.items(), key=lambda kv: -kv[1])},
+            "gpu_ms_per_step_by_scope_and_kernel_class": {
+                f"{scope} | {cls}": v / n / 1e3 for (scope, cls), v in sorted(by_class.items(), key=lambda kv: -kv[1])}}
 
 
 def per_step(events: list[dict], top: int = 6) -> list[dict]:
@@ -159,6 +186,8 @@ def report(result: dict, title: str = "") -> str:
     lines += [f"| {k} | {v:.3f} |" for k, v in result["gpu_idle_ms_per_step_by_scope"].items() if v >= 0.005]
     lines += ["", "| GPU time launched from | ms/step |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in result["gpu_ms_per_step_by_launching_scope"].items() if v >= 0.005]
+    lines += ["", "| GPU time launched from | kernel class | ms/step |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in result["gpu_ms_per_step_by_scope_and_kernel_class"].items() if v >= 0.005]
     return "\n".join(lines)
 
 

@@ -53,3 +53,23 @@ def test_graph_keys_by_kind_for_the_timed_runs_report():
     keys = e2e._bole_graph_keys(runner)
     assert keys == {"verify": {(80, 16, 0)}, "draft": set(), "beam": {(16, 3, 0), (16, 4, 1)}}
     assert e2e._bole_graph_keys(SimpleNamespace()) == {}
+
+
+def test_turn_lock_excludes_a_second_holder(tmp_path):
+    """--turn-lock: the timed phase holds the file's lock, so another holder (step_profile.py) waits for it."""
+    import fcntl
+
+    e2e = _e2e()
+    path = tmp_path / "turn.lock"
+    with e2e._turn(str(path)):
+        with open(path, "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                taken = True
+            except BlockingIOError:
+                taken = False
+    assert not taken
+    with open(path, "a") as other:   # released after the turn
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with e2e._turn(None):            # no path: nothing to take
+        pass

@@ -33,3 +33,39 @@ def test_logged_report_every_n_steps(monkeypatch):
             pass
         profiler.end_step(tree_step=True)
     assert len(lines) == 1 and "walk" in lines[0] and "step" in lines[0] and profiler.means() == {}
+
+
+class _FakeEngine:
+    """Steps like vLLM's LLMEngine: each step gives every unfinished request one more token."""
+
+    def __init__(self, steps_needed: int):
+        self.requests, self.left = {}, steps_needed
+
+    def add_request(self, request_id, prompt, params):
+        self.requests[request_id] = 0
+
+    def has_unfinished_requests(self):
+        return self.left > 0
+
+    def step(self):
+        from types import SimpleNamespace
+
+        self.left -= 1
+        out = []
+        for rid in self.requests:
+            self.requests[rid] += 1
+            out.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=[0] * self.requests[rid])]))
+        return out
+
+
+def test_stepped_generate_calls_back_before_every_step():
+    """benchmarks/step_profile.py drives the engine itself when a callback is given (the profiler then starts
+    after the prefill steps); the token count is each request's last output."""
+    from types import SimpleNamespace
+
+    from e2e_support import load_benchmark
+
+    script = load_benchmark("step_profile")
+    llm, seen = SimpleNamespace(llm_engine=_FakeEngine(steps_needed=5)), []
+    tokens, seconds = script._generate(llm, batch=3, prompt_len=4, new_tokens=5, seed=0, on_step=seen.append)
+    assert seen == [0, 1, 2, 3, 4] and tokens == 15 and seconds >= 0

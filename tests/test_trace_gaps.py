@@ -76,3 +76,28 @@ def test_a_trace_without_scopes_is_refused():
     gaps = _module()
     with pytest.raises(SystemExit, match="no GPU activity or no host scopes"):
         gaps.analyze([_kernel(0, 1, 1)])
+
+
+def test_kernel_classes():
+    gaps = _module()
+    cases = {"nvjet_sm90_tst_192x24_64x7_2x1_v_bz_TNT": "gemm", "_tree_gdn_verify_kernel": "gdn",
+             "fused_recurrent_gated_delta_rule_fwd_kernel": "gdn", "_commit_conv_kernel": "commit/kv move",
+             "_tree_conv_kernel": "conv1d", "_compact_kernel": "commit/kv move", "_tree_attn_kernel": "attention",
+             "void flash::FlashAttnFwdSm90<...>": "attention", "_quota_select_kernel": "tree bookkeeping",
+             "void at::native::bitonicSortKVInPlace<-2>": "sort/top-k",
+             "triton_red_fused__to_copy_add_fused_add_rms_norm_3": "inductor",
+             "Memcpy HtoD (Pinned -> Device)": "copy/fill", "something_new": "other"}
+    assert {name: gaps.kernel_class(name) for name in cases} == cases
+
+
+def test_gpu_time_by_scope_and_kernel_class(tmp_path):
+    gaps = _module()
+    events = _two_steps()
+    names = iter(["nvjet_gemm", "_tree_attn_kernel"] * 2)
+    for e in events:
+        if e.get("cat") == "kernel":
+            e["name"] = next(names)
+    result = gaps.analyze(events)
+    assert result["gpu_ms_per_step_by_scope_and_kernel_class"] == {
+        "engine: execute_model | gemm": pytest.approx(0.030), "bole: walk | attention": pytest.approx(0.020)}
+    assert "| engine: execute_model | gemm | 0.030 |" in gaps.report(result)
