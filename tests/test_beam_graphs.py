@@ -186,4 +186,4 @@ def test_capture_failure_keeps_the_level_and_runs_later_levels_eagerly(monkeypat
     assert beam.graphs.disabled and not beam.graphs.graphs
     # Level 1 ran once (the graph's eager warm-up), the others eagerly over the step's real rows only.
     assert len(drafter.graph_levels) == 1 and eager_rows == [len(reqs) * k] * (len(want_levels) - 1)
-    assert np.isfinite(beam.graphs.state.prev.numpy()).all()
+    assert np.isfinite(beam.graphs.state.hid.numpy()).all()

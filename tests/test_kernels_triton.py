@@ -451,3 +451,99 @@ def test_conv_and_bits_on_a_padded_forest_equal_the_real_ones():
     bits, p_bits = tv.ancestor_bits(parent, cu, max_t), tv.ancestor_bits(p_parent, p_cu, 70)
     assert torch.equal(p_bits[:n, :bits.shape[1]], bits) and not p_bits[:n, bits.shape[1]:].any()
     assert b == len(MULTI)
+
+
+@pytest.mark.parametrize("path", BOTH_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_takes_views_of_a_packed_conv_output_and_writes_into_out(path, dtype):
+    """As the GDN layer calls it: q, k, v are column slices of one ``[N, conv_dim]`` tensor (row stride
+    conv_dim) and the output goes into the layer's own buffer."""
+    spec = [("random", 9), ("deep", 20), ("single", 1), ("kary2", 6)]
+    parent, cu = forest(spec, "views")
+    hk, hv, dk, dv = 2, 4, 16, 16
+    q, k, v, g, beta, s0 = gdn_inputs(parent, cu, hk, hv, dk, dv, dtype=dtype, seed=seed_of("views", str(dtype)))
+    n = parent.numel()
+    packed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=1)
+    kd = hk * dk
+    qv, kv, vv = (packed[:, :kd].view(n, hk, dk), packed[:, kd:2 * kd].view(n, hk, dk),
+                  packed[:, 2 * kd:].view(n, hv, dv))
+    assert not qv.is_contiguous() and qv.stride(0) == packed.shape[1]
+    out = torch.full((n, hv, dv), float("nan"), dtype=dtype, device=DEV)
+    o, f = tv.tree_gdn_verify(qv, kv, vv, g, beta, s0, parent, cu, use_qk_l2norm_in_kernel=True, out=out,
+                              config=BOTH_PATHS[path])
+    assert o.data_ptr() == out.data_ptr()
+    o_ref, f_ref = gdn_ref.tree_gdn_verify(*[t.cpu() for t in (q, k, v, g, beta, s0, parent, cu)],
+                                           use_qk_l2norm_in_kernel=True)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    assert torch.isfinite(out).all() and rel_err(out.cpu(), o_ref) <= tol and rel_err(f.u.cpu(), f_ref.u) <= tol
+    # The dispatching entry point fills ``out`` on the reference path too.
+    out2 = torch.empty_like(out)
+    o2, _ = kernels.tree_gdn_verify(qv, kv, vv, g, beta, s0, parent, cu, use_qk_l2norm_in_kernel=True, out=out2)
+    assert o2.data_ptr() == out2.data_ptr() and rel_err(out2.cpu(), o_ref) <= tol
+
+
+@pytest.mark.parametrize("name", ["multi", "deep", "single"])
+def test_conv_reads_cache_rows_by_slot_and_keeps_a_copy_of_its_input(name):
+    """As the GDN layer calls it: the whole strided conv cache plus slot indices, and a buffer (one layer's
+    rows of the step's conv inputs) that receives x for the commit."""
+    parent, cu, x, w, bias, state = conv_inputs(CONV_SPECS[name], 40, 4, f"slots-{name}")
+    batch, num_slots = cu.numel() - 1, cu.numel() + 4
+    gen = torch.Generator().manual_seed(seed_of("conv-slots", name))
+    slots = torch.randperm(num_slots, generator=gen)[:batch].to(torch.int32).to(DEV)
+    cache = torch.randn(num_slots, state.shape[2] + 2, state.shape[1], generator=gen).to(DEV)
+    cache = cache[:, 1:state.shape[2] + 1].transpose(1, 2)                       # strided, as vLLM's views
+    cache[slots.long()] = state
+    layers = torch.full((3, *x.shape), float("nan"), dtype=x.dtype, device=DEV)
+    out = tconv.tree_causal_conv1d(x, w, bias, cache, parent, cu, state_indices=slots, x_copy=layers[1])
+    want = conv_ref.tree_causal_conv1d(*[t.cpu() for t in (x, w, bias, state, parent, cu)])
+    assert torch.isfinite(out).all() and rel_err(out.cpu(), want) <= FP32_TOL
+    assert torch.equal(layers[1], x) and torch.isnan(layers[0]).all() and torch.isnan(layers[2]).all()
+    # The dispatching entry point and the reference take the same arguments.
+    copy = torch.empty_like(x)
+    out2 = kernels.tree_causal_conv1d(x, w, bias, cache, parent, cu, state_indices=slots, x_copy=copy)
+    assert rel_err(out2.cpu(), want) <= FP32_TOL and torch.equal(copy, x)
+    copy_ref = torch.empty_like(x).cpu()
+    out3 = conv_ref.tree_causal_conv1d(*[t.cpu() for t in (x, w, bias, cache, parent, cu)],
+                                       state_indices=slots.cpu(), x_copy=copy_ref)
+    assert torch.equal(out3, want) and torch.equal(copy_ref, x.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 5, 37])
+def test_gdn_gates_read_strided_projections(dtype, n):
+    """The gates from ``b, a = ba.chunk(2, dim=-1)`` (column halves, row stride 2H), against the reference,
+    including softplus's linear branch (a + dt_bias above 20) and beta rounded to the input dtype."""
+    from vllm_bole.kernels.tree_gdn.triton_gates import gdn_gates as triton_gates
+
+    h = 12
+    gen = torch.Generator().manual_seed(seed_of("gates", str(dtype), n))
+    ba = (4 * torch.randn(n, 2 * h, generator=gen)).to(dtype)
+    ba[0, h + 1] = 30.0                                   # softplus past its threshold
+    b, a = ba.to(DEV).chunk(2, dim=-1)
+    A_log = torch.randn(h, generator=gen).to(DEV)
+    dt_bias = torch.randn(h, generator=gen).to(DEV)
+    g, beta = triton_gates(a, b, A_log, dt_bias)
+    g_ref, beta_ref = gdn_ref.gdn_gates(a.cpu(), b.cpu(), A_log.cpu(), dt_bias.cpu())
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == (n, h)
+    # Triton's interpreter truncates to bf16 where the GPU rounds to nearest: one bf16 step apart at most there.
+    beta_tol = dict(rtol=2 ** -7, atol=0) if dtype == torch.bfloat16 and not GPU else dict(rtol=0, atol=1e-6)
+    assert torch.allclose(g.cpu(), g_ref, rtol=1e-6, atol=1e-6) and torch.allclose(beta.cpu(), beta_ref, **beta_tol)
+    assert torch.equal(beta.cpu().to(dtype).float(), beta.cpu())          # rounded to the input dtype
+    g2, beta2 = kernels.gdn_gates(a, b, A_log, dt_bias)
+    assert torch.allclose(g2.cpu(), g_ref, rtol=1e-6, atol=1e-6) and torch.allclose(beta2.cpu(), beta_ref, **beta_tol)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gdn_gates_equal_vllms_gating(dtype):
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import fused_gdn_gating
+
+    from vllm_bole.kernels.tree_gdn.triton_gates import gdn_gates as triton_gates
+
+    gen = torch.Generator().manual_seed(seed_of("gates-vllm", str(dtype)))
+    ba = (4 * torch.randn(64, 64, generator=gen)).to(dtype).to(DEV)
+    b, a = ba.chunk(2, dim=-1)
+    A_log, dt_bias = torch.randn(32, generator=gen).to(DEV), torch.randn(32, generator=gen).to(DEV)
+    g, beta = triton_gates(a, b, A_log, dt_bias)
+    g_v, beta_v = fused_gdn_gating(A_log, a.contiguous(), b.contiguous(), dt_bias)
+    assert torch.equal(g, g_v.reshape(64, 32).float()) and torch.equal(beta, beta_v.reshape(64, 32).float())

@@ -42,18 +42,16 @@ def ssm_state_view(layer) -> torch.Tensor:
 
 
 def gdn_gates(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, beta) as ``[N, HV]`` float32, computed by the same op vLLM's GDN path uses on this platform."""
+    """(g, beta) as ``[N, HV]`` float32, the values vLLM's GDN gating gives on this platform: its CPU op, or
+    on GPUs the same math in one launch that reads the strided projections (``kernels.gdn_gates``)."""
     if current_platform.is_cpu():
         from vllm import _custom_ops as ops
 
         g, beta = ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a.contiguous(), b=b.contiguous(),
                                            dt_bias=layer.dt_bias)
-    else:
-        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import fused_gdn_gating
-
-        g, beta = fused_gdn_gating(layer.A_log, a.contiguous(), b.contiguous(), layer.dt_bias)
-    n = a.shape[0]
-    return g.reshape(n, -1).float(), beta.reshape(n, -1).float()
+        n = a.shape[0]
+        return g.reshape(n, -1).float(), beta.reshape(n, -1).float()
+    return kernels.gdn_gates(a, b, layer.A_log, layer.dt_bias)
 
 
 def conv_weight_2d(layer) -> torch.Tensor:
@@ -98,7 +96,7 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
         if forest is not None and forest.graph is not None:
             # Graph mode (worker/verify_graphs.py): every row is a tree node or padding; the slots come from
             # the persistent block table, not from this step's metadata (fresh tensors every step).
-            core_attn_out.copy_(self._verify_trees(mixed_qkv, b, a, forest.graph.state_slots(self.prefix), forest))
+            self._verify_trees(mixed_qkv, b, a, forest.graph.state_slots(self.prefix), forest, out=core_attn_out)
             return
         if meta is None or meta.spec_sequence_masks is None or forest is None:
             return self._vllm_core(mixed_qkv, b, a, core_attn_out, meta)
@@ -107,7 +105,7 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
         slots = meta.spec_state_indices_tensor[:, 0]
         if tree_idx is None:  # every token belongs to a tree: no gather or scatter
             n = meta.num_spec_decode_tokens
-            core_attn_out[:n] = self._verify_trees(mixed_qkv[:n], b[:n], a[:n], slots, forest)
+            self._verify_trees(mixed_qkv[:n], b[:n], a[:n], slots, forest, out=core_attn_out[:n])
         else:
             tree_idx = tree_idx.long()
             core_attn_out.index_copy_(0, tree_idx, self._verify_trees(
@@ -143,23 +141,30 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
         finally:
             attn[self.prefix] = original
 
-    def _verify_trees(self, x, b, a, state_slots, forest):
-        """Outputs of every tree node ``[N, HV, dv]``; keeps the factors for :func:`commit_step`."""
+    def _verify_trees(self, x, b, a, state_slots, forest, out=None):
+        """Outputs of every tree node ``[N, HV, dv]`` (into ``out`` when given); keeps the factors for
+        :func:`commit_step`. The caches are read in place by slot, the conv kernel keeps the conv inputs for the
+        commit, and q, k, v are views of the conv output: in a verification graph every GDN layer's copies,
+        gathers and splits are small kernels of their own."""
         scratch = GDNStepScratch.of(forest, self, x)
         layer = scratch.add_layer(self, state_slots)
-        conv_state = conv_state_view(self)[state_slots.long()]
-        y = kernels.tree_causal_conv1d(x, conv_weight_2d(self), self.conv1d.bias, conv_state,
-                                       forest.parent, forest.cu_seqlens, activation=self.activation)
-        scratch.conv_inputs[layer].copy_(x)
-        q, k, v = self.rearrange_mixed_qkv(y)
-        n = x.shape[0]
-        q, k, v = (t.reshape(n, -1, t.shape[-1]) for t in (q, k, v))
+        y = kernels.tree_causal_conv1d(x, conv_weight_2d(self), self.conv1d.bias, conv_state_view(self),
+                                       forest.parent, forest.cu_seqlens, activation=self.activation,
+                                       state_indices=state_slots, x_copy=scratch.conv_inputs[layer])
+        q, k, v = self._split_qkv(y)
         g, beta = gdn_gates(self, a, b)
         o, _ = kernels.tree_gdn_verify(
             q, k, v, g, beta, ssm_state_view(self), forest.parent, forest.cu_seqlens,
             use_qk_l2norm_in_kernel=True, state_indices=state_slots, out_factors=scratch.factors_of(layer),
-            max_seqlen=forest.max_nodes or None, bits=forest.device_bits())
-        return o.to(x.dtype)
+            max_seqlen=forest.max_nodes or None, bits=forest.device_bits(), out=out)
+        return o
+
+    def _split_qkv(self, y: torch.Tensor):
+        """q, k ``[N, HK, dk]`` and v ``[N, HV, dv]`` as views of the conv output ``[N, conv_dim]`` (the tree
+        kernels take any row stride; vLLM's ``rearrange_mixed_qkv`` copies them out)."""
+        n, kd = y.shape[0], self.key_dim // self.tp_size
+        return (y[:, :kd].view(n, -1, self.head_k_dim), y[:, kd:2 * kd].view(n, -1, self.head_k_dim),
+                y[:, 2 * kd:].view(n, -1, self.head_v_dim))
 
 
 class GDNStepScratch:

@@ -29,7 +29,7 @@ from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest
 from ..worker.verify_graphs import GraphStep, capture
-from .device_beam import BeamState, LevelPlan, pack_bits, request_rows, selection_alive
+from .device_beam import BeamState, LevelPlan, request_rows, selection_alive
 
 logger = init_logger(__name__)
 
@@ -115,20 +115,13 @@ class BeamGraphs:
             self.slots[:levels, :bucket * k].copy_(pos_slots[1])
         self._layout = shape
         self.block_table[:g].copy_(request_rows(cm.block_table_tensor, reqs))
-        state = self._views(bucket)
+        state = self.state.rows(bucket)
         if bucket > g:
             hidden = torch.cat([hidden, hidden.new_zeros(bucket - g, hidden.shape[1])])
             top = torch.cat([top, top.new_zeros(bucket - g, top.shape[1])])
         self.beam.start(state, hidden, top)
         self._step = (bucket, padded)
         return state
-
-    def _views(self, bucket: int) -> BeamState:
-        s, rows = self.state, bucket * self.k
-        return BeamState(tokens=s.tokens[:bucket], parents=s.parents[:bucket], scores=s.scores[:bucket],
-                         front=s.front[:bucket], front_tok=s.front_tok[:bucket], front_score=s.front_score[:bucket],
-                         front_slot=s.front_slot[:bucket], front_row=s.front_row[:bucket], anc=s.anc[:bucket],
-                         prev=s.prev[:rows])
 
     def run(self, state: BeamState, d: int, cm, reqs: list[int], plan: LevelPlan, per_request: int | None) -> bool:
         """Level ``d`` of the step :meth:`start` set up, from its graph (captured now if new: the eager warm-up
@@ -156,8 +149,8 @@ class BeamGraphs:
         per_layer = self.drafter._metadata(cm, chunks, bucket * k, views)
 
         def call():
-            self.beam.level(state, d, lambda tok, hid, visible: self._forward(bucket, d, padded, long_prefix,
-                                                                              per_layer, tok, hid, visible))
+            self.beam.level(state, d, lambda tok, hid, visible, bits: self._forward(bucket, d, padded, long_prefix,
+                                                                                    per_layer, tok, hid, bits))
             if per_request is not None:
                 real = torch.arange(bucket, device=self.flags.device) * k < self.query_start_loc[bucket]
                 n = k + d * k * k
@@ -188,7 +181,7 @@ class BeamGraphs:
         return self.beam.send_flag(self.flags[d - 1], d)
 
     def _forward(self, bucket: int, d: int, padded: int, long_prefix: bool, per_layer, tokens: torch.Tensor,
-                 hidden: torch.Tensor, visible: torch.Tensor):
+                 hidden: torch.Tensor, bits: torch.Tensor):
         """Level ``d``'s MTP forward from the fixed buffers (device work only): (hidden, top children)."""
         drafter, proposer, k = self.drafter, self.drafter.proposer, self.k
         n = bucket * k
@@ -202,7 +195,7 @@ class BeamGraphs:
                                 num_tokens=padded, num_reqs=bucket, max_nodes=k, long_prefix=long_prefix,
                                 max_model_len=drafter.runner.max_model_len, block_tables={}, scratch_storage={}))
         forest._device_rows = DeviceTreeRows(meta=self.meta[d - 1, :bucket],
-                                             bits=pack_bits(visible.reshape(n, d * k), self.beam.words),
+                                             bits=bits,
                                              num_rows=padded, max_rows=k)
         out = drafter._run_model(per_layer, forest, padded, CUDAGraphMode.NONE)[:n]
         # Padding requests' rows attend to nothing (stale outputs): zeros keep their top children finite.

@@ -15,7 +15,7 @@ Frontier nodes below their floor still expand within a level that runs; their ch
 selection never keeps them.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -207,9 +207,11 @@ class BeamState:
     front_tok: torch.Tensor     # [G, k] float64
     front_score: torch.Tensor   # [G, k] float64
     front_slot: torch.Tensor    # [G, k] int64: each frontier node's parent among the last level's queries
-    front_row: torch.Tensor     # [G, k] int64: row of ``prev`` that predicted each frontier node
+    # The next level's inputs, laid out by the level before it (DeviceBeam.start for the first):
+    front_ids: torch.Tensor     # [G, k] int64: the frontier's token ids (the queries)
     anc: torch.Tensor           # [G, k, depth * k] bool: region keys the frontier's queries see
-    prev: torch.Tensor          # [G * k, H]: the last level's MTP hidden states (level 0: the roots' in rows 0..G-1)
+    bits: torch.Tensor          # [G * k, words] int32: ``anc`` packed (pack_bits), as the attention backend reads it
+    hid: torch.Tensor           # [G * k, H]: the MTP hidden state that predicted each frontier node
 
     @classmethod
     def empty(cls, g: int, m: int, k: int, depth: int, hidden: torch.Tensor) -> "BeamState":
@@ -218,9 +220,16 @@ class BeamState:
         return cls(tokens=torch.zeros(g, m, **f64), parents=torch.full((g, m), -1.0, **f64),
                    scores=torch.zeros(g, m, **f64), front=torch.zeros(g, k, **i64), front_tok=torch.zeros(g, k, **f64),
                    front_score=torch.zeros(g, k, **f64), front_slot=torch.zeros(g, k, **i64),
-                   front_row=torch.zeros(g, k, **i64),
+                   front_ids=torch.zeros(g, k, **i64),
                    anc=torch.zeros(g, k, depth * k, dtype=torch.bool, device=hidden.device),
-                   prev=torch.zeros(g * k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device))
+                   bits=torch.zeros(g * k, region_words(depth, k), dtype=torch.int32, device=hidden.device),
+                   hid=torch.zeros(g * k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device))
+
+    def rows(self, g: int) -> "BeamState":
+        """The first ``g`` requests' rows (views)."""
+        k = self.front.shape[1]
+        return BeamState(**{f.name: getattr(self, f.name)[:g * k if f.name in ("hid", "bits") else g]
+                            for f in fields(self)})
 
 
 @dataclass
@@ -290,13 +299,18 @@ class DeviceBeam:
     def _child_probs(self, p: torch.Tensor, depth: int) -> torch.Tensor:
         """Scores of children at ``depth`` relative to their parent, rank order: the drafter's probabilities,
         or under synthetic acceptance the rates the walk accepts each rank with (``MTPTreeDrafter._child_scores``)."""
+        rates = self._synthetic_rates(p.device)
+        return p if rates is None else rates[depth].expand_as(p)
+
+    def _synthetic_rates(self, device) -> torch.Tensor | None:
+        """``[max_depth + 2, k]`` float64: under synthetic acceptance, the child scores by depth and rank."""
         synthetic = self.drafter.synthetic
         if synthetic is None:
-            return p
+            return None
         if self._rates is None:
             self._rates = torch.tensor([[synthetic.child_probability(d, r) for r in range(self.k)]
-                                        for d in range(self.max_depth + 2)], dtype=torch.float64, device=p.device)
-        return self._rates[depth].expand_as(p)
+                                        for d in range(self.max_depth + 2)], dtype=torch.float64, device=device)
+        return self._rates
 
     def levels(self, per_request: int | None, budget: int | None) -> int:
         """Expansion levels after the root's children: none deeper than a kept tree can reach."""
@@ -357,8 +371,8 @@ class DeviceBeam:
             # A graph's level also computes its early-stop flag (graphs.flag); an eager level's comes after it.
             ran = graphs is not None and graphs.run(state, d, cm, reqs, plan, step.per_request)
             if not ran:
-                self.level(state, d, lambda tok, hid, visible, d=d: self._eager_forward(cm, reqs, plan, d, tok, hid,
-                                                                                         visible))
+                self.level(state, d, lambda tok, hid, visible, bits, d=d: self._eager_forward(cm, reqs, plan, d, tok,
+                                                                                               hid, visible, bits))
             self.levels_run += 1
             n += k * k
             if check:
@@ -413,33 +427,44 @@ class DeviceBeam:
         return self._depths_cache[n]
 
     def start(self, s: BeamState, hidden: torch.Tensor, top: torch.Tensor) -> None:
-        """The root's children as candidates and frontier (``hidden``, ``top``: one row per request of ``s``)."""
+        """The root's children as candidates and frontier, and level 1's inputs (``hidden``, ``top``: one row
+        per request of ``s``)."""
         k, g = self.k, s.front.shape[0]
-        s.prev[:hidden.shape[0]].copy_(hidden)
         p = self._child_probs(top[:, :k], 1)
         s.tokens[:, :k], s.scores[:, :k], s.parents[:, :k] = top[:, k:], p, -1.0
         order = torch.sort(p, dim=1, descending=True, stable=True).indices   # [G, k]
         s.front.copy_(order)
         s.front_tok.copy_(top[:, k:].gather(1, order))
         s.front_score.copy_(p.gather(1, order))
-        s.front_row.copy_(torch.arange(g, device=order.device)[:, None].expand(g, k))
+        s.front_ids.copy_(s.front_tok)
+        # Level 1's queries see themselves only, and all read their root's hidden state.
+        s.anc.zero_()
+        s.anc[:, :, :k] |= torch.eye(k, dtype=torch.bool, device=s.anc.device)
+        s.bits.copy_(pack_bits(s.anc.reshape(g * k, -1), s.bits.shape[1]))
+        s.hid.view(g, k, -1).copy_(hidden[:, None, :])
 
     def level(self, s: BeamState, d: int, forward) -> None:
         """Level ``d``: the frontier's queries through ``forward(tokens [G*k], hidden [G*k, H], visible region
-        keys [G, k, d*k]) -> (MTP hidden [G*k, H], top children [G*k, 2k])``, then each query's ``topk``
-        children as candidates and the ``topk`` best of them (ties to the earlier) as the next frontier. Device
-        work only, in place on ``s``: the same code runs eagerly and inside a level's CUDA graph."""
-        k, g = self.k, s.front.shape[0]
-        # The level's queries see their parent query's region and themselves (key (d-1)k + j). No host scalar
-        # goes into a device tensor here: inside a graph capture that would be a host-to-device copy.
-        if d == 1:
-            s.anc.zero_()
+        keys [G, k, d*k], the same packed [G*k, words]) -> (MTP hidden [G*k, H], top children [G*k, 2k])``, then
+        :meth:`advance`. Device work
+        only, in place on ``s``: the same code runs eagerly and inside a level's CUDA graph."""
+        out, top = forward(s.front_ids.reshape(-1), s.hid, s.anc[:, :, :d * self.k], s.bits)
+        self.advance(s, d, out, top)
+
+    def advance(self, s: BeamState, d: int, out: torch.Tensor, top: torch.Tensor) -> None:
+        """After level ``d``'s forward: each query's ``topk`` children as candidates, the ``topk`` best of them
+        (ties to the earlier) as the next frontier, and the next level's inputs. One Triton launch on a GPU
+        (``kernels/tree_select/triton_beam.py``); :meth:`advance_reference` is its torch twin."""
+        if s.front.is_cuda:
+            from ..kernels.tree_select.triton_beam import beam_advance
+
+            rates = self._synthetic_rates(top.device)
+            beam_advance(s, d, out, top, None if rates is None else rates[d + 1])
         else:
-            s.anc.copy_(s.anc.gather(1, s.front_slot[:, :, None].expand(-1, -1, s.anc.shape[2])))
-        s.anc[:, :, (d - 1) * k:d * k] |= torch.eye(k, dtype=torch.bool, device=s.anc.device)
-        hid = s.prev[s.front_row.reshape(-1)]
-        out, top = forward(s.front_tok.reshape(-1).long(), hid, s.anc[:, :, :d * k])
-        s.prev[:out.shape[0]].copy_(out)
+            self.advance_reference(s, d, out, top)
+
+    def advance_reference(self, s: BeamState, d: int, out: torch.Tensor, top: torch.Tensor) -> None:
+        k, g = self.k, s.front.shape[0]
         top = top.double()
         n = k + (d - 1) * k * k
         p = self._child_probs(top[:, :k], d + 1).reshape(g, k, k)
@@ -453,7 +478,15 @@ class DeviceBeam:
         s.front_tok.copy_(child_tok.gather(1, order))
         s.front_score.copy_(child_score.gather(1, order))
         s.front_slot.copy_(order // k)
-        s.front_row.copy_(torch.arange(g, device=order.device)[:, None] * k + s.front_slot)
+        # The next level: each new frontier node's query sees its parent query's region and itself (key d*k + j),
+        # and reads the hidden state of the query that predicted it.
+        s.front_ids.copy_(s.front_tok)
+        s.anc.copy_(s.anc.gather(1, s.front_slot[:, :, None].expand(-1, -1, s.anc.shape[2])))
+        if (d + 1) * k <= s.anc.shape[2]:   # (no level after the deepest one)
+            s.anc[:, :, d * k:(d + 1) * k] |= torch.eye(k, dtype=torch.bool, device=s.anc.device)
+        s.bits.copy_(pack_bits(s.anc.reshape(g * k, -1), s.bits.shape[1]))
+        rows = torch.arange(g, device=order.device)[:, None] * k + s.front_slot
+        s.hid.copy_(out[rows.reshape(-1)])
 
     def host_rows(self, hidden: torch.Tensor) -> bool:
         """Whether the attention backend reads tree rows as host masks (CPU) rather than device bits (GPU)."""
@@ -484,19 +517,19 @@ class DeviceBeam:
         return bool(value)
 
     def _eager_forward(self, cm, reqs: list[int], plan: LevelPlan, d: int, tokens: torch.Tensor,
-                       hidden: torch.Tensor, visible: torch.Tensor):
+                       hidden: torch.Tensor, visible: torch.Tensor, bits: torch.Tensor):
         """Level ``d``'s MTP forward outside the beam graphs: (hidden ``[G*k, H]``, top children ``[G*k, 2k]``).
         Rows past the step's requests (a graph state's padding, if the graphs went off within a step) get
         zeros."""
         rows = len(reqs) * self.k
-        out, top = self._run_level(cm, reqs, plan, d, tokens[:rows], hidden[:rows], visible[:len(reqs)])
+        out, top = self._run_level(cm, reqs, plan, d, tokens[:rows], hidden[:rows], visible[:len(reqs)], bits[:rows])
         if hidden.shape[0] > rows:
             out = torch.cat([out, out.new_zeros(hidden.shape[0] - rows, out.shape[1])])
             top = torch.cat([top, top.new_zeros(hidden.shape[0] - rows, top.shape[1])])
         return out, top
 
     def _run_level(self, cm, reqs: list[int], plan: LevelPlan, d: int, tokens: torch.Tensor, hidden: torch.Tensor,
-                   visible: torch.Tensor):
+                   visible: torch.Tensor, bits: torch.Tensor):
         """One level's MTP forward (the rows of ``plan``'s level ``d``): (hidden ``[G*k, H]``, top children
         ``[G*k, 2k]``)."""
         drafter, k, g = self.drafter, self.k, len(reqs)
@@ -508,5 +541,4 @@ class DeviceBeam:
             tree_rows = [TreeRows(req_index=i, row_start=i * k, region_mask=visible[i]) for i in range(g)]
             out = drafter._forward_written(cm, chunks, tree_rows, *written)
             return out, drafter._top_rows(out)
-        bits = pack_bits(visible.reshape(rows, d * k), self.words)
         return drafter.forward_device_rows(cm, chunks, torch.from_numpy(plan.meta[d - 1]), bits, written, k)

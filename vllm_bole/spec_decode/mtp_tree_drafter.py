@@ -22,6 +22,7 @@ from vllm.v1.utils import record_function_or_nullcontext
 
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
+from ..kernels.tree_select.top_children import top_children
 from .device_beam import request_rows
 from .drafter import DraftStep, TreeDrafter, drafting
 from .synthetic import parse_synthetic
@@ -211,13 +212,8 @@ class MTPTreeDrafter(TreeDrafter):
         < 2^24), so one copy to the host carries both. With ``draft_vocab`` the logits, and so the probabilities,
         are those of the draft vocabulary."""
         vocab = self.draft_vocab
-        logits = (self.proposer.model.compute_logits(hidden_rows) if vocab is None
-                  else vocab.logits(hidden_rows)).float()
-        top, tok = logits.topk(self.bole_config.topk, dim=-1)
-        p = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
-        if vocab is not None:
-            tok = vocab.ids[tok]
-        return torch.cat([p, tok.float()], dim=1)
+        logits = self.proposer.model.compute_logits(hidden_rows) if vocab is None else vocab.logits(hidden_rows)
+        return top_children(logits, self.bole_config.topk, None if vocab is None else vocab.ids)
 
     def _catch_up(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor):
         """The MTP forward over the tokens the step committed: (hidden states ``[rows, H]``, their top children

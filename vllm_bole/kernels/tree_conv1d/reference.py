@@ -44,15 +44,22 @@ def tree_windows(x, conv_state, parent, cu_seqlens, width, nodes=None) -> torch.
     return win
 
 
-def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activation="silu"):
+def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activation="silu", *,
+                       state_indices=None, x_copy=None):
     """x: ``[N, dim]``; weight: ``[dim, W]``; bias: ``[dim]`` or None; conv_state: ``[B, dim, W-1]``.
 
     Returns ``[N, dim]`` in the dtype of x; conv_state is not modified (see :func:`commit_conv_state`).
     Each node's output is one depthwise ``F.conv1d`` over its window, the computation vLLM's CPU conv does per
-    token, so a chain gives bit-identical results.
+    token, so a chain gives bit-identical results. ``state_indices``: ``[B]``, when given conv_state is a whole
+    cache and request b reads its row ``state_indices[b]``; ``x_copy``: ``[N, dim]``, receives a copy of x (the
+    commit's conv inputs).
     """
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    if state_indices is not None:
+        conv_state = conv_state[state_indices.long()]
+    if x_copy is not None:
+        x_copy.copy_(x)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     win = tree_windows(x, conv_state, parent, cu_seqlens, weight.shape[1]).to(weight.dtype)

@@ -15,11 +15,14 @@ from ..tree_gdn.triton_commit import device_table, launch_plan
 
 @triton.jit
 def _tree_conv_kernel(
-    x, weight, bias, conv_state, parent, cu_seqlens, out,
-    stride_x, stride_out, stride_w_d, stride_w_t, stride_s_b, stride_s_d, stride_s_t, DIM,
+    x, weight, bias, conv_state, state_idx, parent, cu_seqlens, out, x_copy,
+    stride_x, stride_out, stride_x_copy, stride_w_d, stride_w_t, stride_s_b, stride_s_d, stride_s_t, DIM,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    HAS_IDX: tl.constexpr, COPY_X: tl.constexpr,
 ):
     b, pid_d = tl.program_id(0), tl.program_id(1)
+    # The committed window is read in place from the request's cache slot (no gathered copy).
+    slot = tl.load(state_idx + b).to(tl.int64) if HAS_IDX else b.to(tl.int64)
     bos = tl.load(cu_seqlens + b).to(tl.int64)
     t = tl.load(cu_seqlens + b + 1).to(tl.int64) - bos
     o_d = pid_d * BD + tl.arange(0, BD)
@@ -37,7 +40,10 @@ def _tree_conv_kernel(
             on_path = cur >= 0
             from_x = tl.load(x + (bos + cur)[:, None] * stride_x + o_d[None, :],
                              mask=on_path[:, None] & md[None, :], other=0.0)
-            from_state = tl.load(conv_state + b * stride_s_b + o_d[None, :] * stride_s_d
+            if COPY_X and s == 0:   # tap 0 is the node's own input: keep it for the commit
+                tl.store(x_copy + (bos + nodes)[:, None] * stride_x_copy + o_d[None, :], from_x,
+                         mask=mn[:, None] & md[None, :])
+            from_state = tl.load(conv_state + slot * stride_s_b + o_d[None, :] * stride_s_d
                                  + (W - 2 - used_state)[:, None] * stride_s_t,
                                  mask=(mn & ~on_path)[:, None] & md[None, :], other=0.0)
             w_s = tl.load(weight + o_d * stride_w_d + (W - 1 - s) * stride_w_t, mask=md, other=0.0)
@@ -53,23 +59,29 @@ def _tree_conv_kernel(
                  mask=mn[:, None] & md[None, :])
 
 
-def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activation="silu"):
+def tree_causal_conv1d(x, weight, bias, conv_state, parent, cu_seqlens, activation="silu", *,
+                       state_indices=None, x_copy=None):
     """Same contract as :func:`reference.tree_causal_conv1d`; weight may be ``[dim, W]`` or ``[dim, 1, W]``."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     weight = weight.reshape(weight.shape[0], weight.shape[-1]) if weight.dim() == 3 else weight
     n, dim = x.shape
     width = weight.shape[1]
-    assert x.stride(1) == 1 and conv_state.shape[1:] == (dim, width - 1)
-    out = torch.empty(n, dim, dtype=x.dtype, device=x.device)
     batch = cu_seqlens.numel() - 1
+    assert x.stride(1) == 1 and conv_state.shape[1:] == (dim, width - 1)
+    assert state_indices is None or state_indices.shape == (batch,)
+    assert x_copy is None or (x_copy.shape == x.shape and x_copy.stride(1) == 1)
+    out = torch.empty(n, dim, dtype=x.dtype, device=x.device)
     if n == 0 or batch == 0:
         return out
     block_d = min(256, triton.next_power_of_2(dim))
     _tree_conv_kernel[(batch, triton.cdiv(dim, block_d))](
-        x, weight, bias if bias is not None else x, conv_state, parent, cu_seqlens, out,
-        x.stride(0), out.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(), dim,
-        W=width, BN=16, BD=block_d, HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4,
+        x, weight, bias if bias is not None else x, conv_state,
+        state_indices if state_indices is not None else cu_seqlens, parent, cu_seqlens, out,
+        x_copy if x_copy is not None else out, x.stride(0), out.stride(0),
+        x_copy.stride(0) if x_copy is not None else 0, weight.stride(0), weight.stride(1), *conv_state.stride(), dim,
+        W=width, BN=16, BD=block_d, HAS_BIAS=bias is not None, SILU=activation is not None,
+        HAS_IDX=state_indices is not None, COPY_X=x_copy is not None, num_warps=4,
     )
     return out
 

@@ -33,6 +33,15 @@ class TreeFactors:
     g_cum: torch.Tensor
 
 
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(g, beta) ``[N, H]`` float32 from the layer's ``a``, ``b`` ``[N, H]`` projections, as vLLM's
+    ``fused_gdn_gating`` computes them: g = -exp(A_log) softplus(a + dt_bias) (softplus linear above 20),
+    beta = sigmoid(b), rounded to b's dtype."""
+    x = a.float() + dt_bias.float()
+    g = -A_log.float().exp() * torch.where(x <= 20.0, torch.log(1 + torch.exp(x)), x)
+    return g, torch.sigmoid(b.float()).to(b.dtype).float()
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # Same formula as FLA's l2norm used by vLLM's GDN kernels.
     x = x.float()

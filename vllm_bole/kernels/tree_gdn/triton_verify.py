@@ -201,14 +201,15 @@ def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.d
 
 def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,
                     use_qk_l2norm_in_kernel=False, state_indices=None, max_seqlen=None, bits=None,
-                    out_factors=None, config=None):
+                    out_factors=None, config=None, out=None):
     """Same contract as :func:`reference.tree_gdn_verify`.
 
     initial_state may be any float dtype with a contiguous last dim; with ``state_indices`` it is a whole
     state cache read in place. max_seqlen (largest tree; read from cu_seqlens when None, which syncs) and
     bits (from :func:`ancestor_bits`, shared by all layers of one forest) let a caller skip the host sync and
     the per-layer mask build; out_factors (a :class:`TreeFactors` of preallocated tensors) receives the
-    factors, e.g. one layer's slice of a step-wide buffer; config overrides :func:`launch_config`.
+    factors, e.g. one layer's slice of a step-wide buffer; out (contiguous ``[N, HV, dv]``, dtype of v) receives
+    the output, e.g. the layer's own output buffer; config overrides :func:`launch_config`.
     """
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -235,7 +236,10 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
     else:
         assert cfg["block_t"] in (16, 32), f"block_t must be 16 or 32, got {cfg['block_t']}"
 
-    o = torch.empty(n, hv, dv, dtype=v.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(n, hv, dv, dtype=v.dtype, device=q.device)
+    assert out.shape == (n, hv, dv) and out.dtype == v.dtype and out.is_contiguous()
+    o = out
     if out_factors is None:
         out_factors = TreeFactors(k=torch.empty(n, hk, dk, dtype=torch.float32, device=q.device),
                                   u=torch.empty(n, hv, dv, dtype=torch.float32, device=q.device),
