@@ -69,7 +69,7 @@ def test_triton_advance_is_the_torch_one(seed):
     got = _to(s, DEV)
     # A wider top-children buffer, as the drafter's rows may be strided.
     wide = torch.cat([top, torch.full((g * k, 3), -1.0)], dim=1).to(DEV)[:, :2 * k]
-    rates = beam._synthetic_rates(DEV)
+    rates = _beam(k, depth, synthetic)._synthetic_rates(DEV)   # (a beam keeps its table on one device)
     with interpreter():
         mod.beam_advance(got, d, out.to(DEV), wide, None if rates is None else rates[d + 1])
     for f in dataclasses.fields(BeamState):

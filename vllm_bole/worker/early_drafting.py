@@ -37,6 +37,7 @@ class FirstPass:
     rows: tuple | None                  # the drafter's (hidden, top children) per verified node; None: catch up
     walk: object = None                 # the device walk (DeviceWalk) whose copy ``host`` is, if any
     drafted: bool = False               # levels and commit queued too (:func:`_draft_before_walk`)
+    next_tokens: tuple | None = None    # async scheduling: (next roots, emitted counts), counts sent to the host
 
     def wait(self) -> torch.Tensor:
         return self.host.wait()
@@ -94,12 +95,15 @@ def launch(runner, scheduler_output) -> FirstPass | None:
                                             max_nodes=max_nodes)
             walk = greedy_walk(targets, tokens, parent, forest.cu_seqlens, forest.depth_bound, after,
                                max_nodes=max_nodes)
-            payload = torch.cat([walk.rows, walk.emitted.long(), walk.length[:, None]], dim=1)
-        else:
-            payload = argmax
         # Async scheduling: vLLM copies the emitted tokens itself, when it needs them.
         on_device = walk is not None and runner.bole_async and metadata.max_num_logprobs is None
-        host = None if on_device else HostCopy(payload)
+        host = None
+        if not on_device:   # the walk's paths and emitted tokens, or the argmax, to the host
+            host = HostCopy(argmax if walk is None else
+                            torch.cat([walk.rows, walk.emitted.long(), walk.length[:, None]], dim=1))
+        # The emitted counts, which the next step's host preparation waits for, go to the host right behind the
+        # walk rather than behind this step's drafting (as vLLM's MTP sends them before its drafter runs).
+        next_tokens = runner.send_emitted_counts(walk.emitted) if on_device else None
         slots = runner.input_batch.block_table[drafter.proposer.kv_cache_gid].slot_mapping.gpu[:n]
         # Prefix + scheduled tokens per request. Under async scheduling the step was prepared from counts that
         # assumed every draft accepted; vLLM has corrected them on the host by now (after launching the forward),
@@ -109,7 +113,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
         rows = drafter.first_pass_all_rows(cm, forest, after, runner.positions[:n], slots, seq_lens,
                                            state.hidden_states[:n])
     runner.bole_first_pass_steps += 1
-    first = FirstPass(host=host, rows=rows, walk=walk)
+    first = FirstPass(host=host, rows=rows, walk=walk, next_tokens=next_tokens)
     if walk is not None:
         try:
             _draft_before_walk(runner, forest, walk, rows, cm, max(seq_lens),

@@ -542,7 +542,8 @@ class BoleModelRunnerMixin:
                                 common_attn_metadata, slot_mappings):
         # (The last step's drafts were finished when this step's execute_model began.)
         if self.bole_async:
-            self._async_next_tokens(sampled_token_ids)
+            first = self._bole_first_pass
+            self._async_next_tokens(sampled_token_ids, None if first is None else first.next_tokens)
         if self._bole_first_pass is not None and self._bole_first_pass.drafted:
             return self._no_draft_ids()   # drafted before the walk (early_drafting): pending already
         with profiled(self._bole_profiler, "draft"):
@@ -572,13 +573,29 @@ class BoleModelRunnerMixin:
         None (vLLM's next step then scatters no draft ids: Bole writes the draft rows from the device)."""
         return None if self.bole_async else []
 
-    def _async_next_tokens(self, sampled_token_ids: torch.Tensor) -> None:
+    def _async_next_tokens(self, sampled_token_ids: torch.Tensor, sent=None) -> None:
         """Under async scheduling, what vLLM's next step reads on the device instead of the host output: each
         request's last emitted token (the next root) and its count of emitted tokens, from which vLLM corrects
-        the next step's positions and sequence lengths (vLLM's drafter helper, as its MTP path calls it)."""
+        the next step's positions and sequence lengths (vLLM's drafter helper, as its MTP path calls it).
+        ``sent``: (next tokens, counts) of :meth:`send_emitted_counts`, whose host copy left already."""
+        if sent is None:
+            self._copy_valid_sampled_token_count(*self.send_emitted_counts(sampled_token_ids, copy=False))
+            return
+        # What _copy_valid_sampled_token_count keeps besides its host copy (vLLM cleared it after sampling).
+        next_ids, counts = sent
+        if self.use_async_spec_decode:
+            self.valid_sampled_token_count_gpu = counts
+        self.input_batch.prev_sampled_token_ids = next_ids.unsqueeze(1)
+
+    def send_emitted_counts(self, sampled_token_ids: torch.Tensor, copy: bool = True):
+        """(next tokens, emitted counts) of the step on the device; with ``copy`` the counts also start on their
+        way to the host (vLLM's event). The next step's host preparation waits for that copy, so the early path
+        sends it right behind the walk: the host then prepares the next step while the device drafts."""
         next_ids, counts = self.drafter.prepare_next_token_ids_padded(
             sampled_token_ids.to(torch.int32), self.requests, self.input_batch, self.discard_request_mask.gpu)
-        self._copy_valid_sampled_token_count(next_ids, counts)
+        if copy:
+            self._copy_valid_sampled_token_count(next_ids, counts)
+        return next_ids, counts
 
     def _finish_drafts(self) -> None:
         """The pending drafts' trees (waits for the drafter's selection), as vLLM's draft token ids."""
