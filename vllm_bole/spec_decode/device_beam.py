@@ -290,6 +290,7 @@ class DeviceBeam:
         self._events: list | None = None
         self._depths_cache: dict[int, torch.Tensor] = {}
         self._level_hint: dict[int, int] = {}   # quota -> expansion levels its trees reached last (per_request)
+        self._level_one: dict[tuple, tuple] = {}   # state shape -> level 1's (anc, bits)
         self.graphs = None    # full CUDA graphs of whole levels (GPU): spec_decode/beam_graphs.py
         if getattr(drafter, "graphs", None) is not None:
             from .beam_graphs import BeamGraphs
@@ -438,10 +439,22 @@ class DeviceBeam:
         s.front_score.copy_(p.gather(1, order))
         s.front_ids.copy_(s.front_tok)
         # Level 1's queries see themselves only, and all read their root's hidden state.
-        s.anc.zero_()
-        s.anc[:, :, :k] |= torch.eye(k, dtype=torch.bool, device=s.anc.device)
-        s.bits.copy_(pack_bits(s.anc.reshape(g * k, -1), s.bits.shape[1]))
+        anc, bits = self._level_one_regions(s)
+        s.anc.copy_(anc)
+        s.bits.copy_(bits)
         s.hid.view(g, k, -1).copy_(hidden[:, None, :])
+
+    def _level_one_regions(self, s: BeamState) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anc, bits) of level 1 for ``s``'s shape: query j of every request sees key j only. The same every
+        step: made once per shape, then one copy each instead of a zero fill, an OR and a bit packing."""
+        key = (tuple(s.anc.shape), tuple(s.bits.shape), str(s.anc.device))
+        cached = self._level_one.get(key)
+        if cached is None:
+            g, k, width = s.anc.shape
+            anc = torch.zeros(g, k, width, dtype=torch.bool, device=s.anc.device)
+            anc[:, :, :k] = torch.eye(k, dtype=torch.bool, device=s.anc.device)
+            cached = self._level_one[key] = (anc, pack_bits(anc.reshape(g * k, width), s.bits.shape[1]))
+        return cached
 
     def level(self, s: BeamState, d: int, forward) -> None:
         """Level ``d``: the frontier's queries through ``forward(tokens [G*k], hidden [G*k, H], visible region
