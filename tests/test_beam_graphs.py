@@ -108,6 +108,9 @@ def _grow_and_check(drafter, step, cm, reqs, rng, case, device_roots) -> int:
         assert level["bits"] == [b[:len(level["bits"][0])] for b in w["bits"]]
         assert all(s == -1 for s in level["padding_slots"])     # padding requests write no KV
     assert torch.equal(drafter.beam.graphs.block_table[:len(reqs)], BLOCKS[reqs])
+    # The rows whose MTP outputs the levels keep (padding requests' are zeroed): the real requests' queries.
+    bucket = 1 << (len(reqs) - 1).bit_length()
+    assert drafter.beam.graphs.real_rows[:bucket * k].tolist() == [i < len(reqs) * k for i in range(bucket * k)]
     return len(want_levels)
 
 

@@ -45,6 +45,7 @@ class BeamGraphs:
         self.max_reqs, self.levels_max, dev = runner.max_num_reqs, max(beam.max_depth - 1, 1), runner.device
         rows = self.max_reqs * self.k
         self.query_start_loc = torch.zeros(self.max_reqs + 1, dtype=torch.int32, device=dev)
+        self.real_rows = torch.zeros(rows, dtype=torch.bool, device=dev)   # the step's query rows of real requests
         self.seq_lens = torch.zeros(self.levels_max, self.max_reqs, dtype=torch.int32, device=dev)
         self.meta = torch.zeros(self.levels_max, self.max_reqs, 5, dtype=torch.int32, device=dev)
         self.positions = torch.zeros(self.levels_max, rows, dtype=torch.long, device=dev)
@@ -90,6 +91,7 @@ class BeamGraphs:
             meta[:, :g] = plan.meta
             meta[:, g:, 0] = np.arange(g, bucket)
             self.query_start_loc[:bucket + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
+            self.real_rows[:bucket * k].copy_(torch.from_numpy(np.arange(bucket * k) < rows), non_blocking=True)
             self.meta[:levels, :bucket].copy_(torch.from_numpy(meta), non_blocking=True)
         budget = budget if budget is not None else 1 << 40
         if budget != self._budget_value:
@@ -199,6 +201,5 @@ class BeamGraphs:
                                              num_rows=padded, max_rows=k)
         out = drafter._run_model(per_layer, forest, padded, CUDAGraphMode.NONE)[:n]
         # Padding requests' rows attend to nothing (stale outputs): zeros keep their top children finite.
-        real = torch.arange(n, device=out.device) < self.query_start_loc[bucket]
-        out = torch.where(real[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+        out = torch.where(self.real_rows[:n, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out, drafter._top_rows(out)
