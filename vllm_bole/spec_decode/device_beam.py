@@ -22,6 +22,7 @@ import torch
 from vllm.utils.math_utils import cdiv
 from vllm.utils.torch_utils import async_tensor_h2d
 
+from ..kernels import _use_triton
 from ..worker.forest_context import TreeRows
 from ..worker.host_copy import HostCopy
 from .tree import DraftTree
@@ -161,8 +162,6 @@ def quota_selection(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     """(chosen ``[G, n]`` float64 0/1, :class:`~.queued_drafts.QueuedDrafts`): :func:`quota_mask` with
     ``counts`` then :func:`queued_selection`; on CUDA one Triton launch (``kernels/tree_select``) instead of their
     twenty-odd ops. Entries of the queued rows past a request's count are unspecified."""
-    from ..kernels import _use_triton
-
     device, n = scores.device, scores.shape[1]
     counts_dev = device_constant(tuple(counts), device)
     if _use_triton(scores):
@@ -459,8 +458,8 @@ class DeviceBeam:
     def level(self, s: BeamState, d: int, forward) -> None:
         """Level ``d``: the frontier's queries through ``forward(tokens [G*k], hidden [G*k, H], visible region
         keys [G, k, d*k], the same packed [G*k, words]) -> (MTP hidden [G*k, H], top children [G*k, 2k])``, then
-        :meth:`advance`. Device work
-        only, in place on ``s``: the same code runs eagerly and inside a level's CUDA graph."""
+        :meth:`advance`. Device work only, in place on ``s``: the same code runs eagerly and inside a level's CUDA
+        graph."""
         out, top = forward(s.front_ids.reshape(-1), s.hid, s.anc[:, :, :d * self.k], s.bits)
         self.advance(s, d, out, top)
 
@@ -468,7 +467,7 @@ class DeviceBeam:
         """After level ``d``'s forward: each query's ``topk`` children as candidates, the ``topk`` best of them
         (ties to the earlier) as the next frontier, and the next level's inputs. One Triton launch on a GPU
         (``kernels/tree_select/triton_beam.py``); :meth:`advance_reference` is its torch twin."""
-        if s.front.is_cuda:
+        if _use_triton(s.front):
             from ..kernels.tree_select.triton_beam import beam_advance
 
             rates = self._synthetic_rates(top.device)
