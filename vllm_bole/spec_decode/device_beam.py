@@ -44,8 +44,9 @@ def device_constant(values: tuple, device) -> torch.Tensor:
 
 
 def request_rows(table: torch.Tensor, reqs: list[int]) -> torch.Tensor:
-    """Rows ``reqs`` of a per-request device table (a block table): a slice when they are the batch's first
-    requests in order (a step over the whole batch), else one gather by an index made once (:func:`device_constant`)."""
+    """Rows ``reqs`` of a per-request device tensor (a block table, the walk's path ends): a slice when they are
+    the batch's first requests in order (a step over the whole batch), else one gather by an index made once
+    (:func:`device_constant`)."""
     if reqs == list(range(len(reqs))):
         return table[:len(reqs)]
     return table[device_constant(tuple(reqs), table.device)]

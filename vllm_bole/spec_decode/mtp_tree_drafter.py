@@ -369,9 +369,7 @@ class MTPTreeDrafter(TreeDrafter):
         out = [DraftTree() for _ in step.req_ids]
         if not reqs:
             return lambda: out
-        last = walk.rows.gather(1, (walk.length - 1)[:, None])[:, 0]
-        index = torch.tensor(reqs, dtype=torch.long).to(last.device, non_blocking=True)
-        last = last[index]
+        last = request_rows(walk.rows.gather(1, (walk.length - 1)[:, None])[:, 0], reqs)
         with record_function_or_nullcontext("bole: levels"):
             finish = self.beam.grow_deferred(step, step.common_attn_metadata, reqs, positions[last].long() + 1,
                                              mtp_hidden[last], top[last], root_bound)
