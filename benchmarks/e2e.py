@@ -84,6 +84,7 @@ CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_s
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
 POLL_S = 0.5
+DEFAULT_BUDGET_TABLE = str(ROOT / "benchmarks/results/budget_table.json")
 
 
 def _floats(text: str) -> list[float]:
@@ -100,6 +101,32 @@ def _configs(text: str) -> list[str]:
     if bad or not names:
         raise argparse.ArgumentTypeError(f"--configs: unknown {bad}; allowed: {','.join(CONFIGS)}")
     return sorted(set(names), key=CONFIGS.index)
+
+
+def _budget_overrides(text: str) -> dict[int, int]:
+    try:
+        pairs = [item.split("=") for item in text.split(",") if item.strip()]
+        return {int(b): int(n) for b, n in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch=nodes pairs such as 16=96,32=192, got {text!r}") from None
+
+
+def override_budgets(table: Path, budgets: dict[int, int], out_dir: Path) -> Path:
+    """A copy of the calibration table whose entries at the given batch sizes have those budgets (``b_ver``, every
+    KV bucket); the curves stay as measured. Returns its path."""
+    if not table.exists():
+        raise SystemExit(f"--budgets: no calibration table at {table} (calibrate first, or pass --budget-table)")
+    data = json.loads(table.read_text())
+    missing = set(budgets) - {int(e["batch_size"]) for e in data["entries"]}
+    if missing:
+        raise SystemExit(f"--budgets: {table} has no entry at batch sizes {sorted(missing)}")
+    for entry in data["entries"]:
+        if int(entry["batch_size"]) in budgets:
+            entry["b_ver"] = budgets[int(entry["batch_size"])]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "budget_table-override.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sibling-rates", type=_floats, default=list(DEFAULT_SIBLING_RATES))
     p.add_argument("--depth", type=int, default=8, help="Bole num_speculative_tokens (deepest level)")
     p.add_argument("--topk", type=int, default=4, help="Bole topk")
-    p.add_argument("--budget-table", default=str(ROOT / "benchmarks/results/budget_table.json"))
+    p.add_argument("--budget-table", default=DEFAULT_BUDGET_TABLE)
+    p.add_argument("--budgets", type=_budget_overrides, default=None, metavar="B=N,...",
+                   help="Bole: these node budgets at these batch sizes instead of the table's b_ver (a copy of "
+                        "--budget-table with them goes to the log directory), e.g. 16=96,32=192")
     p.add_argument("--calibrate", action="store_true", help="calibrate the budget in the Bole engine first")
     p.add_argument("--calib-kv-lens", type=_ints, default=[256])
     p.add_argument("--calib-nodes", type=_ints, default=[8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024])
@@ -161,7 +191,8 @@ def apply_smoke(args) -> None:
     args.calib_kv_lens, args.calib_nodes, args.calib_epsilon = [16], [2, 4, 6], 1000.0
     smoke_dir = Path(os.environ.get("OUT") or "/tmp/bole-e2e-smoke")
     args.out = args.out or str(smoke_dir / "e2e-smoke.json")
-    args.budget_table = str(smoke_dir / "budget_table-smoke.json")
+    if args.budget_table == DEFAULT_BUDGET_TABLE:   # (a worker gets the driver's, e.g. with --budgets applied)
+        args.budget_table = str(smoke_dir / "budget_table-smoke.json")
 
 
 # ---- one configuration's engine ------------------------------------------------------------------------------
@@ -567,6 +598,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_worker(args)
         return 0
+    if args.budgets:
+        args.budget_table = str(override_budgets(Path(args.budget_table), args.budgets,
+                                                 Path(args.log_dir or "/tmp/bole-e2e")))
+        print(f"budgets {args.budgets} over the table's: {args.budget_table}", flush=True)
     forwarded = [a for a in argv if a != "--smoke"] + (["--smoke"] if args.smoke else [])
     forwarded += ["--model", args.model, "--budget-table", args.budget_table]
     out = Path(args.out or ROOT / "benchmarks/results/e2e.json")

@@ -73,3 +73,31 @@ def test_turn_lock_excludes_a_second_holder(tmp_path):
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with e2e._turn(None):            # no path: nothing to take
         pass
+
+
+def test_budget_overrides_rewrite_a_copy_of_the_table(tmp_path):
+    """--budgets 16=96: the Bole engines read a copy of the calibration table whose batch-16 entries (every KV
+    bucket) have that budget; the other entries and the measured curves are unchanged, the original untouched."""
+    import argparse
+    import json
+
+    import pytest
+
+    e2e = _e2e()
+    assert e2e._budget_overrides("16=96, 32=192") == {16: 96, 32: 192}
+    with pytest.raises(argparse.ArgumentTypeError):
+        e2e._budget_overrides("16:96")
+    entries = [{"batch_size": b, "kv_len": kv, "b_ver": 64, "points": [{"nodes": 64, "t_ver_ms": 7.0}]}
+               for b in (1, 16) for kv in (256, 1024)]
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"format": "f", "version": 1, "entries": entries}))
+    path = e2e.override_budgets(table, {16: 96}, tmp_path / "logs")
+    got = json.loads(path.read_text())["entries"]
+    assert [(e["batch_size"], e["kv_len"], e["b_ver"]) for e in got] == [(1, 256, 64), (1, 1024, 64), (16, 256, 96),
+                                                                        (16, 1024, 96)]
+    assert all(e["points"] == entries[0]["points"] for e in got)
+    assert json.loads(table.read_text())["entries"] == entries
+    with pytest.raises(SystemExit, match="batch sizes \\[8\\]"):
+        e2e.override_budgets(table, {8: 96}, tmp_path / "logs")
+    with pytest.raises(SystemExit, match="no calibration table"):
+        e2e.override_budgets(tmp_path / "absent.json", {16: 96}, tmp_path / "logs")
