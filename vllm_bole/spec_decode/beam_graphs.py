@@ -154,7 +154,7 @@ class BeamGraphs:
             self.beam.level(state, d, lambda tok, hid, visible, bits: self._forward(bucket, d, padded, long_prefix,
                                                                                     per_layer, tok, hid, bits))
             if per_request is not None:
-                real = torch.arange(bucket, device=self.flags.device) * k < self.query_start_loc[bucket]
+                real = self.real_rows[:bucket * k:k]   # request g is real iff its first query row is
                 n = k + d * k * k
                 self.flags[d - 1].copy_(selection_alive(state.scores[:, :n], state.front_score, per_request,
                                                         self.budget, real))

@@ -236,10 +236,8 @@ def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scal
     else:
         assert cfg["block_t"] in (16, 32), f"block_t must be 16 or 32, got {cfg['block_t']}"
 
-    if out is None:
-        out = torch.empty(n, hv, dv, dtype=v.dtype, device=q.device)
-    assert out.shape == (n, hv, dv) and out.dtype == v.dtype and out.is_contiguous()
-    o = out
+    o = torch.empty(n, hv, dv, dtype=v.dtype, device=q.device) if out is None else out
+    assert o.shape == (n, hv, dv) and o.dtype == v.dtype and o.is_contiguous()
     if out_factors is None:
         out_factors = TreeFactors(k=torch.empty(n, hk, dk, dtype=torch.float32, device=q.device),
                                   u=torch.empty(n, hv, dv, dtype=torch.float32, device=q.device),

@@ -42,6 +42,16 @@ def top_children(logits: torch.Tensor, k: int, ids: torch.Tensor | None = None) 
     return top_children_reference(logits, k, ids)
 
 
+@triton.jit
+def _take_best(val, idx):
+    """The best of ``val`` (among equal values the lowest index) and its index, then ``val`` and ``idx`` without it.
+    A taken or missing entry (index ``_NONE``) never comes back."""
+    v = tl.max(val, axis=0)
+    pick = tl.min(tl.where((val == v) & (idx != _NONE), idx, _NONE), axis=0)
+    taken = idx == pick
+    return v, pick, tl.where(taken, float("-inf"), val), tl.where(taken, _NONE, idx)
+
+
 @triton.jit(do_not_specialize=["V", "row_stride", "n_chunks"])
 def _chunk_top_kernel(logits, top_val, top_idx, chunk_max, chunk_sum, V, row_stride, n_chunks,
                       K: tl.constexpr, BLOCK: tl.constexpr):
@@ -60,14 +70,9 @@ def _chunk_top_kernel(logits, top_val, top_idx, chunk_max, chunk_sum, V, row_str
     idx = tl.where(live, offs, _NONE)
     out = (row * n_chunks + c) * K
     for r in tl.static_range(K):
-        v = tl.max(x, axis=0)
-        # Among equal values the lowest index; a taken or out-of-range entry never comes back (its index is gone).
-        pick = tl.min(tl.where((x == v) & (idx != _NONE), idx, _NONE), axis=0)
+        v, pick, x, idx = _take_best(x, idx)
         tl.store(top_val + out + r, v)
         tl.store(top_idx + out + r, pick)
-        taken = idx == pick
-        x = tl.where(taken, float("-inf"), x)
-        idx = tl.where(taken, _NONE, idx)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "ids_stride"])
@@ -87,18 +92,14 @@ def _merge_top_kernel(top_val, top_idx, chunk_max, chunk_sum, ids, out, n_chunks
     # A chunk's empty slots hold -inf with no index: never a candidate.
     val = tl.where(idx == _NONE, float("-inf"), val)
     for r in tl.static_range(K):
-        v = tl.max(val, axis=0)
         # Candidates' indices are distinct, so the lowest index among equal values is the lowest token.
-        pick = tl.min(tl.where((val == v) & (idx != _NONE), idx, _NONE), axis=0)
+        v, pick, val, idx = _take_best(val, idx)
         tl.store(out + row * (2 * K) + r, tl.exp(v - lse))
         if HAS_IDS:
             tok = tl.load(ids + pick.to(tl.int64) * ids_stride).to(tl.float32)
         else:
             tok = pick.to(tl.float32)
         tl.store(out + row * (2 * K) + K + r, tok)
-        taken = idx == pick
-        val = tl.where(taken, float("-inf"), val)
-        idx = tl.where(taken, _NONE, idx)
 
 
 def top_children_triton(logits: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
