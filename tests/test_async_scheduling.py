@@ -151,3 +151,20 @@ def test_a_budget_below_the_batch_drafts_nothing_async(tmp, model, requests_, re
     _assert_async(out)
     assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in reference["outputs"]]
     assert out["counters"]["num_draft_tokens"] == 0 and out["stale_placeholders"] == 0, out
+
+
+@pytest.mark.parametrize("depth,topk,budget", [(3, 2, 12), (8, 4, 24)])
+def test_quotas_growing_as_the_batch_drains_async(tmp, model, requests_, reference, depth, topk, budget):
+    """A budget the batch shares, requests of different lengths: as they finish, each remaining one's quota grows
+    (budget 12: 2 nodes each for 6 requests, 3 for 4, 6 for 2; budget 24 at depth 8: up to 24 nodes, more than
+    the depth) while the trees drafted at the smaller quota are in flight."""
+    lengths = [8 + 4 * i for i in range(LONG)]
+    reqs = [dict(r, max_tokens=n) for r, n in zip(requests_[:LONG], lengths)]
+    name = f"mtp_grow_{depth}_{topk}"
+    engine = bole_engine(tmp, name, depth=depth, topk=topk, budget=budget, drafter="mtp", max_num_seqs=6)
+    out = _run(tmp, model, reqs, name, engine, True)
+    _assert_async(out)
+    assert [o["tokens"] for o in out["outputs"]] == [o["tokens"][:n] for o, n in zip(reference["outputs"], lengths)]
+    assert out["stale_placeholders"] == 0, out["stale_placeholders"]
+    assert out["queued_trees"] > 0 and out["early_draft_steps"] > 0, out
+    assert_graphs_used(out, drafter=True)

@@ -126,3 +126,32 @@ def test_cpu_dispatch_is_the_reference():
 
     logits = torch.randn(2, 100)
     assert torch.equal(mod.top_children(logits, 3), top_children_reference(logits, 3))
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_rows_of_nan_and_minus_inf_pick_real_tokens(with_ids):
+    """A drafter graph's padding rows attend to nothing and may hold NaN or -inf: their ids must still be real
+    tokens (an index past the vocabulary read through ``ids`` faulted on the GPU), and real rows beside them are
+    unaffected. NaN counts as -inf: such a row picks its lowest ids."""
+    from triton_modes import DEV, interpreter
+
+    mod = _kernel()
+    gen = torch.Generator().manual_seed(11)
+    vocab, k = 5000, 4
+    logits = _distinct_logits(gen, 5, vocab, torch.float32)
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, ::2] = float("nan")   # half NaN: the finite half decides
+    ids = torch.randperm(3 * vocab, generator=gen)[:vocab] if with_ids else None
+    with interpreter():
+        got = mod.top_children_triton(logits.to(DEV), k, None if ids is None else ids.to(DEV)).cpu()
+    tokens = got[:, k:].long()
+    vocab_ids = ids if ids is not None else torch.arange(vocab)
+    assert bool(torch.isin(tokens, vocab_ids).all()), tokens
+    lowest = vocab_ids[:k].float()
+    assert torch.equal(got[1, k:], lowest) and torch.equal(got[2, k:], lowest), got[1:3]
+    finite = logits[3].clone()
+    finite[::2] = float("-inf")
+    want = top_children_reference(torch.stack([logits[0], finite, logits[4]]), k, ids)
+    assert torch.equal(got[[0, 3, 4], k:], want[:, k:])
+    torch.testing.assert_close(got[[0, 4], :k], want[[0, 2], :k], rtol=1e-5, atol=1e-7)

@@ -4,6 +4,8 @@ ids, in one pair of Triton launches.
 For logits ``[R, V]`` the result is ``[R, 2k]`` float32: ``exp(top_k - logsumexp)`` in descending order, then the
 token ids of those k entries (through the draft vocabulary's ``ids`` when given; exact in float32 for
 vocabularies < 2^24), so one copy to the host carries both. Among equal logits the lowest index comes first.
+NaN logits count as -inf, so every returned id is a real token whatever a row holds: the padding rows of a
+drafter graph attend to nothing and may hold NaN, and an index past the vocabulary would be read out of ``ids``.
 
 The torch version (:func:`top_children_reference`, also the CPU path) is a float copy, topk, logsumexp, exp,
 a gather and a cat: about a dozen small kernels per drafter level, captured in every drafter graph, each costing
@@ -60,6 +62,7 @@ def _chunk_top_kernel(logits, top_val, top_idx, chunk_max, chunk_sum, V, row_str
     offs = c * BLOCK + tl.arange(0, BLOCK)
     live = offs < V
     x = tl.load(logits + row * row_stride + offs, mask=live, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))   # NaN: -inf (a padding row's garbage still picks real tokens)
     m = tl.max(x, axis=0)
     # A chunk of -inf only (masked logits) adds nothing to the sum rather than exp(nan).
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -94,6 +97,7 @@ def _merge_top_kernel(top_val, top_idx, chunk_max, chunk_sum, ids, out, n_chunks
     for r in tl.static_range(K):
         # Candidates' indices are distinct, so the lowest index among equal values is the lowest token.
         v, pick, val, idx = _take_best(val, idx)
+        pick = tl.where(pick == _NONE, 0, pick)   # unreachable for k <= V; never an index past the vocabulary
         tl.store(out + row * (2 * K) + r, tl.exp(v - lse))
         if HAS_IDS:
             tok = tl.load(ids + pick.to(tl.int64) * ids_stride).to(tl.float32)
