@@ -16,7 +16,9 @@ rank, so its row shows the cheaper levels but not what a subset costs in accepta
 (``budget_rule: "throughput"``, ``draft_vocab: 32768``), ``bole_late`` and ``bole_vocab32k_late``
 (``early_drafting: false``: the drafter catches up after the host walk instead of being queued before it),
 ``bole_async`` and ``bole_async_vocab32k`` (vLLM's async scheduling, engine ``async_scheduling: true``; the
-calibrated budget with ``budget_rule: "decode"``; on CPU vLLM schedules synchronously anyway); each
+calibrated budget with ``budget_rule: "decode"``; on CPU vLLM schedules synchronously anyway),
+``bole_async_tput_vocab32k`` (async scheduling with ``budget_rule: "throughput"``: the scheduler's quotas from the
+model runner's step clock and acceptance model); each
 variant adds ``<name>_*`` fields to the rows and a table of its own,
 ``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole runs: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
@@ -77,9 +79,11 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  "bole_late": {"early_drafting": False},
                  "bole_vocab32k_late": {"draft_vocab": 32768, "early_drafting": False},
                  # vLLM's async scheduling (engine async_scheduling=True; BOLE_ENGINE_VARIANTS).
-                 "bole_async": {}, "bole_async_vocab32k": {"draft_vocab": 32768}}
+                 "bole_async": {}, "bole_async_vocab32k": {"draft_vocab": 32768},
+                 "bole_async_tput_vocab32k": {"budget_rule": "throughput", "draft_vocab": 32768}}
 # Bole's variants that change the engine's settings besides the speculative config.
-BOLE_ENGINE_VARIANTS = {"bole_async": {"async_scheduling": True}, "bole_async_vocab32k": {"async_scheduling": True}}
+BOLE_ENGINE_VARIANTS = {"bole_async": {"async_scheduling": True}, "bole_async_vocab32k": {"async_scheduling": True},
+                        "bole_async_tput_vocab32k": {"async_scheduling": True}}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")

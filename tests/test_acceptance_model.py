@@ -129,3 +129,37 @@ def test_throughput_rule_in_node_budget(tmp_path, monkeypatch):
     step, _ = parse_bole_config({"method": "bole", "budget_table": str(path), "budget_rule": "step"})
     assert budget_mod.node_budget(step, 16, 300, rest_ms=5.0, tokens=flat) == 128
     budget_mod.reload_budget_tables()
+
+
+def test_device_walks_reach_the_model_as_host_walks_do():
+    """Async scheduling keeps a step's walk on the device: :class:`DeviceWalks` copies each step's paths (flat rows
+    of the forest, -1 past a path) and the forest's parents, and feeds the model what the host walks would have
+    (the same counts as observing the trees and paths directly). Never more than TREES_PER_STEP trees a step."""
+    import torch
+
+    from vllm_bole.spec_decode.acceptance_model import TREES_PER_STEP, DeviceWalks
+
+    synthetic = SyntheticAcceptance(rates=(0.9, 0.7, 0.5), sibling_rates=(0.4,), seed=3)
+    trees = [full_tree(2, 3), full_tree(1, 3), full_tree(3, 2)]
+    direct, via = AcceptanceModel(topk=3, max_depth=3), AcceptanceModel(topk=3, max_depth=3)
+    walks = DeviceWalks(via)
+    for step in range(20):
+        batch = [trees[(step + i) % 3] for i in range(TREES_PER_STEP + 3)]   # more trees than a step observes
+        paths = [synthetic.walk(t) for t in batch]
+        direct.observe(batch, paths)
+        starts = [0]
+        for t in batch:
+            starts.append(starts[-1] + len(t))
+        width = 4
+        rows = torch.full((len(batch), width), -1, dtype=torch.long)
+        for i, p in enumerate(paths):
+            rows[i, :len(p)] = torch.tensor([starts[i] + node for node in p])
+        length = torch.tensor([len(p) for p in paths])
+        parent = torch.tensor([x for t in batch for x in t], dtype=torch.int32)
+        walks.send(rows, length, parent, torch.tensor(starts, dtype=torch.int32))
+        assert walks.observe_ready() == 1     # on CPU the copy is the tensor itself: done at once
+    assert via.steps == direct.steps == 20
+    for a, b in ((via.first_trials, direct.first_trials), (via.first_hits, direct.first_hits),
+                 (via.sib_trials, direct.sib_trials), (via.sib_hits, direct.sib_hits)):
+        assert a.tolist() == pytest.approx(b.tolist())
+    assert via.ready and via.accepted(5) == pytest.approx(direct.accepted(5))

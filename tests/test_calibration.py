@@ -280,3 +280,20 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
     assert c["num_drafts"] > 0 and out["acceptance_steps"] > 0, out
     assert c["num_accepted_tokens"] == 0 and c["num_draft_tokens"] <= b_ver * c["num_drafts"] // 2
     assert c["num_draft_tokens"] >= 2 * c["num_drafts"] // 2   # the grid's smallest N, 2 nodes per step
+
+    # ... and under async scheduling, with the MTP drafter: the scheduler places each step's quotas before the
+    # step runs, from the model runner's budget once that has a clock and acceptance measurements (the
+    # calibrated B_ver before); the walks stay on the device and reach the acceptance model by copies.
+    engine = {"speculative_config": {**engine["speculative_config"], "drafter": "mtp", "drafter_args": {}},
+              "async_scheduling": True}
+    out = run_engine(tmp_path, "async_throughput", {"model": model, "engine": engine, "cpu_async_scheduling": True,
+                                                    "requests": random_requests(vocab, [12, 20], max_tokens=24)})
+    assert out["scheduling"] == {"async_scheduling": True, "batch_queue": True, "scheduler": "BoleAsyncScheduler"}
+    assert out["device_output_steps"] > 0 and out["acceptance_steps"] > 0, out
+    print(f"async throughput: planned {out['budgets']}, runner's {out['async_budgets']}")
+    given = {n for b, n, _ in out["async_budgets"] if b == 2}
+    assert given and given <= {2, 3, 5, 8}, out["async_budgets"]   # the runner's choices: the grid's N
+    # Steps of both requests drafted B_ver(2) = 8 nodes until the runner's budget came, then what it gave.
+    planned = {n for b, n, _ in out["budgets"] if b == 2}
+    assert 8 in planned and planned <= {2 * (n // 2) for n in given} | {8}, (out["budgets"], out["async_budgets"])
+    assert out["stale_placeholders"] == 0 and out["counters"]["num_accepted_tokens"] == 0, out

@@ -138,10 +138,11 @@ def test_synchronous_unless_async_scheduling_is_asked_for(flag):
     assert args.async_scheduling is False and args.scheduler_cls.endswith(".BoleScheduler")
 
 
-def test_async_scheduling_picks_the_async_scheduler():
+@pytest.mark.parametrize("spec", [{}, {"budget_rule": "throughput"}])
+def test_async_scheduling_picks_the_async_scheduler(spec):
     from vllm_bole.plugin import apply_bole_engine_args
 
-    args = _Args({"method": "bole"})
+    args = _Args({"method": "bole", **spec})
     args.async_scheduling = True
     apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), _Parallel())
     assert args.async_scheduling is True and args.scheduler_cls.endswith(".BoleAsyncScheduler")
@@ -149,8 +150,8 @@ def test_async_scheduling_picks_the_async_scheduler():
 
 
 @pytest.mark.parametrize("spec,tp,match", [
-    ({"budget_rule": "throughput"}, 1, "speculative_config.budget_rule must be 'decode' with async_scheduling"),
-    ({"budget_rule": "step"}, 1, "speculative_config.budget_rule must be 'decode' with async_scheduling"),
+    ({"budget_rule": "step"}, 1,
+     "speculative_config.budget_rule must be 'decode' or 'throughput' with async_scheduling=True .* got 'step'"),
     ({"selection": "global"}, 1, "speculative_config.selection must be 'per_request' with async_scheduling"),
     ({}, 2, "async_scheduling: .* tensor_parallel_size 1 only, got 2"),
 ])

@@ -162,3 +162,41 @@ def test_filled_quotas_grow_enough_levels_after_shallow_trees(seed):
     assert [len(t) for t in trees] == [quota] * len(reqs)
     assert step.queued.counts == [quota] * len(reqs)
     _assert_queued_is(step.queued, trees)
+
+
+def test_async_quota_takes_the_runners_budget_when_it_has_one():
+    """``budget_rule "throughput"`` under async scheduling: the model runner's budget (a source in the same
+    process) decides the quota; while it has none (None) the calibrated budget does."""
+    from vllm_bole.config import BoleConfig
+    from vllm_bole.worker.scheduler import async_quota
+
+    cfg = BoleConfig(budget=36)
+    asked = []
+
+    def source(batch, context_len):
+        asked.append((batch, context_len))
+        return 96 if batch == 4 else None
+
+    assert async_quota(cfg, 32, 4, 100, source=source) == 24
+    assert async_quota(cfg, 16, 4, 100, source=source) == 16      # at most num_spec_tokens
+    assert async_quota(cfg, 32, 6, 50, source=source) == 6        # no budget yet: 36 // 6
+    assert asked == [(4, 100), (4, 100), (6, 50)]
+
+
+def test_async_budget_source_is_held_weakly():
+    """The scheduler reads the runner's method through a weak reference: a runner that is gone leaves no source
+    (the scheduler then warns once and uses the calibrated budget)."""
+    import gc
+
+    from vllm_bole.spec_decode import budget as budget_mod
+
+    class Runner:
+        def bole_async_budget(self, batch, context_len):
+            return 8 * batch
+
+    runner = Runner()
+    budget_mod.set_async_budget_source(runner.bole_async_budget)
+    assert budget_mod.async_budget_source()(2, None) == 16
+    del runner
+    gc.collect()
+    assert budget_mod.async_budget_source() is None

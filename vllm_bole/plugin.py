@@ -78,10 +78,10 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
 
 def _check_async(cfg, parallel_config) -> None:
     """What async scheduling needs: tree sizes known when the scheduler places the next step's placeholders."""
-    if cfg.budget_rule != "decode":
+    if cfg.budget_rule not in ("decode", "throughput"):
         raise BoleConfigError(
-            f"speculative_config.budget_rule must be 'decode' with async_scheduling=True (the budget is fixed before "
-            f"the step runs), got {cfg.budget_rule!r}")
+            f"speculative_config.budget_rule must be 'decode' or 'throughput' with async_scheduling=True (the "
+            f"budget is fixed before the step runs), got {cfg.budget_rule!r}")
     if cfg.selection != "per_request":
         raise BoleConfigError(
             f"speculative_config.selection must be 'per_request' with async_scheduling=True, got {cfg.selection!r}")

@@ -14,9 +14,11 @@ scores match these rates would keep. The budget rule ``"throughput"`` (``spec_de
 against the calibrated cost of verifying the nodes.
 """
 
+import collections
 import heapq
 
 import numpy as np
+import torch
 
 from .tree import children_of
 
@@ -117,3 +119,41 @@ def best_first_curve(first: list[float], sib: list[float], k: int, max_depth: in
             for r in range(k):
                 heapq.heappush(heap, (p * child_probability(first, sib, d + 1, r), d + 1))
     return curve
+
+
+class DeviceWalks:
+    """Walks that stay on the device (async scheduling: the step's tokens go to vLLM as a device tensor), on their
+    way to an :class:`AcceptanceModel`: each step's first ``TREES_PER_STEP`` paths and its forest's parents start a
+    copy to the host right behind the walk, and :meth:`observe_ready` feeds the copies that are done, never
+    waiting for one (a later step picks up the rest)."""
+
+    MAX_PENDING = 4   # copies still in flight beyond these are dropped (the rates move slowly)
+
+    def __init__(self, model: AcceptanceModel):
+        self.model = model
+        self._pending = collections.deque()
+
+    def send(self, rows, length, parent, cu_seqlens) -> None:
+        """``rows`` ``[B, W]`` flat rows of each accepted path (root first, -1 past it), ``length`` ``[B]``,
+        ``parent`` ``[N]`` local parents of the forest's nodes, ``cu_seqlens`` ``[B+1]``: device tensors."""
+        from ..worker.host_copy import HostCopy
+
+        n = min(rows.shape[0], TREES_PER_STEP)
+        if n == 0:
+            return
+        if len(self._pending) >= self.MAX_PENDING:
+            self._pending.popleft()
+        paths = torch.cat([rows[:n].reshape(-1), length[:n], cu_seqlens[:n + 1].long()])
+        self._pending.append((n, rows.shape[1], HostCopy(paths), HostCopy(parent)))
+
+    def observe_ready(self) -> int:
+        """Observe every copy that is done, oldest first; returns how many steps were observed."""
+        seen = 0
+        while self._pending and all(c.done() for c in self._pending[0][2:]):
+            n, w, paths, parent = self._pending.popleft()
+            flat, parents = paths.wait().tolist(), parent.wait().tolist()
+            rows, length, cu = flat[:n * w], flat[n * w:n * w + n], flat[n * w + n:]
+            self.model.observe([parents[cu[i]:cu[i + 1]] for i in range(n)],
+                               [[r - cu[i] for r in rows[i * w:i * w + length[i]]] for i in range(n)])
+            seen += 1
+        return seen

@@ -15,9 +15,15 @@ one with the most expected tokens per unit of step time: tokens(N) / (T_rest(N) 
 what the batch's trees of N nodes are expected to accept (``spec_decode/acceptance_model.py``, from the walks so
 far) and T_rest(N) the rest's fit over the node counts of recent steps (:meth:`StepClock.rest_model`); until both
 are measured it uses B_ver.
+
+Under async scheduling the scheduler fixes each request's next tree size before the step that drafts it runs
+(``worker/scheduler.async_quota``). The rules "decode" and "throughput" apply there: for "throughput" the scheduler
+asks the model runner of its own process (:func:`set_async_budget_source`; at tensor_parallel_size 1 vLLM runs the
+worker inside the engine core), which holds the step clock and the acceptance model.
 """
 
 import functools
+import weakref
 from pathlib import Path
 
 from vllm.utils.math_utils import next_power_of_2
@@ -83,6 +89,21 @@ def node_budget(bole_config, batch_size: int, context_len: int | None = None, mo
     if bole_config.budget_rule == "throughput" and rest_ms is not None and tokens is not None:
         return budgets.lookup_throughput(batch_size, context_len, rest_ms, tokens)
     return budgets.lookup(batch_size, context_len)
+
+
+_ASYNC_SOURCE: "weakref.WeakMethod | None" = None
+
+
+def set_async_budget_source(method) -> None:
+    """``method(batch_size, context_len) -> int | None``: the node budget of the next step under ``budget_rule
+    "throughput"`` (None until it has measurements), for the async scheduler of this process. Held weakly."""
+    global _ASYNC_SOURCE
+    _ASYNC_SOURCE = weakref.WeakMethod(method)
+
+
+def async_budget_source():
+    """The method :func:`set_async_budget_source` registered, or None (none in this process, or gone)."""
+    return None if _ASYNC_SOURCE is None else _ASYNC_SOURCE()
 
 
 def verify_ms(bole_config, batch_size: int, nodes: int, context_len: int | None = None,

@@ -140,7 +140,14 @@ def run(spec: dict) -> dict:
             "early_draft_steps": getattr(_runner(llm), "bole_early_draft_steps", None),
             "device_output_steps": getattr(_runner(llm), "bole_device_output_steps", None),
             "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None),
+            "budgets": _counts(getattr(_runner(llm), "bole_budgets", None)),
+            "async_budgets": _counts(getattr(_runner(llm), "bole_async_budgets", None)),
             "scheduling": _scheduling(llm), "preemptions": _preemptions(llm)}
+
+
+def _counts(counter) -> list | None:
+    """A Counter of (batch size, budget) as sorted [batch size, budget, steps] rows (JSON has no tuple keys)."""
+    return None if counter is None else sorted([b, n, c] for (b, n), c in counter.items())
 
 
 def main() -> None:

@@ -169,7 +169,10 @@ def device_output(runner, forest) -> SamplerOutput:
     runner._bole_paths = None
     runner._bole_host_emitted = {}
     runner.bole_device_output_steps += 1
-    return SamplerOutput(sampled_token_ids=runner._bole_first_pass.walk.emitted, logprobs_tensors=None)
+    walk = runner._bole_first_pass.walk
+    if runner.bole_config.budget_rule == "throughput":   # the paths reach the acceptance model by a copy
+        runner._bole_device_walks.send(walk.rows, walk.length, forest.parent, forest.cu_seqlens)
+    return SamplerOutput(sampled_token_ids=walk.emitted, logprobs_tensors=None)
 
 
 def walked_output(runner, logits, forest) -> SamplerOutput:

@@ -16,6 +16,10 @@ class HostCopy:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def done(self) -> bool:
+        """Whether the copy is done (never waits)."""
+        return self.event is None or self.event.query()
+
     def wait(self) -> torch.Tensor:
         """The host tensor, once the copy is done."""
         if self.event is not None:

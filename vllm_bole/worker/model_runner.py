@@ -23,8 +23,8 @@ from vllm.v1.utils import record_function_or_nullcontext
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
-from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel
-from ..spec_decode.budget import StepClock, node_budget, verify_ms
+from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel, DeviceWalks
+from ..spec_decode.budget import StepClock, node_budget, set_async_budget_source, verify_ms
 from ..spec_decode.device_beam import device_constant
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
@@ -59,9 +59,14 @@ class BoleModelRunnerMixin:
         self.bole_queued_trees = 0  # trees verified from queued drafts (their nodes read on the device)
         self.bole_stale_placeholders = 0  # placeholder drafts whose queued trees were gone (verified as a chain)
         self.bole_budgets = collections.Counter()   # (batch size, node budget) of every planned step
+        self.bole_async_budgets = collections.Counter()   # (batch size, budget) given to the async scheduler
         self._bole_clock = StepClock()   # budget_rule "step"/"throughput": the step time besides the target forward
         # budget_rule "throughput": what trees of q nodes accept, from the walks so far
         self._bole_acceptance = AcceptanceModel(self.bole_config.topk, self.bole_config.max_depth)
+        # ... and its walks that stayed on the device (async scheduling), on their way to it
+        self._bole_device_walks = DeviceWalks(self._bole_acceptance)
+        if self.bole_config.budget_rule == "throughput":   # the async scheduler of this process asks for budgets
+            set_async_budget_source(self.bole_async_budget)
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
         self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
         # This step's drafting queued behind its target forward (early_drafting.FirstPass), if any
@@ -172,7 +177,12 @@ class BoleModelRunnerMixin:
     def _plan_async(self, step: DraftStep, k: int) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
         drafting request gets ``k`` nodes (``num_spec_tokens_to_schedule``, its placeholders), structured-output
-        requests none (the scheduler gave them no placeholders; their trees would not be walked past the root)."""
+        requests none (the scheduler gave them no placeholders; their trees would not be walked past the root).
+        Under ``budget_rule "throughput"`` the step clock ticks here and the walks copied so far reach the
+        acceptance model, for the scheduler's next budgets (:meth:`bole_async_budget`)."""
+        if self.bole_config.budget_rule == "throughput":
+            self._tick_clock(len(step.req_ids))
+            self._bole_device_walks.observe_ready()
         step.per_request = self.speculative_config.num_speculative_tokens
         step.quotas = [k if d and not self._structured(req_id) else 0
                        for d, req_id in zip(drafting(step.contexts), step.req_ids)]
@@ -193,10 +203,7 @@ class BoleModelRunnerMixin:
         step.per_request = self.speculative_config.num_speculative_tokens
         rest_ms, tokens = None, None
         if self.bole_config.budget_rule != "decode":   # the step just run verified the last drafts
-            forest = self._bole_forest
-            self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
-                                  verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
-                                            self.model_config), nodes=self._bole_last_nodes)
+            self._tick_clock(num_reqs, context_len)
             rest_ms = self._bole_clock.rest_ms(num_reqs)
         if self.bole_config.budget_rule == "throughput" and self._bole_acceptance.ready:
             rest_ms = self._bole_clock.rest_model(num_reqs)   # also how the rest grows with the trees
@@ -205,6 +212,32 @@ class BoleModelRunnerMixin:
         step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
                                   context_len=context_len, rest_ms=rest_ms, tokens=tokens)
         self.bole_budgets[num_reqs, step.budget] += 1
+
+    def _tick_clock(self, num_reqs: int, context_len: int | None = None) -> None:
+        """One step of the step clock (``budget_rule "step"``/``"throughput"``), once per step when drafting
+        starts: the step just run verified the last drafts."""
+        if context_len is None:
+            context = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+            context_len = int(context.mean()) if num_reqs else None
+        forest = self._bole_forest
+        self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
+                              verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
+                                        self.model_config), nodes=self._bole_last_nodes)
+
+    def bole_async_budget(self, batch_size: int, context_len: int | None) -> int | None:
+        """The node budget of a step of ``batch_size`` decodes under ``budget_rule "throughput"``, for the async
+        scheduler (:func:`~vllm_bole.spec_decode.budget.set_async_budget_source`): the calibrated N with the most
+        expected tokens per unit of step time. None until the acceptance model and the step clock have
+        measurements at this batch size (the scheduler then uses B_ver)."""
+        rest = self._bole_clock.rest_model(batch_size)
+        if rest is None or not self._bole_acceptance.ready:
+            return None
+        tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=batch_size,
+                                   per_request=self.speculative_config.num_speculative_tokens)
+        budget = node_budget(self.bole_config, batch_size, model_config=self.model_config, context_len=context_len,
+                             rest_ms=rest, tokens=tokens)
+        self.bole_async_budgets[batch_size, budget] += 1
+        return budget
 
     def _note_walk(self, forest: StepForest) -> None:
         """The step's accepted paths into the acceptance model (``budget_rule "throughput"``)."""

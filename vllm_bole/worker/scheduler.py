@@ -7,15 +7,19 @@ path is moved to contiguous KV slots before the next step.
 
 Under ``async_scheduling`` vLLM schedules step N+1 before step N's drafts exist, giving every decode request
 ``num_spec_tokens_to_schedule`` placeholder drafts; :class:`BoleAsyncScheduler` sets that number to each request's
-node quota for the batch (the calibrated budget split evenly), and the runner drafts exactly that many nodes per
-request (``BoleModelRunnerMixin._plan_quotas``), so every placeholder has its queued node.
+node quota for the batch (the step's budget split evenly: the calibrated one, or under ``budget_rule "throughput"``
+the model runner's, :func:`async_quota`), and the runner drafts exactly that many nodes per request
+(``BoleModelRunnerMixin._plan_quotas``), so every placeholder has its queued node.
 """
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..config import bole_config_from_vllm
-from ..spec_decode.budget import node_budget
+from ..logger import init_logger
+from ..spec_decode.budget import async_budget_source, node_budget
+
+logger = init_logger(__name__)
 
 
 class _NoPlaceholderPadding:
@@ -31,13 +35,16 @@ class BoleScheduler(_NoPlaceholderPadding, Scheduler):
 
 
 def async_quota(bole_config, num_spec_tokens: int, batch_size: int, context_len: int | None,
-                model_config=None) -> int:
+                model_config=None, source=None) -> int:
     """Nodes of each request's next tree in a batch of ``batch_size`` decodes under async scheduling: the
-    step's node budget (``budget_rule "decode"``, the only rule whose budget is known before the step runs)
-    split evenly, at most ``num_spec_tokens``."""
+    step's node budget split evenly, at most ``num_spec_tokens``. The budget is ``source(batch_size,
+    context_len)`` when given and known (``budget_rule "throughput"``: the model runner's choice from its step
+    clock and acceptance model), else the calibrated B_ver (``"decode"``)."""
     if batch_size <= 0:
         return 0
-    budget = node_budget(bole_config, batch_size, context_len=context_len, model_config=model_config)
+    budget = source(batch_size, context_len) if source is not None else None
+    if budget is None:
+        budget = node_budget(bole_config, batch_size, context_len=context_len, model_config=model_config)
     return max(0, min(num_spec_tokens, budget // batch_size))
 
 
@@ -48,6 +55,19 @@ class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
         # A platform may turn async scheduling off after the engine arguments chose this class (vLLM's CPU
         # platform always does): it then schedules as BoleScheduler.
         self._asynchronous = bool(self.scheduler_config.async_scheduling)
+        self._source_missing_logged = False
+
+    def _budget_source(self):
+        """The model runner's budget (``budget_rule "throughput"``), or None: the rule "decode"."""
+        if self.bole_config.budget_rule != "throughput":
+            return None
+        source = async_budget_source()
+        if source is None and not self._source_missing_logged:
+            logger.warning("Bole budget_rule 'throughput' under async scheduling reads the model runner of the "
+                           "engine core process, and there is none here (a multiprocess executor): using the "
+                           "calibrated budget (budget_rule 'decode')")
+            self._source_missing_logged = True
+        return source
 
     def _update_request_with_output(self, request, new_token_ids):
         if not self._asynchronous:
@@ -62,7 +82,7 @@ class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
             context = [self.requests[r].num_computed_tokens for r in scheduled]
             scheduler_output.num_spec_tokens_to_schedule = async_quota(
                 self.bole_config, self.num_spec_tokens, len(scheduled), sum(context) // len(context),
-                self.vllm_config.model_config)
+                self.vllm_config.model_config, self._budget_source())
         super()._update_after_schedule(scheduler_output)
         for req_id in scheduled:
             request = self.requests[req_id]
