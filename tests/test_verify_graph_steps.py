@@ -116,3 +116,38 @@ def test_steps_that_cannot_replay_run_as_vllm_does(monkeypatch):
     context.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
     forest.tree_only = False                                                   # a prefill beside the trees
     assert graphs.forward(forest, lambda: "vllm", (torch.zeros(3), None, None, None, ())) == "vllm"
+
+
+def test_node_bound_is_the_smallest_tile_size_that_holds_the_largest_tree():
+    bound = verify_graphs.node_bound
+    assert [bound(n, 512, 33) for n in (0, 1, 5, 8, 9, 16, 17, 32, 33)] == [8, 8, 8, 8, 16, 16, 32, 32, 33]
+    assert bound(5, 6, 33) == 6           # never above the step's padded rows
+    assert bound(5, 64, 7) == 7           # a cap below the first bound: the cap (depth 3, topk 2)
+    assert bound(8, 64, 8) == 8 and bound(9, 64, 17) == 16 and bound(17, 64, 17) == 17
+
+
+def test_steps_of_small_trees_run_under_a_small_bound(monkeypatch):
+    """The key carries the bound on the step's tree sizes: trees of 5 nodes (a batch's quota of 4) run under 8,
+    not under the 33 nodes a request may carry (the kernels size their row tiles by it); a step of larger trees
+    at the same token count is another key."""
+    graphs, runner, context, seen, current = _setup(monkeypatch)
+    runner.bole_config.max_nodes_per_request = 32
+
+    def step(parents):
+        forest = _forest(graphs, parents, [], [0] + [len(parents[0])] * (len(parents) > 1), list(range(len(parents))))
+        current[0] = forest
+
+        def call():
+            seen.append(_view(forest)[0])
+            forest.gdn_scratch = _Scratch()
+            return torch.zeros(16, 4)
+
+        graphs.forward(forest, call, (torch.zeros(16, dtype=torch.long), None, None, None, ()))
+        return forest
+
+    chain5 = [-1, 0, 1, 2, 3]
+    forest = step([chain5, chain5])
+    assert (16, 2, 8, False) in seen and forest.max_nodes == 8      # what the layers saw, and the walk's bound
+    forest = step([list(range(-1, 12)), [-1, 0, 1]])      # 13 and 3 nodes: the same 16 rows
+    assert (16, 2, 16, False) in seen and forest.max_nodes == 16
+    assert sorted(graphs.graphs) == [(16, 2, False, 8), (16, 2, False, 16)]

@@ -4,13 +4,13 @@ vLLM runs Bole's steps with piecewise CUDA graphs: the pieces between layers rep
 attention layer runs eagerly, and at Qwen3.5 sizes their host work (about 1 ms per GDN layer) is what the GPU
 waits on. A step whose scheduled tokens are all tree nodes ("tree-only": no prefill in the batch) is instead
 replayed from a graph of the whole target forward that Bole captures itself, one per key
-(padded token count, number of requests, attention route):
+(padded token count, number of requests, attention route, bound on the trees' sizes):
 
 - the inputs keep fixed addresses: vLLM's persistent input ids / embeddings, positions, slot mappings,
   query_start_loc, seq_lens and block tables, and Bole's forest buffer (parents, cu_seqlens), written before
   every replay;
 - every host value a layer would read from the step is replaced by a bound of the key
-  (:class:`GraphStep`: largest possible tree, longest sequence); the kernels read the real sizes from
+  (:class:`GraphStep`: the key's bound on tree sizes, longest sequence); the kernels read the real sizes from
   ``cu_seqlens`` / ``seq_lens`` on the device;
 - a key is captured the first time it occurs: one eager run of the graph-mode layer code (Triton compiles
   there; it computes this step's outputs), the capture, then a replay. Re-running a verification forward is
@@ -31,6 +31,10 @@ from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
 
 logger = init_logger(__name__)
+
+# Tree-size bounds of the graph keys below the largest tree a request may carry: the GDN and tree-attention kernels
+# size their row tiles by the bound, so a step of 5-node trees run under a 33-node bound did the work of 64-row tiles.
+NODE_BOUNDS = (8, 16, 32)
 
 # Graphs kept per engine; later keys run with vLLM's piecewise graphs. The graphs share one pool (a graph keeps
 # only its output there; activations are reused across captures) and one GDN scratch per power-of-two token
@@ -127,7 +131,7 @@ class VerifyGraphs:
 
     # ---- one step -------------------------------------------------------------------------------------
     def key(self, forest, inputs) -> tuple | None:
-        """(padded tokens, requests, long prefix) when this step can run from a graph, else None."""
+        """(padded tokens, requests, long prefix, node bound) when this step can run from a graph, else None."""
         input_ids, positions, inputs_embeds, intermediate_tensors, _ = inputs
         if not forest.tree_only or intermediate_tensors is not None:
             return None
@@ -136,7 +140,8 @@ class VerifyGraphs:
         rows = input_ids if input_ids is not None else inputs_embeds
         # Requests padded to a power of two with empty ones: fewer keys as requests come and go.
         bucket = min(next_power_of_2(forest.num_trees), self.runner.max_num_reqs)
-        return rows.shape[0], bucket, not reads_prefix_itself(forest.max_seq_len, rows.shape[0])
+        return (rows.shape[0], bucket, not reads_prefix_itself(forest.max_seq_len, rows.shape[0]),
+                node_bound(forest.max_nodes, rows.shape[0], self.runner.bole_config.max_nodes_per_request + 1))
 
     def forward(self, forest, call, inputs):
         """The step's model output: replayed from the key's graph (captured now if new), or ``call()``."""
@@ -166,9 +171,8 @@ class VerifyGraphs:
     def _enter(self, key, forest) -> None:
         """Point the forest at the key's bounds and buffers (what the layers read in graph mode); the GDN
         scratch of the token count starts without layers, as the first GDN layer of a forward expects."""
-        tokens, reqs, long_prefix = key
+        tokens, reqs, long_prefix, bound = key
         runner = self.runner
-        bound = min(tokens, runner.bole_config.max_nodes_per_request + 1)
         forest.graph = GraphStep(num_tokens=tokens, num_reqs=reqs, max_nodes=bound, long_prefix=long_prefix,
                                  max_model_len=runner.max_model_len, block_tables=self.block_tables(),
                                  scratch_storage=self.scratch_storage,
@@ -205,12 +209,22 @@ class VerifyGraphs:
         entry = _Graph(graph=graph, output=output, scratch=scratch, gdn_layers=list(scratch.layers),
                        gdn_slots=list(scratch.slots), input_ptrs=_ptrs(inputs))
         self.graphs[key] = entry
-        logger.debug("Bole captured the verification graph of %d tokens, %d requests (%s prefixes) in %.0f ms",
-                     key[0], key[1], "long" if key[2] else "short", (time.perf_counter() - start) * 1e3)
+        logger.debug("Bole captured the verification graph of %d tokens, %d requests (%s prefixes, trees of at most "
+                     "%d nodes) in %.0f ms", key[0], key[1], "long" if key[2] else "short", key[3],
+                     (time.perf_counter() - start) * 1e3)
         if len(self.graphs) == 1:
             logger.info("Bole verifies tree-only steps from full CUDA graphs (captured per token count, "
-                        "request count and prefix route on first use)")
+                        "request count, prefix route and tree-size bound on first use)")
         return entry
+
+
+def node_bound(max_nodes: int, tokens: int, cap: int) -> int:
+    """The node bound of a graph key for a step whose largest tree has ``max_nodes`` nodes (a plain decode: 1):
+    the first of :data:`NODE_BOUNDS` that holds it, else ``cap`` (the largest tree a request may carry), never
+    above the step's padded ``tokens``. Few values, so few keys; every tree of the step fits."""
+    need = max(max_nodes, 1)
+    bound = next((b for b in NODE_BOUNDS if need <= b < cap), cap)
+    return min(bound, tokens)
 
 
 def capture(call, pool) -> tuple[torch.cuda.CUDAGraph, object]:
