@@ -20,6 +20,7 @@ import heapq
 import numpy as np
 import torch
 
+from ..worker.host_copy import HostCopy
 from .tree import children_of
 
 DECAY = 0.98
@@ -135,24 +136,24 @@ class DeviceWalks:
 
     def send(self, rows, length, parent, cu_seqlens) -> None:
         """``rows`` ``[B, W]`` flat rows of each accepted path (root first, -1 past it), ``length`` ``[B]``,
-        ``parent`` ``[N]`` local parents of the forest's nodes, ``cu_seqlens`` ``[B+1]``: device tensors."""
-        from ..worker.host_copy import HostCopy
-
+        ``parent`` ``[N]`` local parents of the forest's nodes, ``cu_seqlens`` ``[B+1]``: device tensors, in one
+        copy to the host."""
         n = min(rows.shape[0], TREES_PER_STEP)
         if n == 0:
             return
         if len(self._pending) >= self.MAX_PENDING:
             self._pending.popleft()
-        paths = torch.cat([rows[:n].reshape(-1), length[:n], cu_seqlens[:n + 1].long()])
-        self._pending.append((n, rows.shape[1], HostCopy(paths), HostCopy(parent)))
+        flat = torch.cat([rows[:n].reshape(-1), length[:n], cu_seqlens[:n + 1].long(), parent.long()])
+        self._pending.append((n, rows.shape[1], HostCopy(flat)))
 
     def observe_ready(self) -> int:
         """Observe every copy that is done, oldest first; returns how many steps were observed."""
         seen = 0
-        while self._pending and all(c.done() for c in self._pending[0][2:]):
-            n, w, paths, parent = self._pending.popleft()
-            flat, parents = paths.wait().tolist(), parent.wait().tolist()
-            rows, length, cu = flat[:n * w], flat[n * w:n * w + n], flat[n * w + n:]
+        while self._pending and self._pending[0][2].done():
+            n, w, copy = self._pending.popleft()
+            flat = copy.wait().tolist()
+            a, b = n * w, n * w + n
+            rows, length, cu, parents = flat[:a], flat[a:b], flat[b:b + n + 1], flat[b + n + 1:]
             self.model.observe([parents[cu[i]:cu[i + 1]] for i in range(n)],
                                [[r - cu[i] for r in rows[i * w:i * w + length[i]]] for i in range(n)])
             seen += 1

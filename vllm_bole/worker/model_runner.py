@@ -198,8 +198,7 @@ class BoleModelRunnerMixin:
         """The step's per-request cap and node budget (``budget_rule "step"``/``"throughput"``: the clock
         ticks here)."""
         num_reqs = len(step.req_ids)
-        context = self.input_batch.num_computed_tokens_cpu[:num_reqs]
-        context_len = int(context.mean()) if num_reqs else None
+        context_len = self._mean_context(num_reqs)
         step.per_request = self.speculative_config.num_speculative_tokens
         rest_ms, tokens = None, None
         if self.bole_config.budget_rule != "decode":   # the step just run verified the last drafts
@@ -213,12 +212,15 @@ class BoleModelRunnerMixin:
                                   context_len=context_len, rest_ms=rest_ms, tokens=tokens)
         self.bole_budgets[num_reqs, step.budget] += 1
 
+    def _mean_context(self, num_reqs: int) -> int | None:
+        """The batch's mean context length (picks the calibration table's KV bucket)."""
+        return int(self.input_batch.num_computed_tokens_cpu[:num_reqs].mean()) if num_reqs else None
+
     def _tick_clock(self, num_reqs: int, context_len: int | None = None) -> None:
         """One step of the step clock (``budget_rule "step"``/``"throughput"``), once per step when drafting
         starts: the step just run verified the last drafts."""
         if context_len is None:
-            context = self.input_batch.num_computed_tokens_cpu[:num_reqs]
-            context_len = int(context.mean()) if num_reqs else None
+            context_len = self._mean_context(num_reqs)
         forest = self._bole_forest
         self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
                               verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
