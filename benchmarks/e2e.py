@@ -7,7 +7,8 @@
 Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain of k drafts with
 ``rejection_sample_method: "synthetic"``), ``bole`` (tree speculation with ``synthetic_acceptance`` and
 ``budget: "auto"``, default ``selection: "per_request"``; ``--calibrate`` first runs the budget calibration in the
-same engine and merges it into ``--budget-table``), ``bole_global`` (``selection: "global"``: the best nodes over
+first Bole configuration with synchronous scheduling and merges it into ``--budget-table``, which the invocation's
+other Bole configurations then read), ``bole_global`` (``selection: "global"``: the best nodes over
 the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget also
 weighs the step's measured time besides its target forward), ``bole_global_step`` (both), ``bole_vocab32k``
 (``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
@@ -162,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=_budget_overrides, default=None, metavar="B=N,...",
                    help="Bole: these node budgets at these batch sizes instead of the table's b_ver (a copy of "
                         "--budget-table with them goes to the log directory), e.g. 16=96,32=192")
-    p.add_argument("--calibrate", action="store_true", help="calibrate the budget in the Bole engine first")
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibrate the budget first, in the first Bole configuration with synchronous scheduling "
+                        "(timed first; the other Bole configurations then read the table it wrote)")
     p.add_argument("--calib-kv-lens", type=_ints, default=[256])
     p.add_argument("--calib-nodes", type=_ints, default=[8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024])
     p.add_argument("--calib-epsilon", type=float, default=0.1)
@@ -245,6 +248,12 @@ def engine_kwargs(args, name: str) -> dict:
     return kw
 
 
+def calibrating_config(configs) -> str | None:
+    """The configuration that runs ``--calibrate``: the first Bole one with synchronous scheduling (the sweep steps
+    the engine one step at a time)."""
+    return next((n for n in configs if n.startswith("bole") and n not in BOLE_ENGINE_VARIANTS), None)
+
+
 def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
     start = time.monotonic()
     while not path.exists():
@@ -302,7 +311,7 @@ def run_worker(args) -> None:
     _write_json(run_dir / f"{name}.ready", {"startup_s": result["startup_s"]})
     _wait_for(run_dir / f"{name}.go")
 
-    if name == "bole" and args.calibrate:
+    if args.calibrate and name == calibrating_config(args.configs):
         from vllm_bole.calibration.sweep import SweepPlan, calibrate, plot, save, summary
 
         plan = SweepPlan(batch_sizes=args.batch_sizes, kv_lens=args.calib_kv_lens, nodes=args.calib_nodes,
@@ -314,6 +323,11 @@ def run_worker(args) -> None:
         plot(entries, run_dir / "calibration.png")
         result["calibration"] = entries
         result["calibration_s"] = round(time.perf_counter() - t, 1)
+    elif args.calibrate and name.startswith("bole"):
+        # Timed after the calibrating engine (run_configs orders the turns): read the table it wrote.
+        from vllm_bole.spec_decode.budget import reload_budget_tables
+
+        reload_budget_tables()
 
     rng = random.Random(0)
     vocab = runner.model_config.get_vocab_size()
@@ -472,7 +486,9 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
                 print(f"{name}: {state} after {time.monotonic() - t0:.0f} s", flush=True)
         time.sleep(POLL_S)
     results = {}
-    for name in args.configs:  # timed phases one engine at a time
+    calibrating = calibrating_config(args.configs) if args.calibrate else None
+    # Timed phases one engine at a time; the calibrating one first, so the other Bole engines use its table.
+    for name in sorted(args.configs, key=lambda n: n != calibrating):
         proc = procs[name]
         if proc.poll() is not None:
             print(f"{name}: failed during start-up; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
@@ -573,7 +589,8 @@ def markdown(rows: list[dict]) -> str:
 def merge_and_write(out: Path, results: dict[str, dict], args) -> dict:
     data = json.loads(out.read_text()) if out.exists() else {}
     configs = {**data.get("configs", {}), **results}
-    calibration = configs.get("bole", {}).get("calibration")
+    calibrated = [c for c in configs.values() if c.get("calibration")]   # the latest run's, if several
+    calibration = max(calibrated, key=lambda c: c.get("run") or "")["calibration"] if calibrated else None
     data = {
         "benchmark": "e2e decode throughput (benchmarks/e2e.py)",
         "acceptance": {"unconditional_rates": args.rates, "bole_sibling_rates": args.sibling_rates},

@@ -101,3 +101,17 @@ def test_budget_overrides_rewrite_a_copy_of_the_table(tmp_path):
         e2e.override_budgets(table, {8: 96}, tmp_path / "logs")
     with pytest.raises(SystemExit, match="no calibration table"):
         e2e.override_budgets(tmp_path / "absent.json", {16: 96}, tmp_path / "logs")
+
+
+def test_calibration_runs_in_the_first_synchronous_bole_config_and_the_latest_is_reported(tmp_path):
+    e2e = _e2e()
+    assert e2e.calibrating_config(["mtp3", "bole_async_vocab32k", "bole_vocab32k", "bole"]) == "bole_vocab32k"
+    assert e2e.calibrating_config(["mtp3", "bole_async_tput_vocab32k"]) is None
+    args = e2e.build_parser().parse_args([])
+    out = tmp_path / "e2e.json"
+    old = {"batch_size": 4, "kv_len": 256, "t_dec_ms": 5.0, "b_ver": 32, "epsilon": 0.1, "points": []}
+    new = old | {"b_ver": 64}
+    e2e.merge_and_write(out, {"bole": _config(1.0) | {"run": "2026-12-01T00:00:00Z", "calibration": [old]}}, args)
+    data = e2e.merge_and_write(
+        out, {"bole_vocab32k": _config(2.0) | {"run": "2026-12-03T00:00:00Z", "calibration": [new]}}, args)
+    assert [e["b_ver"] for e in data["calibration"]] == [64]
