@@ -104,6 +104,50 @@ def test_throughput_lookup_picks_the_most_tokens_per_millisecond():
     assert budgets.lookup_throughput(16, 256, lambda n: 45.0 + 0.1 * n, gain) == 128
 
 
+def test_throughput_lookup_probes_the_neighbouring_sizes():
+    budgets = _budgets([(64, 10.5), (128, 11.0), (256, 14.0), (512, 20.0)])
+    gain = {64: 60.0, 128: 80.0, 256: 90.0, 512: 95.0}.get
+    assert [budgets.lookup_throughput(16, 256, 5.0, gain, probe) for probe in (-1, 0, 1, 2, 5, -3)] == [
+        64, 128, 256, 512, 512, 64]   # within the calibrated sizes
+
+
+def test_probes_find_a_rest_that_grows_with_the_trees():
+    """A closed loop of the throughput rule against steps whose rest grows steeply with the nodes per request
+    (drafter levels): measured at one size only, the fit is flat and charges smaller trees the rest of larger
+    ones, so the choice never moves; the probes spread the sizes, the slope appears, and the choice settles on
+    the best size."""
+    from vllm_bole.spec_decode.budget import StepClock
+
+    budgets = _budgets([(64, 10.5), (128, 11.0), (256, 14.0), (512, 20.0)])
+    gain = {64: 60.0, 128: 80.0, 256: 90.0, 512: 95.0}.get
+
+    def rest_of(nodes):   # 2 ms plus 0.05 ms per node: 64 -> 5.2, 128 -> 8.4, 256 -> 14.8, 512 -> 27.6
+        return 2.0 + 0.05 * nodes
+
+    def rate(nodes):      # tokens per ms at the true rest: 128 is best (80 / 19.4 against 60 / 15.7, 90 / 28.8)
+        return gain(nodes) / (rest_of(nodes) + {64: 10.5, 128: 11.0, 256: 14.0, 512: 20.0}[nodes])
+
+    assert max((64, 128, 256, 512), key=rate) == 128
+
+    def run(probing: bool) -> list[int]:
+        clock, t, chosen, nodes = StepClock(), 0.0, [], 256
+        clock.tick(t, 16, True, 14.0, nodes=nodes)
+        for _ in range(400):
+            t_ver = {64: 10.5, 128: 11.0, 256: 14.0, 512: 20.0}[nodes]
+            t += (t_ver + rest_of(nodes)) / 1e3
+            clock.tick(t, 16, True, t_ver, nodes=nodes)
+            probe = clock.probe(16) if probing else 0
+            nodes = budgets.lookup_throughput(16, 256, clock.rest_model(16), gain, probe)
+            chosen.append(nodes)
+        return chosen
+
+    # Flat at 256's rest (14.8 ms): 256 looks best (90 / 28.8 against 80 / 25.8) and stays chosen, forever.
+    assert set(run(probing=False)) == {256}
+    last = run(probing=True)[-100:]
+    assert max(set(last), key=last.count) == 128
+    assert last.count(128) >= 80              # the probes stop once the slope is known
+
+
 def test_throughput_rule_in_node_budget(tmp_path, monkeypatch):
     from vllm_bole.calibration.table import write_table
     from vllm_bole.config import parse_bole_config

@@ -174,6 +174,26 @@ def test_step_clock_fits_the_rest_against_the_tree_size():
     assert model(8) == pytest.approx(model(32)) and 6.0 < model(8) < 10.0
 
 
+def test_step_clock_probes_while_the_slope_is_unknown():
+    """Every PROBE_EVERY-th budget of a bucket whose sizes hardly differ is one size smaller, then one larger;
+    none before the first measurement or once the sizes spread."""
+    clock = budget_mod.StepClock()
+    assert clock.probe(16) == 0                     # nothing measured yet
+    t = 0.0
+    clock.tick(t, 16, True, 5.0, nodes=64)
+    for _ in range(5):
+        t += 0.015
+        clock.tick(t, 16, True, 5.0, nodes=64)
+    every = budget_mod.StepClock.PROBE_EVERY
+    probes = [clock.probe(16) for _ in range(4 * every)]
+    assert [i for i, p in enumerate(probes) if p] == [every - 1, 2 * every - 1, 3 * every - 1, 4 * every - 1]
+    assert [p for p in probes if p] == [-1, 1, -1, 1]
+    for nodes in [64, 192] * 10:                    # 4 and 12 nodes per request: spread
+        t += 0.015
+        clock.tick(t, 16, True, 5.0, nodes=nodes)
+    assert not any(clock.probe(16) for _ in range(4 * every))
+
+
 def test_missing_table_uses_the_default_with_one_warning(tmp_path, fresh_tables, caplog):
     cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(tmp_path / "none.json")})
     with caplog.at_level(logging.INFO, logger="vllm_bole.spec_decode.budget"):

@@ -2,6 +2,8 @@
 nodes (what ``select_quotas`` keeps on the host), and the queued tensors the next step reads hold exactly the trees
 the host walks: tokens, re-indexed parents and depths."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -137,10 +139,33 @@ def test_padded_trees_fill_their_quota_under_the_root():
     (36, 6, 6, 6), (36, 7, 6, 5), (12, 24, 6, 0), (512, 1, 6, 6), (100, 3, 64, 33)])
 def test_async_quota_is_the_budget_split_evenly(budget, batch, per_request, expect):
     from vllm_bole.config import BoleConfig
-    from vllm_bole.worker.scheduler import async_quota
+    from vllm_bole.worker.scheduler import async_budget, async_quotas
 
-    assert async_quota(BoleConfig(budget=budget), per_request, batch, context_len=100) == expect
-    assert async_quota(BoleConfig(budget=budget), per_request, 0, context_len=None) == 0
+    assert async_budget(BoleConfig(budget=budget), batch, context_len=100) == budget
+    assert async_quotas(budget, per_request, batch)[0] == expect
+    assert async_quotas(budget, per_request, 0) == (0, frozenset())
+
+
+@pytest.mark.parametrize("budget,batch,per_request,drafting,expect_k,expect_more", [
+    (96, 64, 8, 64, 1, 32),    # the remainder one node each to the first 32 drafting requests
+    (100, 3, 64, 3, 33, 1),
+    (36, 7, 6, 7, 5, 1),
+    (36, 6, 6, 6, 6, 0),       # even split
+    (40, 6, 6, 6, 6, 0),       # each at num_spec_tokens already
+    (12, 24, 6, 24, 0, 0),     # below the batch size: every request decodes plainly
+    (96, 64, 8, 10, 1, 10),    # 54 requests without placeholders (prefill chunks, structured outputs): at most +1
+])
+def test_async_quotas_give_the_remainder_to_the_first_drafting_requests(budget, batch, per_request, drafting,
+                                                                         expect_k, expect_more):
+    from vllm_bole.worker.scheduler import Placeholders, async_quotas
+
+    ids = [f"r{i}" for i in range(drafting)]
+    k, one_more = async_quotas(budget, per_request, batch, ids)
+    assert (k, one_more) == (expect_k, frozenset(ids[:expect_more]))
+    placeholders = Placeholders(k, one_more)
+    sizes = [placeholders.quota(r) for r in ids]
+    assert sum(sizes) <= budget and all(k <= q <= min(k + 1, per_request) for q in sizes)
+    assert Placeholders.of(SimpleNamespace(num_spec_tokens_to_schedule=3)) == Placeholders(3)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -168,7 +193,7 @@ def test_async_quota_takes_the_runners_budget_when_it_has_one():
     """``budget_rule "throughput"`` under async scheduling: the model runner's budget (a source in the same
     process) decides the quota; while it has none (None) the calibrated budget does."""
     from vllm_bole.config import BoleConfig
-    from vllm_bole.worker.scheduler import async_quota
+    from vllm_bole.worker.scheduler import async_budget, async_quotas
 
     cfg = BoleConfig(budget=36)
     asked = []
@@ -177,9 +202,9 @@ def test_async_quota_takes_the_runners_budget_when_it_has_one():
         asked.append((batch, context_len))
         return 96 if batch == 4 else None
 
-    assert async_quota(cfg, 32, 4, 100, source=source) == 24
-    assert async_quota(cfg, 16, 4, 100, source=source) == 16      # at most num_spec_tokens
-    assert async_quota(cfg, 32, 6, 50, source=source) == 6        # no budget yet: 36 // 6
+    assert async_quotas(async_budget(cfg, 4, 100, source=source), 32, 4)[0] == 24
+    assert async_quotas(async_budget(cfg, 4, 100, source=source), 16, 4)[0] == 16   # at most num_spec_tokens
+    assert async_quotas(async_budget(cfg, 6, 50, source=source), 32, 6)[0] == 6     # no budget yet: 36 // 6
     assert asked == [(4, 100), (4, 100), (6, 50)]
 
 

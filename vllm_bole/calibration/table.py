@@ -165,18 +165,20 @@ class ModelBudgets:
         return min(budget_from_curve(self.curves[k][2], self.curves[k][0], self.curves[k][1], fixed_ms)[0]
                    if k in self.curves else self.b_ver[k] for k in self._keys(batch_size, context_len))
 
-    def lookup_throughput(self, batch_size: int, context_len: int | None, rest_ms, tokens) -> int:
+    def lookup_throughput(self, batch_size: int, context_len: int | None, rest_ms, tokens, probe: int = 0) -> int:
         """The "throughput" rule: the calibrated N with the most expected tokens per millisecond,
         ``tokens(N) / (rest(N) + T_ver(N))`` (the smaller N on a tie; B_ver for a bucket without its curve).
-        ``rest_ms``: the step's time besides its target forward, in ms, or N -> that time."""
+        ``rest_ms``: the step's time besides its target forward, in ms, or N -> that time; ``probe``: take the
+        calibrated N that many places above (below, if negative) the best instead (within the curve)."""
         rest = rest_ms if callable(rest_ms) else (lambda n: rest_ms)
 
         def best(key):
             if key not in self.curves:
                 return self.b_ver[key]
             points = self.curves[key][2]
-            return max(points, key=lambda p: (tokens(p["nodes"]) / (rest(p["nodes"]) + p["t_ver_ms"]),
-                                              -p["nodes"]))["nodes"]
+            i = max(range(len(points)), key=lambda j: (
+                tokens(points[j]["nodes"]) / (rest(points[j]["nodes"]) + points[j]["t_ver_ms"]), -j))
+            return points[min(max(i + probe, 0), len(points) - 1)]["nodes"]
 
         return min(best(k) for k in self._keys(batch_size, context_len))
 

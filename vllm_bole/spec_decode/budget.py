@@ -73,12 +73,13 @@ def _budgets(bole_config, model_config):
 
 
 def node_budget(bole_config, batch_size: int, context_len: int | None = None, model_config=None,
-                rest_ms: float | None = None, tokens=None) -> int:
+                rest_ms: float | None = None, tokens=None, probe: int = 0) -> int:
     """Nodes to verify this step. ``context_len``: the batch's mean context length, if known (picks the KV
     bucket); ``model_config``: vLLM's ModelConfig (picks the model; without it, the only model calibrated on
     this GPU); ``rest_ms``: the step's measured time besides its target forward (``budget_rule "step"`` and
     ``"throughput"``; for the latter also N -> that time, :meth:`StepClock.rest_model`); ``tokens``: N -> the
-    step's expected tokens with N nodes (``"throughput"``)."""
+    step's expected tokens with N nodes (``"throughput"``); ``probe``: :meth:`StepClock.probe`
+    (``"throughput"``)."""
     if bole_config.budget != "auto":
         return int(bole_config.budget)
     budgets = _budgets(bole_config, model_config)
@@ -87,7 +88,7 @@ def node_budget(bole_config, batch_size: int, context_len: int | None = None, mo
     if bole_config.budget_rule == "step" and rest_ms is not None:
         return budgets.lookup_step(batch_size, context_len, rest_ms)
     if bole_config.budget_rule == "throughput" and rest_ms is not None and tokens is not None:
-        return budgets.lookup_throughput(batch_size, context_len, rest_ms, tokens)
+        return budgets.lookup_throughput(batch_size, context_len, rest_ms, tokens, probe)
     return budgets.lookup(batch_size, context_len)
 
 
@@ -121,19 +122,29 @@ class StepClock:
     grows with the nodes per request (``"throughput"``): bigger trees take more drafter levels and a wider first
     pass, which a single average, measured at the current size, would charge to every size alike. It fits
     rest = a + b * nodes/request over the recent steps (least squares, exponentially weighted); while those
-    steps hardly differ in size the slope is unknown and the model is flat (their weighted mean)."""
+    steps hardly differ in size the slope is unknown and the model is flat (their weighted mean). A flat model
+    favours the largest trees, whose rest was never measured, and the rule would keep choosing them: so while the
+    slope is unknown, :meth:`probe` has every ``PROBE_EVERY``-th budget of a bucket taken one calibrated size
+    smaller or larger (in turn), which spreads the sizes the fit sees."""
 
     ALPHA = 0.2         # the average's step
     FIT_ALPHA = 0.05    # the fit's: a longer memory, so that it spans the sizes the rule has tried
     MIN_SPREAD = 0.5    # nodes per request: a smaller standard deviation of the sizes leaves the slope unknown
+    PROBE_EVERY = 8     # budgets per probe while the slope is unknown
 
     def __init__(self):
         self._rest: dict[int, float] = {}
         self._fit: dict[int, list[float]] = {}   # bucket -> weighted sums [w, x, y, xx, xy]
         self._last: tuple[float, int] | None = None   # (time, batch size) of the last tick
+        self._probes: dict[int, int] = {}   # bucket -> budgets chosen while the slope was unknown
 
     def rest_ms(self, batch_size: int) -> float | None:
         return self._rest.get(next_power_of_2(batch_size))
+
+    def _spread(self, sums) -> float:
+        """The weighted variance of the fit's sizes (nodes per request)."""
+        w, sx, _, sxx, _ = sums
+        return sxx / w - (sx / w) ** 2
 
     def rest_model(self, batch_size: int):
         """nodes -> the rest of a step of ``batch_size`` requests verifying that many nodes, in ms (never below
@@ -143,9 +154,21 @@ class StepClock:
             return None
         w, sx, sy, sxx, sxy = sums
         mx, my = sx / w, sy / w
-        var = sxx / w - mx * mx
+        var = self._spread(sums)
         slope = max((sxy / w - mx * my) / var, 0.0) if var >= self.MIN_SPREAD ** 2 else 0.0
         return lambda nodes: max(my + slope * (nodes / max(batch_size, 1) - mx), 0.0)
+
+    def probe(self, batch_size: int) -> int:
+        """Once per budget the rule chooses: -1 or +1 (the next smaller or larger calibrated size than the best)
+        on every ``PROBE_EVERY``-th choice of a bucket whose slope is unknown, else 0."""
+        key = next_power_of_2(batch_size)
+        sums = self._fit.get(key)
+        if sums is None or self._spread(sums) >= self.MIN_SPREAD ** 2:
+            return 0
+        n = self._probes[key] = self._probes.get(key, 0) + 1
+        if n % self.PROBE_EVERY:
+            return 0
+        return -1 if (n // self.PROBE_EVERY) % 2 else 1
 
     def tick(self, now: float, batch_size: int, tree_only: bool, t_ver_ms: float | None,
              nodes: int | None = None) -> None:

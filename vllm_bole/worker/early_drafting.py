@@ -24,6 +24,7 @@ from ..spec_decode.drafter import DraftStep
 from ..spec_decode.tree_sampler import draw_tree_rows, is_plain_greedy, is_plain_random, tree_rows_supported
 from .host_copy import HostCopy
 from .kv_compaction import compact_accepted_kv
+from .scheduler import Placeholders
 
 logger = init_logger(__name__)
 
@@ -116,8 +117,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
     first = FirstPass(host=host, rows=rows, walk=walk, next_tokens=next_tokens)
     if walk is not None:
         try:
-            _draft_before_walk(runner, forest, walk, rows, cm, max(seq_lens),
-                               scheduler_output.num_spec_tokens_to_schedule)
+            _draft_before_walk(runner, forest, walk, rows, cm, max(seq_lens), Placeholders.of(scheduler_output))
             first.drafted = True
         except Exception as e:   # drafts only: this step drafts after the walk, with its catch-up
             logger.warning("Bole's drafting before the walk is off: it failed (%s: %s); drafting after it",
@@ -135,12 +135,12 @@ def _synthetic_generator(runner, device) -> torch.Generator:
     return gen
 
 
-def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int, placeholders: int) -> None:
+def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int, placeholders: Placeholders) -> None:
     """The rest of the step on the device, queued before the host reads the walk: the paths' K/V to contiguous
     slots (every attention layer, the drafter's included), the next trees' levels from the path ends (their drafts
     stay queued for the next step, as ``propose_draft_token_ids`` would leave them), then the commit (GDN state,
-    conv windows) from the device paths. vLLM's drafting call then finds it done. ``placeholders``: the step's
-    ``num_spec_tokens_to_schedule`` (each tree's size under async scheduling)."""
+    conv windows) from the device paths. vLLM's drafting call then finds it done. ``placeholders``: each tree's size
+    under async scheduling (``worker.scheduler.Placeholders``)."""
     drafter = runner.bole_drafter
     num_reqs = runner.input_batch.num_reqs
     runner.bole_early_draft_steps += 1

@@ -35,6 +35,7 @@ from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_ou
 from . import early_drafting
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
+from .scheduler import Placeholders
 from .step_profile import StepProfiler, profiled
 
 logger = init_logger(__name__)
@@ -162,9 +163,9 @@ class BoleModelRunnerMixin:
         this one's drafts exist, and this step's tokens stay on the device (docs/async_scheduling.md)."""
         return bool(getattr(self, "use_async_spec_decode", False))
 
-    def _plan_quotas(self, step: DraftStep, placeholders: int, queued: bool) -> None:
+    def _plan_quotas(self, step: DraftStep, placeholders: Placeholders, queued: bool) -> None:
         """The step's per-request cap, node budget and, for drafts that go to vLLM as placeholders, each
-        request's quota. ``placeholders``: the step's ``num_spec_tokens_to_schedule`` (async scheduling);
+        request's quota. ``placeholders``: what the async scheduler gave each request (``Placeholders.of``);
         ``queued``: the drafts are queued whatever the batch holds (the early path), else :meth:`_queues_drafts`
         decides."""
         if self.bole_async:
@@ -174,17 +175,18 @@ class BoleModelRunnerMixin:
         if queued or self._queues_drafts(step):
             step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
 
-    def _plan_async(self, step: DraftStep, k: int) -> None:
+    def _plan_async(self, step: DraftStep, placeholders: Placeholders) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
-        drafting request gets ``k`` nodes (``num_spec_tokens_to_schedule``, its placeholders), structured-output
-        requests none (the scheduler gave them no placeholders; their trees would not be walked past the root).
+        drafting request gets as many nodes as its placeholders (``num_spec_tokens_to_schedule``, one more for
+        those in ``bole_one_more``), structured-output requests none (the scheduler gave them no placeholders;
+        their trees would not be walked past the root).
         Under ``budget_rule "throughput"`` the step clock ticks here and the walks copied so far reach the
         acceptance model, for the scheduler's next budgets (:meth:`bole_async_budget`)."""
         if self.bole_config.budget_rule == "throughput":
             self._tick_clock(len(step.req_ids))
             self._bole_device_walks.observe_ready()
         step.per_request = self.speculative_config.num_speculative_tokens
-        step.quotas = [k if d and not self._structured(req_id) else 0
+        step.quotas = [placeholders.quota(req_id) if d and not self._structured(req_id) else 0
                        for d, req_id in zip(drafting(step.contexts), step.req_ids)]
         step.budget = sum(step.quotas)
         step.fill_quotas = True
@@ -208,8 +210,9 @@ class BoleModelRunnerMixin:
             rest_ms = self._bole_clock.rest_model(num_reqs)   # also how the rest grows with the trees
             tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=num_reqs,
                                        per_request=step.per_request)
+        probe = self._bole_clock.probe(num_reqs) if tokens is not None else 0
         step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
-                                  context_len=context_len, rest_ms=rest_ms, tokens=tokens)
+                                  context_len=context_len, rest_ms=rest_ms, tokens=tokens, probe=probe)
         self.bole_budgets[num_reqs, step.budget] += 1
 
     def _mean_context(self, num_reqs: int) -> int | None:
@@ -237,7 +240,7 @@ class BoleModelRunnerMixin:
         tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=batch_size,
                                    per_request=self.speculative_config.num_speculative_tokens)
         budget = node_budget(self.bole_config, batch_size, model_config=self.model_config, context_len=context_len,
-                             rest_ms=rest, tokens=tokens)
+                             rest_ms=rest, tokens=tokens, probe=self._bole_clock.probe(batch_size))
         self.bole_async_budgets[batch_size, budget] += 1
         return budget
 
@@ -585,7 +588,7 @@ class BoleModelRunnerMixin:
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
             if self._bole_first_pass is not None:
                 step.all_rows = self._bole_first_pass.rows
-            self._plan_quotas(step, scheduler_output.num_spec_tokens_to_schedule, queued=False)
+            self._plan_quotas(step, Placeholders.of(scheduler_output), queued=False)
             finish = self.bole_drafter.propose_deferred(step)
             if step.quotas is not None and step.queued is None:
                 # A drafter that builds its trees on the host: they exist now; each keeps its quota (under async

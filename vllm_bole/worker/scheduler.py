@@ -8,9 +8,12 @@ path is moved to contiguous KV slots before the next step.
 Under ``async_scheduling`` vLLM schedules step N+1 before step N's drafts exist, giving every decode request
 ``num_spec_tokens_to_schedule`` placeholder drafts; :class:`BoleAsyncScheduler` sets that number to each request's
 node quota for the batch (the step's budget split evenly: the calibrated one, or under ``budget_rule "throughput"``
-the model runner's, :func:`async_quota`), and the runner drafts exactly that many nodes per request
-(``BoleModelRunnerMixin._plan_quotas``), so every placeholder has its queued node.
+the model runner's, :func:`async_quotas`), gives the remainder one node each to the first drafting requests
+(``SchedulerOutput.bole_one_more``, :class:`Placeholders`), and the runner drafts exactly that many nodes per
+request (``BoleModelRunnerMixin._plan_quotas``), so every placeholder has its queued node.
 """
+
+from dataclasses import dataclass
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -34,18 +37,45 @@ class BoleScheduler(_NoPlaceholderPadding, Scheduler):
     pass
 
 
-def async_quota(bole_config, num_spec_tokens: int, batch_size: int, context_len: int | None,
-                model_config=None, source=None) -> int:
-    """Nodes of each request's next tree in a batch of ``batch_size`` decodes under async scheduling: the
-    step's node budget split evenly, at most ``num_spec_tokens``. The budget is ``source(batch_size,
+def async_budget(bole_config, batch_size: int, context_len: int | None, model_config=None, source=None) -> int:
+    """Nodes of the next step of ``batch_size`` decodes under async scheduling: ``source(batch_size,
     context_len)`` when given and known (``budget_rule "throughput"``: the model runner's choice from its step
     clock and acceptance model), else the calibrated B_ver (``"decode"``)."""
-    if batch_size <= 0:
-        return 0
     budget = source(batch_size, context_len) if source is not None else None
     if budget is None:
         budget = node_budget(bole_config, batch_size, context_len=context_len, model_config=model_config)
-    return max(0, min(num_spec_tokens, budget // batch_size))
+    return budget
+
+
+def async_quotas(budget: int, num_spec_tokens: int, batch_size: int, drafting=()) -> tuple[int, frozenset]:
+    """Each request's next tree: ``(k, one_more)``, ``k`` nodes each (the budget split evenly over the batch, at
+    most ``num_spec_tokens``) and one more for the first of ``drafting`` (ids of the requests that get
+    placeholders) while the budget lasts. With a budget below the batch size, none: every request decodes plainly
+    (a step of one-node trees runs as the plain decode graph)."""
+    if batch_size <= 0:
+        return 0, frozenset()
+    k = max(0, min(num_spec_tokens, budget // batch_size))
+    if k == 0 or k == num_spec_tokens:
+        return k, frozenset()
+    drafting = list(drafting)
+    return k, frozenset(drafting[:max(0, budget - k * len(drafting))])
+
+
+@dataclass(frozen=True)
+class Placeholders:
+    """The placeholder drafts the async scheduler gave each request of a step: ``k``, or ``k + 1`` for the
+    requests in ``one_more``; the runner drafts trees of exactly these sizes."""
+
+    k: int
+    one_more: frozenset = frozenset()
+
+    @classmethod
+    def of(cls, scheduler_output) -> "Placeholders":
+        return cls(scheduler_output.num_spec_tokens_to_schedule,
+                   getattr(scheduler_output, "bole_one_more", frozenset()))
+
+    def quota(self, req_id: str) -> int:
+        return self.k + (req_id in self.one_more)
 
 
 class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
@@ -78,15 +108,28 @@ class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
         if not self._asynchronous:
             return Scheduler._update_after_schedule(self, scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
+        budget = 0
         if scheduled and self.num_spec_tokens:
             context = [self.requests[r].num_computed_tokens for r in scheduled]
-            scheduler_output.num_spec_tokens_to_schedule = async_quota(
-                self.bole_config, self.num_spec_tokens, len(scheduled), sum(context) // len(context),
-                self.vllm_config.model_config, self._budget_source())
+            budget = async_budget(self.bole_config, len(scheduled), sum(context) // len(context),
+                                  self.vllm_config.model_config, self._budget_source())
+            scheduler_output.num_spec_tokens_to_schedule, _ = async_quotas(budget, self.num_spec_tokens,
+                                                                           len(scheduled))
         super()._update_after_schedule(scheduler_output)
+        drafting = []
         for req_id in scheduled:
             request = self.requests[req_id]
-            if request.use_structured_output and not request.is_prefill_chunk:
+            if request.is_prefill_chunk:
+                continue
+            if request.use_structured_output:
                 # Its next token comes from vLLM's sampler with its grammar: the runner walks no tree past the
                 # root for it (tree_sampler.is_plain_greedy), so it gets no placeholders.
                 request.spec_token_ids = []
+            else:
+                drafting.append(req_id)
+        k, one_more = async_quotas(budget, self.num_spec_tokens, len(scheduled), drafting)
+        scheduler_output.bole_one_more = one_more   # read by the runner (Placeholders.of)
+        if one_more:
+            more = [-1] * (k + 1)   # read-only, shared like vLLM's own placeholder list
+            for req_id in one_more:
+                self.requests[req_id].spec_token_ids = more
