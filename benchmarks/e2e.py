@@ -6,7 +6,8 @@
 
 Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain of k drafts with
 ``rejection_sample_method: "synthetic"``), ``bole`` (tree speculation with ``synthetic_acceptance`` and
-``budget: "auto"``, default ``selection: "per_request"``; ``--calibrate`` first runs the budget calibration in the
+``budget: "auto"``, default ``selection: "per_request"``, synchronous scheduling as in every Bole configuration
+not named *async*; ``--calibrate`` first runs the budget calibration in the
 first Bole configuration with synchronous scheduling and merges it into ``--budget-table``, which the invocation's
 other Bole configurations then read), ``bole_global`` (``selection: "global"``: the best nodes over
 the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget also
@@ -21,7 +22,7 @@ calibrated budget with ``budget_rule: "decode"``; on CPU vLLM schedules synchron
 ``bole_async_tput_vocab32k`` (async scheduling with ``budget_rule: "throughput"``: the scheduler's quotas from the
 model runner's step clock and acceptance model); each
 variant adds ``<name>_*`` fields to the rows and a table of its own,
-``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole runs: rows gain
+``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole's synchronous configurations run: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
 batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
 ``--kv-cache-gib``, so concurrent start-ups cannot skew each other's memory profile); the timed phases then run
@@ -82,9 +83,12 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  # vLLM's async scheduling (engine async_scheduling=True; BOLE_ENGINE_VARIANTS).
                  "bole_async": {}, "bole_async_vocab32k": {"draft_vocab": 32768},
                  "bole_async_tput_vocab32k": {"budget_rule": "throughput", "draft_vocab": 32768}}
-# Bole's variants that change the engine's settings besides the speculative config.
+# Bole's engine settings besides the speculative config: the configurations named *async* schedule
+# asynchronously (vLLM's and Bole's default on a GPU), the others synchronously, as they did when that was the
+# default, so that their rows compare with earlier runs.
 BOLE_ENGINE_VARIANTS = {"bole_async": {"async_scheduling": True}, "bole_async_vocab32k": {"async_scheduling": True},
                         "bole_async_tput_vocab32k": {"async_scheduling": True}}
+SYNCHRONOUS = {"async_scheduling": False}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
@@ -237,7 +241,7 @@ def engine_kwargs(args, name: str) -> dict:
             "budget_table": args.budget_table,
             "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}
         kw["speculative_config"] |= BOLE_VARIANTS.get(name, {})
-        kw |= BOLE_ENGINE_VARIANTS.get(name, {})
+        kw |= BOLE_ENGINE_VARIANTS.get(name, SYNCHRONOUS)
         # Tree steps carry B + (up to the budget) tokens: capture sizes over that whole range.
         sizes = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 32)}
     else:

@@ -216,7 +216,8 @@ def main() -> None:
                         help="also run each batch with host timers and a GPU-wait audit (benchmarks/host_audit.py, no "
                              "profiler) and write hostaudit_B<b>.txt to DIR")
     parser.add_argument("--engine", default="{}",
-                        help='more LLM keyword arguments as JSON, e.g. \'{"async_scheduling": true}\'')
+                        help='more LLM keyword arguments as JSON, e.g. \'{"async_scheduling": false}\' (Bole '
+                             'schedules asynchronously by default on a GPU)')
     args = parser.parse_args()
     spec = None if args.spec == "none" else json.loads(args.spec)
     bole = spec is not None and spec.get("method") == "bole"

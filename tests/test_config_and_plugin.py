@@ -120,6 +120,7 @@ def test_translation_sets_engine_fields():
     from vllm_bole.plugin import apply_bole_engine_args
 
     args, par = _Args({"method": "bole", "num_speculative_tokens": 3, "topk": 2}), _Parallel()
+    args.async_scheduling = False
     apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), par)
     assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 6}
     assert args.additional_config["bole"]["topk"] == 2
@@ -128,14 +129,29 @@ def test_translation_sets_engine_fields():
     assert args.compilation_config.cudagraph_mode.name == "PIECEWISE"
 
 
-@pytest.mark.parametrize("flag", [None, False])
-def test_synchronous_unless_async_scheduling_is_asked_for(flag):
-    from vllm_bole.plugin import apply_bole_engine_args
+@pytest.mark.parametrize("flag,cpu,spec,tp,backend,expect", [
+    (None, False, {}, 1, None, True),                         # vLLM's default for MTP: async
+    (None, False, {"budget_rule": "throughput"}, 1, "mp", True),
+    (False, False, {}, 1, None, False),                       # turned off
+    (None, True, {}, 1, None, False),                         # vLLM's CPU platform schedules synchronously
+    (None, False, {"budget_rule": "step"}, 1, None, False),   # settings that need synchronous steps
+    (None, False, {"selection": "global"}, 1, None, False),
+    (None, False, {}, 2, None, False),
+    (None, False, {}, 1, "ray", False),                       # vLLM turns it off for that backend
+])
+def test_async_scheduling_follows_vllms_default(monkeypatch, flag, cpu, spec, tp, backend, expect):
+    """Unset, async scheduling is on as vLLM has it for MTP, except where Bole's settings or vLLM's own rules
+    need synchronous steps (then without an error); ``False`` turns it off."""
+    from vllm_bole import plugin
 
-    args = _Args({"method": "bole"})
-    args.async_scheduling = flag
-    apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), _Parallel())
-    assert args.async_scheduling is False and args.scheduler_cls.endswith(".BoleScheduler")
+    monkeypatch.setattr(plugin, "_platform_is_cpu", lambda: cpu)
+    args = _Args({"method": "bole", **spec})
+    args.async_scheduling, args.distributed_executor_backend = flag, backend
+    parallel = _Parallel()
+    parallel.tensor_parallel_size = tp
+    plugin.apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), parallel)
+    assert args.async_scheduling is expect
+    assert args.scheduler_cls.endswith(".BoleAsyncScheduler" if expect else ".BoleScheduler")
 
 
 @pytest.mark.parametrize("spec", [{}, {"budget_rule": "throughput"}])

@@ -22,7 +22,7 @@ def test_structured_outputs_are_lossless_sync_and_async(tmp_path, tiny_qwen3_5_d
     write_oracle(tmp_path, requests, ref)
     runs = {
         "planted_sync": {"engine": bole_engine(tmp_path, "planted_sync", depth=4, topk=3, budget=512,
-                                               max_num_seqs=8)},
+                                               max_num_seqs=8, async_scheduling=False)},
         "mtp_async": {"engine": bole_engine(tmp_path, "mtp_async", depth=3, topk=2, budget=48, drafter="mtp",
                                             max_num_seqs=8) | {"async_scheduling": True},
                       "cpu_async_scheduling": True},

@@ -48,11 +48,15 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
         from .spec_decode.draft_vocab import draft_token_ids
 
         draft_token_ids(cfg.draft_vocab, target_model_config.get_vocab_size(), set())
-    # vLLM's async scheduling only when asked for explicitly (``async_scheduling=True``, ``--async-scheduling``):
-    # the scheduler then fixes each request's tree size before the step that drafts it (worker/scheduler.py).
-    asynchronous = engine_args.async_scheduling is True
-    if asynchronous:
-        _check_async(cfg, target_parallel_config)
+    # Async scheduling (the scheduler fixes each request's tree size before the step that drafts it,
+    # worker/scheduler.py) as vLLM decides it for MTP: on unless turned off, here also where Bole's settings need
+    # synchronous steps; asked for explicitly, such settings are an error.
+    unsupported = _async_unsupported(cfg, target_parallel_config, engine_args)
+    if engine_args.async_scheduling is True and unsupported:
+        raise BoleConfigError(unsupported)
+    asynchronous = engine_args.async_scheduling is not False and unsupported is None
+    if engine_args.async_scheduling is None and unsupported:
+        logger.info("Bole schedules synchronously: %s", unsupported.split(";")[0])
 
     engine_args.speculative_config = {
         "method": "mtp", "num_speculative_tokens": cfg.max_nodes_per_request, **passthrough}
@@ -76,19 +80,30 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
                 "async" if asynchronous else "synchronous")
 
 
-def _check_async(cfg, parallel_config) -> None:
-    """What async scheduling needs: tree sizes known when the scheduler places the next step's placeholders."""
+def _async_unsupported(cfg, parallel_config, engine_args) -> str | None:
+    """Why these settings need synchronous scheduling (tree sizes must be known when the scheduler places the next
+    step's placeholders), as a one-line error for an explicit ``async_scheduling=True``; None if they do not."""
     if cfg.budget_rule not in ("decode", "throughput"):
-        raise BoleConfigError(
-            f"speculative_config.budget_rule must be 'decode' or 'throughput' with async_scheduling=True (the "
-            f"budget is fixed before the step runs), got {cfg.budget_rule!r}")
+        return (f"speculative_config.budget_rule must be 'decode' or 'throughput' with async_scheduling=True (the "
+                f"budget is fixed before the step runs), got {cfg.budget_rule!r}")
     if cfg.selection != "per_request":
-        raise BoleConfigError(
-            f"speculative_config.selection must be 'per_request' with async_scheduling=True, got {cfg.selection!r}")
+        return f"speculative_config.selection must be 'per_request' with async_scheduling=True, got {cfg.selection!r}"
     if parallel_config.tensor_parallel_size > 1:
-        raise BoleConfigError(
-            "async_scheduling: speculative method 'bole' supports it with tensor_parallel_size 1 only, got "
-            f"{parallel_config.tensor_parallel_size}; set async_scheduling=False")
+        return ("async_scheduling: speculative method 'bole' supports it with tensor_parallel_size 1 only, got "
+                f"{parallel_config.tensor_parallel_size}; set async_scheduling=False")
+    if engine_args.async_scheduling is None:   # vLLM's own default would turn it off here
+        backend = getattr(engine_args, "distributed_executor_backend", None)
+        if backend not in (None, "uni", "mp"):
+            return f"distributed_executor_backend {backend!r}"
+        if _platform_is_cpu():
+            return "vLLM schedules synchronously on CPU"
+    return None
+
+
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def register() -> None:

@@ -71,7 +71,9 @@ def engine_kwargs_for(args, plan: SweepPlan) -> dict:
               "max_num_batched_tokens": max(2048, max(plan.batch_sizes) + min(max(plan.nodes),
                                                                               max(plan.batch_sizes) * per_request)),
               "enable_prefix_caching": False}
-    return kwargs | args.engine_args
+    # The sweep steps the engine one step at a time and sets each step's forest itself: synchronous scheduling
+    # (what it times, the target forward, does not depend on it).
+    return kwargs | args.engine_args | {"async_scheduling": False}
 
 
 def main(argv: list[str] | None = None) -> int:
