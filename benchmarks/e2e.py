@@ -1,15 +1,16 @@
 """End-to-end decoding throughput at Qwen3.5-9B shapes: stock vLLM AR, stock vLLM MTP chains, Bole (budget "auto").
 
     python3 benchmarks/e2e.py --configs ar,mtp1,mtp2 --kv-cache-gib 18            # three engines, one command
-    python3 benchmarks/e2e.py --configs mtp3,mtp4,bole --calibrate --kv-cache-gib 18
+    python3 benchmarks/e2e.py --configs bole_sync,mtp3,bole --calibrate --kv-cache-gib 16
     python3 benchmarks/e2e.py --smoke                                              # CPU, the tiny bundled model
 
 Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain of k drafts with
 ``rejection_sample_method: "synthetic"``), ``bole`` (tree speculation with ``synthetic_acceptance`` and
-``budget: "auto"``, default ``selection: "per_request"``, synchronous scheduling as in every Bole configuration
-not named *async*; ``--calibrate`` first runs the budget calibration in the
-first Bole configuration with synchronous scheduling and merges it into ``--budget-table``, which the invocation's
-other Bole configurations then read), ``bole_global`` (``selection: "global"``: the best nodes over
+``budget: "auto"``, default ``selection: "per_request"``, the engine's default scheduling: asynchronous on a GPU
+since 7be5de8, synchronous before, so the ``bole`` rows of earlier result files are synchronous), ``bole_sync`` and
+``bole_vocab32k_sync`` (``async_scheduling: false``); ``--calibrate`` first runs the budget calibration in the
+first Bole configuration that schedules synchronously (``*_sync``, ``bole_global*``, ``bole_step*``; it is timed
+first) and merges it into ``--budget-table``, which the invocation's other Bole configurations then read; ``bole_global`` (``selection: "global"``: the best nodes over
 the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget also
 weighs the step's measured time besides its target forward), ``bole_global_step`` (both), ``bole_vocab32k``
 (``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
@@ -17,12 +18,12 @@ rank, so its row shows the cheaper levels but not what a subset costs in accepta
 ``bole_step_vocab32k`` (both ``budget_rule: "step"`` and ``draft_vocab: 32768``), ``bole_tput_vocab32k``
 (``budget_rule: "throughput"``, ``draft_vocab: 32768``), ``bole_late`` and ``bole_vocab32k_late``
 (``early_drafting: false``: the drafter catches up after the host walk instead of being queued before it),
-``bole_async`` and ``bole_async_vocab32k`` (vLLM's async scheduling, engine ``async_scheduling: true``; the
-calibrated budget with ``budget_rule: "decode"``; on CPU vLLM schedules synchronously anyway),
-``bole_async_tput_vocab32k`` (async scheduling with ``budget_rule: "throughput"``: the scheduler's quotas from the
-model runner's step clock and acceptance model); each
+``bole_async`` and ``bole_async_vocab32k`` (engine ``async_scheduling: true``, now what ``bole`` and
+``bole_vocab32k`` do on a GPU; on CPU vLLM schedules synchronously anyway), ``bole_async_tput_vocab32k`` (async
+scheduling with ``budget_rule: "throughput"``: the scheduler's quotas from the model runner's step clock and
+acceptance model); each
 variant adds ``<name>_*`` fields to the rows and a table of its own,
-``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``, as Bole's synchronous configurations run: rows gain
+``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
 batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
 ``--kv-cache-gib``, so concurrent start-ups cannot skew each other's memory profile); the timed phases then run
@@ -80,15 +81,16 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  # Drafting after the host walk (before it is the default: speculative_config.early_drafting).
                  "bole_late": {"early_drafting": False},
                  "bole_vocab32k_late": {"draft_vocab": 32768, "early_drafting": False},
-                 # vLLM's async scheduling (engine async_scheduling=True; BOLE_ENGINE_VARIANTS).
+                 # Scheduling (BOLE_ENGINE_VARIANTS): *_sync synchronous; *async* asynchronous, as every other
+                 # configuration on a GPU since Bole follows vLLM's default (named so in earlier result files).
+                 "bole_sync": {}, "bole_vocab32k_sync": {"draft_vocab": 32768},
                  "bole_async": {}, "bole_async_vocab32k": {"draft_vocab": 32768},
                  "bole_async_tput_vocab32k": {"budget_rule": "throughput", "draft_vocab": 32768}}
-# Bole's engine settings besides the speculative config: the configurations named *async* schedule
-# asynchronously (vLLM's and Bole's default on a GPU), the others synchronously, as they did when that was the
-# default, so that their rows compare with earlier runs.
-BOLE_ENGINE_VARIANTS = {"bole_async": {"async_scheduling": True}, "bole_async_vocab32k": {"async_scheduling": True},
+# Bole's engine settings besides the speculative config (the others keep the engine's default scheduling:
+# asynchronous on a GPU, except where selection "global" or budget_rule "step" need synchronous steps).
+BOLE_ENGINE_VARIANTS = {"bole_sync": {"async_scheduling": False}, "bole_vocab32k_sync": {"async_scheduling": False},
+                        "bole_async": {"async_scheduling": True}, "bole_async_vocab32k": {"async_scheduling": True},
                         "bole_async_tput_vocab32k": {"async_scheduling": True}}
-SYNCHRONOUS = {"async_scheduling": False}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
@@ -241,7 +243,7 @@ def engine_kwargs(args, name: str) -> dict:
             "budget_table": args.budget_table,
             "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}
         kw["speculative_config"] |= BOLE_VARIANTS.get(name, {})
-        kw |= BOLE_ENGINE_VARIANTS.get(name, SYNCHRONOUS)
+        kw |= BOLE_ENGINE_VARIANTS.get(name, {})
         # Tree steps carry B + (up to the budget) tokens: capture sizes over that whole range.
         sizes = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 32)}
     else:
@@ -252,10 +254,17 @@ def engine_kwargs(args, name: str) -> dict:
     return kw
 
 
-def calibrating_config(configs) -> str | None:
+def schedules_synchronously(name: str) -> bool:
+    """Whether a Bole configuration's engine schedules synchronously on a GPU."""
+    spec = BOLE_VARIANTS.get(name, {})
+    return (BOLE_ENGINE_VARIANTS.get(name, {}).get("async_scheduling") is False
+            or spec.get("selection") == "global" or spec.get("budget_rule") == "step")
+
+
+def calibrating_config(configs, smoke: bool = False) -> str | None:
     """The configuration that runs ``--calibrate``: the first Bole one with synchronous scheduling (the sweep steps
-    the engine one step at a time)."""
-    return next((n for n in configs if n.startswith("bole") and n not in BOLE_ENGINE_VARIANTS), None)
+    the engine one step at a time; on CPU every one)."""
+    return next((n for n in configs if n.startswith("bole") and (smoke or schedules_synchronously(n))), None)
 
 
 def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
@@ -315,7 +324,7 @@ def run_worker(args) -> None:
     _write_json(run_dir / f"{name}.ready", {"startup_s": result["startup_s"]})
     _wait_for(run_dir / f"{name}.go")
 
-    if args.calibrate and name == calibrating_config(args.configs):
+    if args.calibrate and name == calibrating_config(args.configs, args.smoke):
         from vllm_bole.calibration.sweep import SweepPlan, calibrate, plot, save, summary
 
         plan = SweepPlan(batch_sizes=args.batch_sizes, kv_lens=args.calib_kv_lens, nodes=args.calib_nodes,
@@ -490,7 +499,7 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
                 print(f"{name}: {state} after {time.monotonic() - t0:.0f} s", flush=True)
         time.sleep(POLL_S)
     results = {}
-    calibrating = calibrating_config(args.configs) if args.calibrate else None
+    calibrating = calibrating_config(args.configs, args.smoke) if args.calibrate else None
     # Timed phases one engine at a time; the calibrating one first, so the other Bole engines use its table.
     for name in sorted(args.configs, key=lambda n: n != calibrating):
         proc = procs[name]
@@ -623,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_worker(args)
         return 0
+    if args.calibrate and not args.smoke and calibrating_config(args.configs) is None:
+        raise SystemExit("--calibrate: --configs needs a Bole configuration that schedules synchronously (e.g. "
+                         "bole_sync, bole_vocab32k_sync, bole_global, bole_step)")
     if args.budgets:
         args.budget_table = str(override_budgets(Path(args.budget_table), args.budgets,
                                                  Path(args.log_dir or "/tmp/bole-e2e")))

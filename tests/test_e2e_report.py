@@ -105,8 +105,10 @@ def test_budget_overrides_rewrite_a_copy_of_the_table(tmp_path):
 
 def test_calibration_runs_in_the_first_synchronous_bole_config_and_the_latest_is_reported(tmp_path):
     e2e = _e2e()
-    assert e2e.calibrating_config(["mtp3", "bole_async_vocab32k", "bole_vocab32k", "bole"]) == "bole_vocab32k"
-    assert e2e.calibrating_config(["mtp3", "bole_async_tput_vocab32k"]) is None
+    assert e2e.calibrating_config(["mtp3", "bole", "bole_vocab32k_sync", "bole_sync"]) == "bole_vocab32k_sync"
+    assert e2e.calibrating_config(["bole_async", "bole_global", "bole_step"]) == "bole_global"
+    assert e2e.calibrating_config(["mtp3", "bole", "bole_async_tput_vocab32k"]) is None
+    assert e2e.calibrating_config(["mtp3", "bole"], smoke=True) == "bole"   # CPU: every engine is synchronous
     args = e2e.build_parser().parse_args([])
     out = tmp_path / "e2e.json"
     old = {"batch_size": 4, "kv_len": 256, "t_dec_ms": 5.0, "b_ver": 32, "epsilon": 0.1, "points": []}
