@@ -111,6 +111,18 @@ def test_throughput_lookup_probes_the_neighbouring_sizes():
         64, 128, 256, 512, 512, 64]   # within the calibrated sizes
 
 
+def test_throughput_lookup_keeps_the_last_choice_unless_another_is_clearly_better():
+    budgets = _budgets([(64, 10.5), (128, 11.0), (256, 14.0), (512, 20.0)])
+    # rest 5 ms: 64 -> 60 / 15.5 = 3.871, 128 -> 80 / 16 = 5.0, 256 -> 98 / 19 = 5.158 (3.2% better than 128)
+    gain = {64: 60.0, 128: 80.0, 256: 98.0, 512: 99.0}.get
+    assert budgets.lookup_throughput(16, 256, 5.0, gain) == 256
+    assert budgets.lookup_throughput(16, 256, 5.0, gain, keep=128) == 256        # more than 3% better: switch
+    close = {64: 60.0, 128: 80.0, 256: 97.0, 512: 99.0}.get                      # 97 / 19 = 5.105: 2.1% better
+    assert budgets.lookup_throughput(16, 256, 5.0, close, keep=128) == 128
+    assert budgets.lookup_throughput(16, 256, 5.0, close, keep=100) == 256       # not a calibrated size
+    assert budgets.lookup_throughput(16, 256, 5.0, close, probe=1, keep=128) == 256   # probes move off the kept
+
+
 def test_probes_find_a_rest_that_grows_with_the_trees():
     """A closed loop of the throughput rule against steps whose rest grows steeply with the nodes per request
     (drafter levels): measured at one size only, the fit is flat and charges smaller trees the rest of larger
@@ -129,15 +141,16 @@ def test_probes_find_a_rest_that_grows_with_the_trees():
 
     assert max((64, 128, 256, 512), key=rate) == 128
 
-    def run(probing: bool) -> list[int]:
-        clock, t, chosen, nodes = StepClock(), 0.0, [], 256
+    def run(probing: bool) -> list[int]:   # as the model runner does (_throughput_budget)
+        clock, t, chosen, nodes, keep = StepClock(), 0.0, [], 256, None
         clock.tick(t, 16, True, 14.0, nodes=nodes)
         for _ in range(400):
             t_ver = {64: 10.5, 128: 11.0, 256: 14.0, 512: 20.0}[nodes]
             t += (t_ver + rest_of(nodes)) / 1e3
             clock.tick(t, 16, True, t_ver, nodes=nodes)
             probe = clock.probe(16) if probing else 0
-            nodes = budgets.lookup_throughput(16, 256, clock.rest_model(16), gain, probe)
+            nodes = budgets.lookup_throughput(16, 256, clock.rest_model(16), gain, probe, keep)
+            keep = keep if probe else nodes
             chosen.append(nodes)
         return chosen
 

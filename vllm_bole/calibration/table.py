@@ -131,6 +131,7 @@ class ModelBudgets:
     b_ver: dict[tuple[int, int], int]         # (batch size, kv length) -> budget
     curves: dict[tuple[int, int], tuple[float, float, list[dict]]] = field(default_factory=dict)  # t_dec, eps, pts
     _memo: dict = field(default_factory=dict, repr=False)
+    KEEP_MARGIN = 0.03   # lookup_throughput: how much better another N must look than the one chosen last
 
     @classmethod
     def from_entries(cls, entries: list[dict]) -> "ModelBudgets":
@@ -165,19 +166,25 @@ class ModelBudgets:
         return min(budget_from_curve(self.curves[k][2], self.curves[k][0], self.curves[k][1], fixed_ms)[0]
                    if k in self.curves else self.b_ver[k] for k in self._keys(batch_size, context_len))
 
-    def lookup_throughput(self, batch_size: int, context_len: int | None, rest_ms, tokens, probe: int = 0) -> int:
+    def lookup_throughput(self, batch_size: int, context_len: int | None, rest_ms, tokens, probe: int = 0,
+                          keep: int | None = None) -> int:
         """The "throughput" rule: the calibrated N with the most expected tokens per millisecond,
         ``tokens(N) / (rest(N) + T_ver(N))`` (the smaller N on a tie; B_ver for a bucket without its curve).
-        ``rest_ms``: the step's time besides its target forward, in ms, or N -> that time; ``probe``: take the
-        calibrated N that many places above (below, if negative) the best instead (within the curve)."""
+        ``rest_ms``: the step's time besides its target forward, in ms, or N -> that time; ``keep``: the N chosen
+        last, kept unless another is better by more than ``KEEP_MARGIN`` (estimates that wobble would otherwise
+        switch sizes, and each new size is a new CUDA graph); ``probe``: take the calibrated N that many places
+        above (below, if negative) the choice instead (within the curve)."""
         rest = rest_ms if callable(rest_ms) else (lambda n: rest_ms)
 
         def best(key):
             if key not in self.curves:
                 return self.b_ver[key]
             points = self.curves[key][2]
-            i = max(range(len(points)), key=lambda j: (
-                tokens(points[j]["nodes"]) / (rest(points[j]["nodes"]) + points[j]["t_ver_ms"]), -j))
+            rate = [tokens(p["nodes"]) / (rest(p["nodes"]) + p["t_ver_ms"]) for p in points]
+            i = max(range(len(points)), key=lambda j: (rate[j], -j))
+            kept = next((j for j, p in enumerate(points) if p["nodes"] == keep), None)
+            if kept is not None and rate[i] <= (1.0 + self.KEEP_MARGIN) * rate[kept]:
+                i = kept
             return points[min(max(i + probe, 0), len(points) - 1)]["nodes"]
 
         return min(best(k) for k in self._keys(batch_size, context_len))

@@ -73,13 +73,13 @@ def _budgets(bole_config, model_config):
 
 
 def node_budget(bole_config, batch_size: int, context_len: int | None = None, model_config=None,
-                rest_ms: float | None = None, tokens=None, probe: int = 0) -> int:
+                rest_ms: float | None = None, tokens=None, probe: int = 0, keep: int | None = None) -> int:
     """Nodes to verify this step. ``context_len``: the batch's mean context length, if known (picks the KV
     bucket); ``model_config``: vLLM's ModelConfig (picks the model; without it, the only model calibrated on
     this GPU); ``rest_ms``: the step's measured time besides its target forward (``budget_rule "step"`` and
     ``"throughput"``; for the latter also N -> that time, :meth:`StepClock.rest_model`); ``tokens``: N -> the
-    step's expected tokens with N nodes (``"throughput"``); ``probe``: :meth:`StepClock.probe`
-    (``"throughput"``)."""
+    step's expected tokens with N nodes (``"throughput"``); ``probe``: :meth:`StepClock.probe`; ``keep``: the
+    budget this rule chose last at this batch size (``"throughput"``: :meth:`ModelBudgets.lookup_throughput`)."""
     if bole_config.budget != "auto":
         return int(bole_config.budget)
     budgets = _budgets(bole_config, model_config)
@@ -88,7 +88,7 @@ def node_budget(bole_config, batch_size: int, context_len: int | None = None, mo
     if bole_config.budget_rule == "step" and rest_ms is not None:
         return budgets.lookup_step(batch_size, context_len, rest_ms)
     if bole_config.budget_rule == "throughput" and rest_ms is not None and tokens is not None:
-        return budgets.lookup_throughput(batch_size, context_len, rest_ms, tokens, probe)
+        return budgets.lookup_throughput(batch_size, context_len, rest_ms, tokens, probe, keep)
     return budgets.lookup(batch_size, context_len)
 
 

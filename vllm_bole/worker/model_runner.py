@@ -62,6 +62,7 @@ class BoleModelRunnerMixin:
         self.bole_budgets = collections.Counter()   # (batch size, node budget) of every planned step
         self.bole_async_budgets = collections.Counter()   # (batch size, budget) given to the async scheduler
         self._bole_clock = StepClock()   # budget_rule "step"/"throughput": the step time besides the target forward
+        self._bole_chosen: dict[int, int] = {}   # "throughput": batch size -> the budget last chosen (not a probe)
         # budget_rule "throughput": what trees of q nodes accept, from the walks so far
         self._bole_acceptance = AcceptanceModel(self.bole_config.topk, self.bole_config.max_depth)
         # ... and its walks that stayed on the device (async scheduling), on their way to it
@@ -210,9 +211,11 @@ class BoleModelRunnerMixin:
             rest_ms = self._bole_clock.rest_model(num_reqs)   # also how the rest grows with the trees
             tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=num_reqs,
                                        per_request=step.per_request)
-        probe = self._bole_clock.probe(num_reqs) if tokens is not None else 0
-        step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
-                                  context_len=context_len, rest_ms=rest_ms, tokens=tokens, probe=probe)
+        if tokens is not None:
+            step.budget = self._throughput_budget(num_reqs, context_len, rest_ms, tokens)
+        else:
+            step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
+                                      context_len=context_len, rest_ms=rest_ms)
         self.bole_budgets[num_reqs, step.budget] += 1
 
     def _mean_context(self, num_reqs: int) -> int | None:
@@ -239,9 +242,18 @@ class BoleModelRunnerMixin:
             return None
         tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=batch_size,
                                    per_request=self.speculative_config.num_speculative_tokens)
-        budget = node_budget(self.bole_config, batch_size, model_config=self.model_config, context_len=context_len,
-                             rest_ms=rest, tokens=tokens, probe=self._bole_clock.probe(batch_size))
+        budget = self._throughput_budget(batch_size, context_len, rest, tokens)
         self.bole_async_budgets[batch_size, budget] += 1
+        return budget
+
+    def _throughput_budget(self, batch_size: int, context_len: int | None, rest, tokens) -> int:
+        """``budget_rule "throughput"``: the table's choice, kept from the last one unless clearly better, or
+        one calibrated size off it on a probe (:meth:`StepClock.probe`)."""
+        probe = self._bole_clock.probe(batch_size)
+        budget = node_budget(self.bole_config, batch_size, model_config=self.model_config, context_len=context_len,
+                             rest_ms=rest, tokens=tokens, probe=probe, keep=self._bole_chosen.get(batch_size))
+        if not probe:
+            self._bole_chosen[batch_size] = budget
         return budget
 
     def _note_walk(self, forest: StepForest) -> None:
