@@ -171,3 +171,19 @@ def test_quotas_growing_as_the_batch_drains_async(tmp, model, requests_, referen
     # and 3 of 2, not 5 of 2.
     assert out["budgets"] and all(n == min(budget, b * depth * topk) for b, n, _ in out["budgets"]), out["budgets"]
     assert_graphs_used(out, drafter=True)
+
+
+def test_drafting_after_the_walk_when_drafting_before_it_fails_async(tmp, model, requests_, reference):
+    """A failure of the drafting before the walk (planted in its third step) under async scheduling: that step
+    and the later ones draft after the walk, still exactly the scheduler's quotas (no stale placeholders), and the
+    outputs stay exact."""
+    requests_, reference = _short(requests_, reference)
+    engine = bole_engine(tmp, "mtp_fail_async", depth=3, topk=4, budget=24, drafter="mtp", max_num_seqs=8)
+    engine["speculative_config"] |= {"drafter": "vllm_bole.testing.faulty_drafter:FailOnceBeforeWalk",
+                                     "drafter_args": {"fail_at": 3}}
+    out = _run(tmp, model, requests_, "mtp_fail_async", engine, True)
+    _assert_async(out)
+    assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in reference["outputs"]]
+    assert out["early_draft_steps"] == 3 and out["first_pass_steps"] > 3, out
+    assert out["stale_placeholders"] == 0, out["stale_placeholders"]
+    assert out["counters"]["mean_acceptance_length"] > 1.5, out["counters"]
