@@ -313,7 +313,8 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
     print(f"async throughput: planned {out['budgets']}, runner's {out['async_budgets']}")
     given = {n for b, n, _ in out["async_budgets"] if b == 2}
     assert given and given <= {2, 3, 5, 8}, out["async_budgets"]   # the runner's choices: the grid's N
-    # Steps of both requests drafted B_ver(2) = 8 nodes until the runner's budget came, then what it gave.
+    # Steps of both requests drafted B_ver(2) = 8 nodes until the runner's budget came, then what it gave (an odd
+    # budget whole: one request drafts one node more).
     planned = {n for b, n, _ in out["budgets"] if b == 2}
-    assert 8 in planned and planned <= {2 * (n // 2) for n in given} | {8}, (out["budgets"], out["async_budgets"])
+    assert 8 in planned and planned <= given | {8}, (out["budgets"], out["async_budgets"])
     assert out["stale_placeholders"] == 0 and out["counters"]["num_accepted_tokens"] == 0, out
