@@ -586,6 +586,7 @@ def markdown(rows: list[dict]) -> str:
     for variant, keys in BOLE_VARIANTS.items():
         if not any(f"{variant}_tok_s" in r for r in rows):
             continue
+        keys = keys | BOLE_ENGINE_VARIANTS.get(variant, {})   # e.g. async_scheduling False
         title = ", ".join(f"{k} {v!r}" for k, v in keys.items()).replace("'", '"')
         lines += ["", f"Bole with {title} ({variant}):", "| B | tok/s | tokens/step | budget (most steps) | vs MTP |",
                   "|---|---|---|---|---|"]
