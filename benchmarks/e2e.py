@@ -255,10 +255,15 @@ def engine_kwargs(args, name: str) -> dict:
 
 
 def schedules_synchronously(name: str) -> bool:
-    """Whether a Bole configuration's engine schedules synchronously on a GPU."""
-    spec = BOLE_VARIANTS.get(name, {})
-    return (BOLE_ENGINE_VARIANTS.get(name, {}).get("async_scheduling") is False
-            or spec.get("selection") == "global" or spec.get("budget_rule") == "step")
+    """Whether a Bole configuration's engine schedules synchronously on a GPU (pinned, or by the plugin's rules
+    for its speculative config)."""
+    from vllm_bole.config import parse_bole_config
+    from vllm_bole.plugin import config_needs_synchronous
+
+    if BOLE_ENGINE_VARIANTS.get(name, {}).get("async_scheduling") is False:
+        return True
+    cfg, _ = parse_bole_config({"method": "bole", **BOLE_VARIANTS.get(name, {})})
+    return config_needs_synchronous(cfg) is not None
 
 
 def calibrating_config(configs, smoke: bool = False) -> str | None:

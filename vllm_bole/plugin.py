@@ -80,14 +80,23 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
                 "async" if asynchronous else "synchronous")
 
 
-def _async_unsupported(cfg, parallel_config, engine_args) -> str | None:
-    """Why these settings need synchronous scheduling (tree sizes must be known when the scheduler places the next
-    step's placeholders), as a one-line error for an explicit ``async_scheduling=True``; None if they do not."""
+def config_needs_synchronous(cfg) -> str | None:
+    """Why a Bole config needs synchronous scheduling (tree sizes must be known when the scheduler places the next
+    step's placeholders), as a one-line error for an explicit ``async_scheduling=True``; None if it does not."""
     if cfg.budget_rule not in ("decode", "throughput"):
         return (f"speculative_config.budget_rule must be 'decode' or 'throughput' with async_scheduling=True (the "
                 f"budget is fixed before the step runs), got {cfg.budget_rule!r}")
     if cfg.selection != "per_request":
         return f"speculative_config.selection must be 'per_request' with async_scheduling=True, got {cfg.selection!r}"
+    return None
+
+
+def _async_unsupported(cfg, parallel_config, engine_args) -> str | None:
+    """Why these settings need synchronous scheduling: the config's reasons (:func:`config_needs_synchronous`),
+    tensor parallelism, and where left unset, what turns vLLM's own default off; None if nothing does."""
+    reason = config_needs_synchronous(cfg)
+    if reason:
+        return reason
     if parallel_config.tensor_parallel_size > 1:
         return ("async_scheduling: speculative method 'bole' supports it with tensor_parallel_size 1 only, got "
                 f"{parallel_config.tensor_parallel_size}; set async_scheduling=False")

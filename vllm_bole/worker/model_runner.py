@@ -203,16 +203,13 @@ class BoleModelRunnerMixin:
         num_reqs = len(step.req_ids)
         context_len = self._mean_context(num_reqs)
         step.per_request = self.speculative_config.num_speculative_tokens
-        rest_ms, tokens = None, None
+        rest_ms = None
         if self.bole_config.budget_rule != "decode":   # the step just run verified the last drafts
             self._tick_clock(num_reqs, context_len)
             rest_ms = self._bole_clock.rest_ms(num_reqs)
         if self.bole_config.budget_rule == "throughput" and self._bole_acceptance.ready:
-            rest_ms = self._bole_clock.rest_model(num_reqs)   # also how the rest grows with the trees
-            tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=num_reqs,
-                                       per_request=step.per_request)
-        if tokens is not None:
-            step.budget = self._throughput_budget(num_reqs, context_len, rest_ms, tokens)
+            # the rest as it grows with the trees
+            step.budget = self._throughput_budget(num_reqs, context_len, self._bole_clock.rest_model(num_reqs))
         else:
             step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
                                       context_len=context_len, rest_ms=rest_ms)
@@ -240,15 +237,16 @@ class BoleModelRunnerMixin:
         rest = self._bole_clock.rest_model(batch_size)
         if rest is None or not self._bole_acceptance.ready:
             return None
-        tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=batch_size,
-                                   per_request=self.speculative_config.num_speculative_tokens)
-        budget = self._throughput_budget(batch_size, context_len, rest, tokens)
+        budget = self._throughput_budget(batch_size, context_len, rest)
         self.bole_async_budgets[batch_size, budget] += 1
         return budget
 
-    def _throughput_budget(self, batch_size: int, context_len: int | None, rest, tokens) -> int:
-        """``budget_rule "throughput"``: the table's choice, kept from the last one unless clearly better, or
-        one calibrated size off it on a probe (:meth:`StepClock.probe`)."""
+    def _throughput_budget(self, batch_size: int, context_len: int | None, rest) -> int:
+        """``budget_rule "throughput"`` once the acceptance model is ready: the table's choice from the expected
+        tokens and ``rest`` (N -> ms, or None: B_ver), kept from the last one unless clearly better, or one
+        calibrated size off it on a probe (:meth:`StepClock.probe`)."""
+        tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=batch_size,
+                                   per_request=self.speculative_config.num_speculative_tokens)
         probe = self._bole_clock.probe(batch_size)
         budget = node_budget(self.bole_config, batch_size, model_config=self.model_config, context_len=context_len,
                              rest_ms=rest, tokens=tokens, probe=probe, keep=self._bole_chosen.get(batch_size))
