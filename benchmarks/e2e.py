@@ -10,8 +10,8 @@ Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain 
 since 7be5de8, synchronous before, so the ``bole`` rows of earlier result files are synchronous), ``bole_sync`` and
 ``bole_vocab32k_sync`` (``async_scheduling: false``); ``--calibrate`` first runs the budget calibration in the
 first Bole configuration that schedules synchronously (``*_sync``, ``bole_global*``, ``bole_step*``; it is timed
-first) and merges it into ``--budget-table``, which the invocation's other Bole configurations then read; ``bole_global`` (``selection: "global"``: the best nodes over
-the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget also
+first) and merges it into ``--budget-table``, which the invocation's other Bole configurations then read;
+``bole_global`` (``selection: "global"``: the best nodes over the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget also
 weighs the step's measured time besides its target forward), ``bole_global_step`` (both), ``bole_vocab32k``
 (``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
 rank, so its row shows the cheaper levels but not what a subset costs in acceptance on real text),
