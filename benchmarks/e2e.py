@@ -562,7 +562,7 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
                                        for n in sorted(chains)},
             "bole_budget": bole.get("budget"),
             "bole_draft_tokens_per_step": bole.get("draft_tokens_per_step")})
-        sync = {n: tok_s(n, b) for n in configs if n.endswith("_sync") and tok_s(n, b)}
+        sync = {n: tok_s(n, b) for n in configs if n.startswith("mtp") and n.endswith("_sync") and tok_s(n, b)}
         if sync:   # the chain without async scheduling (Bole schedules synchronously)
             rows[-1]["mtp_sync_tok_s_by_k"] = {n[3:].removesuffix("_sync"): v for n, v in sorted(sync.items())}
         for variant in BOLE_VARIANTS:   # e.g. budget_rule "step" beside the calibrated budget

@@ -18,11 +18,13 @@ def test_rows_pick_the_best_async_chain_and_report_the_rest():
                "mtp4": _config(280.0, 50.0, mean_accepted=3.9), "mtp4_sync": _config(900.0, 50.0),
                "bole": _config(330.0, 140.0, mean_accepted=5.5, budget=64, draft_tokens_per_step=16.0),
                "bole_step": _config(450.0, 140.0, mean_accepted=6.1, budget=96),
-               "bole_global": _config(600.0, 140.0, mean_accepted=5.2, budget=64)}
+               "bole_global": _config(600.0, 140.0, mean_accepted=5.2, budget=64),
+               "bole_vocab32k_sync": _config(500.0, 140.0, mean_accepted=5.6, budget=96)}
     [row] = e2e.build_rows(configs)
     assert (row["mtp_best_k"], row["mtp_best_tok_s"], row["concurrency_mtp"]) == (3, 300.0, 60.0)
     assert row["mtp_tok_s_by_k"] == {"3": 300.0, "4": 280.0} and row["mtp_mean_accepted_by_k"] == {"3": 3.4, "4": 3.9}
-    assert row["mtp_sync_tok_s_by_k"] == {"4": 900.0}
+    assert row["mtp_sync_tok_s_by_k"] == {"4": 900.0}   # a synchronous Bole configuration is not a chain
+    assert (row["bole_vocab32k_sync_tok_s"], row["bole_vocab32k_sync_budget"]) == (500.0, 96)
     assert (row["speedup_vs_mtp"], row["speedup_vs_ar"]) == (1.1, 3.3)
     assert (row["bole_step_tok_s"], row["bole_step_budget"], row["bole_step_speedup_vs_mtp"]) == (450.0, 96, 1.5)
     table = e2e.markdown([row])
