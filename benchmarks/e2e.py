@@ -417,12 +417,8 @@ def run_worker(args) -> None:
 def _bole_graph_counts(runner) -> tuple[int, int]:
     """(verification graphs, drafter graphs: level and whole-level) a Bole runner holds; zeros for other
     engines."""
-    verify = getattr(runner, "_bole_graphs", None)
-    drafter = getattr(runner, "bole_drafter", None)
-    draft = getattr(drafter, "graphs", None)
-    beam = getattr(getattr(drafter, "beam", None), "graphs", None)
-    return (len(verify.graphs) if verify is not None else 0,
-            (len(draft.graphs) if draft is not None else 0) + (len(beam.graphs) if beam is not None else 0))
+    counts = getattr(runner, "bole_graph_counts", None)
+    return counts() if counts is not None else (0, 0)
 
 
 def _bole_graph_keys(runner) -> dict[str, set]:

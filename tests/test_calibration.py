@@ -174,6 +174,50 @@ def test_step_clock_fits_the_rest_against_the_tree_size():
     assert model(8) == pytest.approx(model(32)) and 6.0 < model(8) < 10.0
 
 
+def test_step_clock_leaves_out_steps_that_captured_a_graph():
+    """A period in which a CUDA graph was captured (a new step shape: an eager warm-up and a capture) is not a
+    step's cost: neither the average nor the fit sees it, and the next period counts again."""
+    clock = budget_mod.StepClock()
+    t = 0.0
+    clock.tick(t, 16, True, 5.0, nodes=64)
+    for _ in range(5):
+        t += 0.015
+        clock.tick(t, 16, True, 5.0, nodes=64)
+    t += 0.200                                # 128 nodes, first seen: captured
+    clock.tick(t, 16, True, 5.0, nodes=128, captured=True)
+    assert clock.rest_ms(16) == pytest.approx(10.0) and clock.rest_model(16)(128) == pytest.approx(10.0)
+    t += 0.019
+    clock.tick(t, 16, True, 5.0, nodes=128)   # the same size replayed: counted
+    assert clock.rest_ms(16) == pytest.approx(10.0 + 0.2 * (14.0 - 10.0))
+
+
+def test_runner_clock_ticks_see_graph_captures():
+    """The model runner's clock tick passes ``captured`` when its graph holders grew since the last tick (a
+    verification, drafter level or whole-level graph), and not when they did not."""
+    from types import SimpleNamespace
+
+    from vllm_bole.worker.model_runner import BoleModelRunnerMixin
+
+    ticks = []
+    verify = SimpleNamespace(graphs={})
+    beam = SimpleNamespace(graphs=SimpleNamespace(graphs={}))
+    runner = SimpleNamespace(
+        _bole_graphs=verify, bole_drafter=SimpleNamespace(graphs=SimpleNamespace(graphs={}), beam=beam),
+        _bole_forest=SimpleNamespace(tree_only=True), _bole_last_nodes=64, _bole_clock_graphs=0,
+        bole_config=parse_bole_config({"method": "bole", "budget": 40})[0], model_config=None,
+        _bole_clock=SimpleNamespace(tick=lambda *a, **kw: ticks.append(kw["captured"])))
+    runner.bole_graph_counts = lambda: BoleModelRunnerMixin.bole_graph_counts(runner)
+    tick = lambda: BoleModelRunnerMixin._tick_clock(runner, 16, 300)   # noqa: E731
+    tick()
+    verify.graphs[(80, 16, 0, 8)] = 0
+    tick()
+    tick()
+    beam.graphs.graphs[(16, 3, 0)] = 0
+    tick()
+    assert ticks == [False, True, False, True]
+    assert BoleModelRunnerMixin.bole_graph_counts(runner) == (1, 1)
+
+
 def test_step_clock_probes_while_the_slope_is_unknown():
     """Every PROBE_EVERY-th budget of a bucket whose sizes hardly differ is one size smaller, then one larger;
     none before the first measurement or once the sizes spread."""

@@ -172,13 +172,15 @@ class StepClock:
         return -1 if (n // self.PROBE_EVERY) % 2 else 1
 
     def tick(self, now: float, batch_size: int, tree_only: bool, t_ver_ms: float | None,
-             nodes: int | None = None) -> None:
+             nodes: int | None = None, captured: bool = False) -> None:
         """Once per step at the same point (the runner: when drafting starts). The period since the last tick is
         one step; it counts when the batch size did not change and the step verified trees alone (no prefill),
         whose calibrated target forward was ``t_ver_ms``; ``nodes``: how many tree nodes it verified (the fit's
-        x; None leaves the fit out)."""
+        x; None leaves the fit out). ``captured``: a CUDA graph was captured in the period (an eager warm-up and
+        a capture, tens of ms each, once per new step shape): not counted, or every new tree size would look
+        slow, and the rule would keep to the sizes it has seen."""
         last, self._last = self._last, (now, batch_size)
-        if last is None or last[1] != batch_size or not tree_only or t_ver_ms is None:
+        if last is None or last[1] != batch_size or not tree_only or t_ver_ms is None or captured:
             return
         rest = max((now - last[0]) * 1e3 - t_ver_ms, 0.0)
         key = next_power_of_2(batch_size)

@@ -62,6 +62,7 @@ class BoleModelRunnerMixin:
         self.bole_budgets = collections.Counter()   # (batch size, node budget) of every planned step
         self.bole_async_budgets = collections.Counter()   # (batch size, budget) given to the async scheduler
         self._bole_clock = StepClock()   # budget_rule "step"/"throughput": the step time besides the target forward
+        self._bole_clock_graphs = 0      # CUDA graphs held at the clock's last tick (bole_graph_counts)
         self._bole_chosen: dict[int, int] = {}   # "throughput": batch size -> the budget last chosen (not a probe)
         # budget_rule "throughput": what trees of q nodes accept, from the walks so far
         self._bole_acceptance = AcceptanceModel(self.bole_config.topk, self.bole_config.max_depth)
@@ -225,9 +226,21 @@ class BoleModelRunnerMixin:
         if context_len is None:
             context_len = self._mean_context(num_reqs)
         forest = self._bole_forest
+        graphs, self._bole_clock_graphs = self._bole_clock_graphs, sum(self.bole_graph_counts())
         self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
                               verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
-                                        self.model_config), nodes=self._bole_last_nodes)
+                                        self.model_config), nodes=self._bole_last_nodes,
+                              captured=graphs != self._bole_clock_graphs)
+
+    def bole_graph_counts(self) -> tuple[int, int]:
+        """(verification graphs, drafter graphs: level and whole-level) captured so far; the holders only grow,
+        so a change between two reads means a capture in between."""
+        verify = getattr(self, "_bole_graphs", None)
+        drafter = getattr(self, "bole_drafter", None)
+        draft = getattr(drafter, "graphs", None)
+        beam = getattr(getattr(drafter, "beam", None), "graphs", None)
+        return (len(verify.graphs) if verify is not None else 0,
+                (len(draft.graphs) if draft is not None else 0) + (len(beam.graphs) if beam is not None else 0))
 
     def bole_async_budget(self, batch_size: int, context_len: int | None) -> int | None:
         """The node budget of a step of ``batch_size`` decodes under ``budget_rule "throughput"``, for the async
