@@ -27,7 +27,9 @@ variant adds ``<name>_*`` fields to the rows and a table of its own,
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
 batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
 ``--kv-cache-gib``, so concurrent start-ups cannot skew each other's memory profile); the timed phases then run
-strictly one engine at a time (the others sit idle, waiting for their turn). Results are merged by configuration
+strictly one engine at a time (the others sit idle, waiting for their turn), batch size by batch size: every
+configuration times batch 1, then every configuration batch 4, and so on, so that drift over the run (clocks,
+heat, a neighbour on the machine) falls on the configurations of a batch size alike. Results are merged by configuration
 into ``--out``, so several invocations fill one table.
 
 Per batch size B: B token-id prompts of ``--prompt-len`` tokens, a warm-up ``generate`` of ``--warmup-tokens``
@@ -56,6 +58,7 @@ the T_ver(N)/T_dec curves. A markdown table is printed at the end.
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -280,6 +283,35 @@ def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
         time.sleep(POLL_S)
 
 
+def worker_turns(run_dir: Path, name: str, batch_sizes):
+    """The worker's side of the turns: yields each batch size once the parent gave this configuration its turn
+    at it (``<name>.<B>.go``), and reports the turn done (``<name>.<B>.done``) when the caller comes back."""
+    for b in batch_sizes:
+        _wait_for(run_dir / f"{name}.{b}.go")
+        yield b
+        (run_dir / f"{name}.{b}.done").touch()
+
+
+def give_turns(run_dir: Path, procs: dict, order: list[str], batch_sizes, lock_path: str | None = None):
+    """The parent's side: batch size by batch size, each live configuration of ``order`` in turn times that batch
+    size while the others wait, so that whatever drifts over a run (clocks, heat, a neighbour on the machine)
+    falls on every configuration of a batch size alike. Yields (name, batch size, seconds) per finished turn;
+    a worker that exited is skipped from then on."""
+    for b in batch_sizes:
+        for name in order:
+            proc = procs[name]
+            if proc.poll() is not None:
+                continue
+            t = time.monotonic()
+            done = run_dir / f"{name}.{b}.done"
+            with _turn(lock_path):
+                (run_dir / f"{name}.{b}.go").touch()
+                while not done.exists() and proc.poll() is None:
+                    time.sleep(POLL_S)
+            if done.exists():
+                yield name, b, time.monotonic() - t
+
+
 @contextlib.contextmanager
 def _turn(lock_path: str | None):
     """``--turn-lock``: this file's exclusive lock for the duration (nothing without a path)."""
@@ -327,7 +359,8 @@ def run_worker(args) -> None:
                                                         "settle_passes",
                                                         "rates", "sibling_rates", "model")}}
     _write_json(run_dir / f"{name}.ready", {"startup_s": result["startup_s"]})
-    _wait_for(run_dir / f"{name}.go")
+    turns = worker_turns(run_dir, name, args.batch_sizes)
+    first = next(turns)   # the first turn also calibrates (or reads the table the calibrating engine wrote)
 
     if args.calibrate and name == calibrating_config(args.configs, args.smoke):
         from vllm_bole.calibration.sweep import SweepPlan, calibrate, plot, save, summary
@@ -350,7 +383,7 @@ def run_worker(args) -> None:
     rng = random.Random(0)
     vocab = runner.model_config.get_vocab_size()
     per_batch = {}
-    for b in args.batch_sizes:
+    for b in itertools.chain([first], turns):
         prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(args.prompt_len)]}
                    for _ in range(b)]
         warm = SamplingParams(max_tokens=args.warmup_tokens or args.new_tokens, ignore_eos=True, temperature=0.0,
@@ -408,10 +441,11 @@ def run_worker(args) -> None:
             row["settle_passes"] = settle
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
-    result["batches"] = per_batch
-    if name.startswith("bole") and args.profile_batch:
-        result["profile"] = profile_bole(llm, runner, args, run_dir, rng, name)
-    _write_json(run_dir / f"{name}.json", result)
+        if b == args.batch_sizes[-1]:   # the rest of the last turn: the profile, the results
+            result["batches"] = per_batch
+            if name.startswith("bole") and args.profile_batch:
+                result["profile"] = profile_bole(llm, runner, args, run_dir, rng, name)
+            _write_json(run_dir / f"{name}.json", result)
 
 
 def _bole_graph_counts(runner) -> tuple[int, int]:
@@ -478,7 +512,7 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
     run_dir = Path(args.log_dir or "/tmp/bole-e2e")
     run_dir.mkdir(parents=True, exist_ok=True)
     for f in run_dir.glob("*"):
-        if f.suffix in (".ready", ".go", ".json") and f.stem in CONFIGS:
+        if f.suffix in (".ready", ".go", ".done", ".json") and f.name.split(".")[0] in CONFIGS:
             f.unlink()
     # Which invocation each merged configuration comes from: configurations of one run were timed side by side.
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -501,21 +535,21 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
         time.sleep(POLL_S)
     results = {}
     calibrating = calibrating_config(args.configs, args.smoke) if args.calibrate else None
-    # Timed phases one engine at a time; the calibrating one first, so the other Bole engines use its table.
-    for name in sorted(args.configs, key=lambda n: n != calibrating):
-        proc = procs[name]
-        if proc.poll() is not None:
+    # Timed phases one engine at a time; at each batch size the calibrating one first (its first turn
+    # calibrates), so the other Bole engines use its table.
+    order = sorted(args.configs, key=lambda n: n != calibrating)
+    for name in order:
+        if procs[name].poll() is not None:
             print(f"{name}: failed during start-up; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
-            continue
-        t = time.monotonic()
-        with _turn(args.turn_lock):
-            (run_dir / f"{name}.go").touch()
-            proc.wait()
+    for name, b, seconds in give_turns(run_dir, procs, order, args.batch_sizes, args.turn_lock):
+        print(f"{name}: B={b} turn {seconds:.0f} s", flush=True)
+    for name in order:
+        proc = procs[name]
+        proc.wait()
         result = run_dir / f"{name}.json"
         if proc.returncode == 0 and result.exists():
             results[name] = json.loads(result.read_text()) | {"run": started}
             merge_and_write(out, {name: results[name]}, args)
-            print(f"{name}: timed phase {time.monotonic() - t:.0f} s", flush=True)
         else:
             print(f"{name}: failed rc={proc.returncode}; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
     if os.environ.get("OUT"):   # a GPU machine's output folder takes few files: the logs as one archive

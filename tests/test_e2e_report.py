@@ -119,3 +119,39 @@ def test_calibration_runs_in_the_first_synchronous_bole_config_and_the_latest_is
     data = e2e.merge_and_write(
         out, {"bole_vocab32k": _config(2.0) | {"run": "2026-12-03T00:00:00Z", "calibration": [new]}}, args)
     assert [e["b_ver"] for e in data["calibration"]] == [64]
+
+
+def test_turns_go_batch_size_by_batch_size_and_skip_a_worker_that_exited(tmp_path):
+    """The timed phases interleave: at each batch size every configuration in turn, one at a time (each worker
+    logs the start and end of its turns; no two overlap); a worker that exits mid-run is skipped, not waited on."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    e2e = _e2e()
+    log = tmp_path / "turns.log"
+    worker = (
+        "import importlib.util, sys, time\n"
+        "from pathlib import Path\n"
+        f"spec = importlib.util.spec_from_file_location('e2e', {str(Path(e2e.__file__))!r})\n"
+        "e2e = importlib.util.module_from_spec(spec); spec.loader.exec_module(e2e)\n"
+        "e2e.POLL_S = 0.01\n"
+        "name, die_at = sys.argv[1], int(sys.argv[2])\n"
+        f"for b in e2e.worker_turns(Path({str(tmp_path)!r}), name, [1, 4, 8]):\n"
+        f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} start\\n')\n"
+        "    if b == die_at: sys.exit(3)\n"
+        "    time.sleep(0.05)\n"
+        f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} end\\n')\n")
+    procs = {name: subprocess.Popen([sys.executable, "-c", worker, name, str(die_at)])
+             for name, die_at in (("bole", 0), ("mtp3", 4), ("ar", 0))}
+    e2e.POLL_S = 0.01
+    turns = list(e2e.give_turns(tmp_path, procs, ["bole", "mtp3", "ar"], [1, 4, 8]))
+    for proc in procs.values():
+        proc.wait(timeout=30)
+    assert [(name, b) for name, b, _ in turns] == [("bole", 1), ("mtp3", 1), ("ar", 1), ("bole", 4), ("ar", 4),
+                                                  ("bole", 8), ("ar", 8)]
+    assert log.read_text().split("\n")[:-1] == [
+        "bole 1 start", "bole 1 end", "mtp3 1 start", "mtp3 1 end", "ar 1 start", "ar 1 end",
+        "bole 4 start", "bole 4 end", "mtp3 4 start", "ar 4 start", "ar 4 end",
+        "bole 8 start", "bole 8 end", "ar 8 start", "ar 8 end"]
+    assert procs["mtp3"].returncode == 3 and procs["bole"].returncode == 0
