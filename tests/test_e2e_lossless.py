@@ -161,6 +161,19 @@ def test_drafting_after_the_walk_when_drafting_before_it_fails(tmp, model, reque
     assert out["counters"]["mean_acceptance_length"] > 1.5, out["counters"]
 
 
+def test_phase_timer_keeps_drafting(tmp, model, requests_, reference, monkeypatch):
+    """``VLLM_BOLE_PROFILE_STEPS``: with the phase timer on, the drafts are finished inside the drafting call,
+    and vLLM keeps what that call returns: the trees still reach the scheduler (they once became no drafts, so
+    a profiled engine decoded without speculation), the output stays exact and the timer counts tree steps."""
+    monkeypatch.setenv("VLLM_BOLE_PROFILE_STEPS", "4")
+    engine = bole_engine(tmp, "profiled", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16)
+    out = run_engine(tmp, "profiled", {"model": model, "requests": requests_, "logprobs": 2, "engine": engine})
+    assert_lossless(reference, out, max_near_ties=2)
+    counters = out["counters"]
+    assert counters["num_drafts"] > 0 and counters["mean_acceptance_length"] > 1.5, counters
+    assert out["profiled_steps"] > 0
+
+
 def test_stop_token_inside_accepted_paths(tmp, model, requests_, reference):
     """Each request stops at a token of its reference continuation; deep planted chains carry tokens past it,
     so the stop lands inside accepted paths and vLLM must cut the output there."""

@@ -140,6 +140,8 @@ def run(spec: dict) -> dict:
             "early_draft_steps": getattr(_runner(llm), "bole_early_draft_steps", None),
             "device_output_steps": getattr(_runner(llm), "bole_device_output_steps", None),
             "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None),
+            # tree steps the phase timer counted (VLLM_BOLE_PROFILE_STEPS)
+            "profiled_steps": getattr(getattr(_runner(llm), "_bole_profiler", None), "steps", None),
             "budgets": _counts(getattr(_runner(llm), "bole_budgets", None)),
             "async_budgets": _counts(getattr(_runner(llm), "bole_async_budgets", None)),
             "scheduling": _scheduling(llm), "preemptions": _preemptions(llm)}

@@ -623,8 +623,9 @@ class BoleModelRunnerMixin:
                 finish = lambda: trees  # noqa: E731
             self._bole_pending = (step, finish)
         self._commit()
-        if self._bole_profiler is not None:   # phases stay synchronous
+        if self._bole_profiler is not None:   # phases stay synchronous: the drafts are finished now
             self._finish_drafts()
+            return self._draft_token_ids   # (vLLM stores what this returns over what _finish_drafts set)
         # vLLM keeps this as the step's drafts; they are filled in when it takes them (take_draft_token_ids),
         # so its output processing runs while the device finishes the drafter's last levels.
         return self._no_draft_ids()
