@@ -29,7 +29,9 @@ batch size. All engines of one invocation start at the same time on the one GPU 
 ``--kv-cache-gib``, so concurrent start-ups cannot skew each other's memory profile); the timed phases then run
 strictly one engine at a time (the others sit idle, waiting for their turn), batch size by batch size: every
 configuration times batch 1, then every configuration batch 4, and so on, so that drift over the run (clocks,
-heat, a neighbour on the machine) falls on the configurations of a batch size alike. Results are merged by configuration
+heat, a neighbour on the machine) falls on the configurations of a batch size alike. ``--gpus N`` spreads them
+over N GPUs of the machine (configuration i on GPU i mod N), each GPU giving its own turns at the same time as
+the others (the issue's grid of AR, MTP k=1..4 and Bole does not fit one GPU's memory at once). Results are merged by configuration
 into ``--out``, so several invocations fill one table.
 
 Per batch size B: B token-id prompts of ``--prompt-len`` tokens, a warm-up ``generate`` of ``--warmup-tokens``
@@ -187,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turn-lock", metavar="FILE",
                    help="hold this file's lock over each configuration's timed phase, so that other benchmarks "
                         "sharing the GPU (step_profile.py --turn-lock) measure in turn")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="spread the configurations over this many GPUs, in --configs order (configuration i on GPU "
+                        "i mod N); each GPU gives its turns on its own, at the same time as the others")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny bundled model, tiny grid")
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -292,14 +297,17 @@ def worker_turns(run_dir: Path, name: str, batch_sizes):
         (run_dir / f"{name}.{b}.done").touch()
 
 
-def give_turns(run_dir: Path, procs: dict, order: list[str], batch_sizes, lock_path: str | None = None):
+def give_turns(run_dir: Path, procs: dict, order: list[str], batch_sizes, lock_path: str | None = None,
+               before=None):
     """The parent's side: batch size by batch size, each live configuration of ``order`` in turn times that batch
     size while the others wait, so that whatever drifts over a run (clocks, heat, a neighbour on the machine)
     falls on every configuration of a batch size alike. Yields (name, batch size, seconds) per finished turn;
-    a worker that exited is skipped from then on."""
+    a worker that exited is skipped from then on. ``before(name)``: called before each turn (may wait)."""
     for b in batch_sizes:
         for name in order:
             proc = procs[name]
+            if before is not None:
+                before(name)
             if proc.poll() is not None:
                 continue
             t = time.monotonic()
@@ -310,6 +318,44 @@ def give_turns(run_dir: Path, procs: dict, order: list[str], batch_sizes, lock_p
                     time.sleep(POLL_S)
             if done.exists():
                 yield name, b, time.monotonic() - t
+
+
+def gpu_groups(configs: list[str], gpus: int) -> list[list[str]]:
+    """The configurations of each GPU: configuration i on GPU i mod ``gpus``."""
+    return [configs[g::gpus] for g in range(gpus) if configs[g::gpus]]
+
+
+def give_turns_per_gpu(run_dir: Path, procs: dict, groups: list[list[str]], batch_sizes, lock_path=None,
+                       calibrating: str | None = None):
+    """:func:`give_turns` on every GPU's configurations at once, one thread per GPU. A Bole configuration waits
+    for the calibrating one's first turn (it writes the table the others read), wherever that runs. Returns the
+    finished turns as (name, batch size, seconds), each GPU's in its order."""
+    import threading
+
+    calibrated = threading.Event()
+    if calibrating is None:
+        calibrated.set()
+
+    def before(name):
+        if name.startswith("bole") and name != calibrating:
+            while not calibrated.wait(POLL_S) and procs[calibrating].poll() is None:
+                pass
+
+    turns: list[tuple] = []
+
+    def run(order):
+        for name, b, seconds in give_turns(run_dir, procs, order, batch_sizes, lock_path, before):
+            if name == calibrating:
+                calibrated.set()
+            turns.append((name, b, seconds))
+            print(f"{name}: B={b} turn {seconds:.0f} s", flush=True)
+
+    threads = [threading.Thread(target=run, args=(order,), daemon=True) for order in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return turns
 
 
 @contextlib.contextmanager
@@ -522,10 +568,13 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
     # Which invocation each merged configuration comes from: configurations of one run were timed side by side.
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     procs = {}
-    for name in args.configs:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.gpus)))).split(",")
+    for i, name in enumerate(args.configs):
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                    VLLM_CACHE_ROOT=str(Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache/vllm"))
                                        / f"e2e-{name}"))
+        if args.gpus > 1:   # (gpu_groups: configuration i on GPU i mod N)
+            env["CUDA_VISIBLE_DEVICES"] = visible[i % args.gpus]
         log = open(run_dir / f"{name}.log", "w")
         procs[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--worker", name,
                                         "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -540,14 +589,14 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
         time.sleep(POLL_S)
     results = {}
     calibrating = calibrating_config(args.configs, args.smoke) if args.calibrate else None
-    # Timed phases one engine at a time; at each batch size the calibrating one first (its first turn
-    # calibrates), so the other Bole engines use its table.
+    # Timed phases one engine at a time per GPU; at each batch size the calibrating one first (its first turn
+    # calibrates), and the other Bole engines wait for its table.
     order = sorted(args.configs, key=lambda n: n != calibrating)
     for name in order:
         if procs[name].poll() is not None:
             print(f"{name}: failed during start-up; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
-    for name, b, seconds in give_turns(run_dir, procs, order, args.batch_sizes, args.turn_lock):
-        print(f"{name}: B={b} turn {seconds:.0f} s", flush=True)
+    groups = [sorted(g, key=lambda n: n != calibrating) for g in gpu_groups(args.configs, args.gpus)]
+    give_turns_per_gpu(run_dir, procs, groups, args.batch_sizes, args.turn_lock, calibrating)
     for name in order:
         proc = procs[name]
         proc.wait()
@@ -673,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_worker(args)
         return 0
+    if args.gpus < 1 or args.gpus > 1 and args.turn_lock:
+        raise SystemExit("--gpus: at least 1, and 1 with --turn-lock (one lock is one GPU's)")
     if args.calibrate and not args.smoke and calibrating_config(args.configs) is None:
         raise SystemExit("--calibrate: --configs needs a Bole configuration that schedules synchronously (e.g. "
                          "bole_sync, bole_vocab32k_sync, bole_global, bole_step)")

@@ -155,3 +155,41 @@ def test_turns_go_batch_size_by_batch_size_and_skip_a_worker_that_exited(tmp_pat
         "bole 4 start", "bole 4 end", "mtp3 4 start", "ar 4 start", "ar 4 end",
         "bole 8 start", "bole 8 end", "ar 8 start", "ar 8 end"]
     assert procs["mtp3"].returncode == 3 and procs["bole"].returncode == 0
+
+
+def test_turns_per_gpu_run_side_by_side_and_wait_for_the_calibration(tmp_path):
+    """--gpus 2: each GPU's configurations take their turns at the same time as the other GPU's; a Bole
+    configuration waits for the calibrating one's first turn even on the other GPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    e2e = _e2e()
+    log = tmp_path / "turns.log"
+    worker = (
+        "import importlib.util, sys, time\n"
+        "from pathlib import Path\n"
+        f"spec = importlib.util.spec_from_file_location('e2e', {str(Path(e2e.__file__))!r})\n"
+        "e2e = importlib.util.module_from_spec(spec); spec.loader.exec_module(e2e)\n"
+        "e2e.POLL_S = 0.01\n"
+        "name, seconds = sys.argv[1], float(sys.argv[2])\n"
+        f"for b in e2e.worker_turns(Path({str(tmp_path)!r}), name, [1, 4]):\n"
+        f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} start\\n')\n"
+        "    time.sleep(seconds if b == 1 else 0.02)\n"
+        f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} end\\n')\n")
+    seconds = {"bole_sync": 1.0, "ar": 0.02, "mtp3": 0.02, "bole": 0.02}
+    procs = {n: subprocess.Popen([sys.executable, "-c", worker, n, str(s)]) for n, s in seconds.items()}
+    e2e.POLL_S = 0.01
+    groups = e2e.gpu_groups(["bole_sync", "mtp3", "ar", "bole"], 2)
+    assert groups == [["bole_sync", "ar"], ["mtp3", "bole"]]
+    turns = e2e.give_turns_per_gpu(tmp_path, procs, groups, [1, 4], calibrating="bole_sync")
+    for proc in procs.values():
+        proc.wait(timeout=30)
+    assert sorted((n, b) for n, b, _ in turns) == sorted((n, b) for n in seconds for b in (1, 4))
+    lines = log.read_text().split("\n")[:-1]
+    at = {line: i for i, line in enumerate(lines)}
+    assert at["mtp3 1 end"] < at["bole_sync 1 end"]          # the other GPU did not wait for the calibration ...
+    assert at["bole 1 start"] > at["bole_sync 1 end"]        # ... but its Bole configuration did
+    for group in groups:                                      # one turn at a time on each GPU
+        mine = [line for line in lines if line.split()[0] in group]
+        assert all(a.rsplit(" ", 1)[0] == b.rsplit(" ", 1)[0] for a, b in zip(mine[::2], mine[1::2])), mine
