@@ -121,14 +121,14 @@ def test_calibration_runs_in_the_first_synchronous_bole_config_and_the_latest_is
     assert [e["b_ver"] for e in data["calibration"]] == [64]
 
 
-def test_turns_go_batch_size_by_batch_size_and_skip_a_worker_that_exited(tmp_path):
-    """The timed phases interleave: at each batch size every configuration in turn, one at a time (each worker
-    logs the start and end of its turns; no two overlap); a worker that exits mid-run is skipped, not waited on."""
+def _fake_workers(e2e, tmp_path, batch_sizes, body: str, args: dict) -> dict:
+    """Processes that take turns as benchmark workers do (``worker_turns``), each logging the start and end of
+    its turns to ``turns.log``; ``body`` runs inside a turn (``name``, ``arg`` and ``b`` defined), ``args``: the
+    ``arg`` of each worker by name."""
     import subprocess
     import sys
     from pathlib import Path
 
-    e2e = _e2e()
     log = tmp_path / "turns.log"
     worker = (
         "import importlib.util, sys, time\n"
@@ -136,21 +136,27 @@ def test_turns_go_batch_size_by_batch_size_and_skip_a_worker_that_exited(tmp_pat
         f"spec = importlib.util.spec_from_file_location('e2e', {str(Path(e2e.__file__))!r})\n"
         "e2e = importlib.util.module_from_spec(spec); spec.loader.exec_module(e2e)\n"
         "e2e.POLL_S = 0.01\n"
-        "name, die_at = sys.argv[1], int(sys.argv[2])\n"
-        f"for b in e2e.worker_turns(Path({str(tmp_path)!r}), name, [1, 4, 8]):\n"
+        "name, arg = sys.argv[1], float(sys.argv[2])\n"
+        f"for b in e2e.worker_turns(Path({str(tmp_path)!r}), name, {list(batch_sizes)!r}):\n"
         f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} start\\n')\n"
-        "    if b == die_at: sys.exit(3)\n"
-        "    time.sleep(0.05)\n"
+        + "".join(f"    {line}\n" for line in body.splitlines()) +
         f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} end\\n')\n")
-    procs = {name: subprocess.Popen([sys.executable, "-c", worker, name, str(die_at)])
-             for name, die_at in (("bole", 0), ("mtp3", 4), ("ar", 0))}
     e2e.POLL_S = 0.01
+    return {name: subprocess.Popen([sys.executable, "-c", worker, name, str(arg)]) for name, arg in args.items()}
+
+
+def test_turns_go_batch_size_by_batch_size_and_skip_a_worker_that_exited(tmp_path):
+    """The timed phases interleave: at each batch size every configuration in turn, one at a time (each worker
+    logs the start and end of its turns; no two overlap); a worker that exits mid-run is skipped, not waited on."""
+    e2e = _e2e()
+    procs = _fake_workers(e2e, tmp_path, [1, 4, 8], "if b == arg: sys.exit(3)\ntime.sleep(0.05)",
+                          {"bole": 0, "mtp3": 4, "ar": 0})
     turns = list(e2e.give_turns(tmp_path, procs, ["bole", "mtp3", "ar"], [1, 4, 8]))
     for proc in procs.values():
         proc.wait(timeout=30)
     assert [(name, b) for name, b, _ in turns] == [("bole", 1), ("mtp3", 1), ("ar", 1), ("bole", 4), ("ar", 4),
                                                   ("bole", 8), ("ar", 8)]
-    assert log.read_text().split("\n")[:-1] == [
+    assert (tmp_path / "turns.log").read_text().split("\n")[:-1] == [
         "bole 1 start", "bole 1 end", "mtp3 1 start", "mtp3 1 end", "ar 1 start", "ar 1 end",
         "bole 4 start", "bole 4 end", "mtp3 4 start", "ar 4 start", "ar 4 end",
         "bole 8 start", "bole 8 end", "ar 8 start", "ar 8 end"]
@@ -160,33 +166,16 @@ def test_turns_go_batch_size_by_batch_size_and_skip_a_worker_that_exited(tmp_pat
 def test_turns_per_gpu_run_side_by_side_and_wait_for_the_calibration(tmp_path):
     """--gpus 2: each GPU's configurations take their turns at the same time as the other GPU's; a Bole
     configuration waits for the calibrating one's first turn even on the other GPU."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     e2e = _e2e()
-    log = tmp_path / "turns.log"
-    worker = (
-        "import importlib.util, sys, time\n"
-        "from pathlib import Path\n"
-        f"spec = importlib.util.spec_from_file_location('e2e', {str(Path(e2e.__file__))!r})\n"
-        "e2e = importlib.util.module_from_spec(spec); spec.loader.exec_module(e2e)\n"
-        "e2e.POLL_S = 0.01\n"
-        "name, seconds = sys.argv[1], float(sys.argv[2])\n"
-        f"for b in e2e.worker_turns(Path({str(tmp_path)!r}), name, [1, 4]):\n"
-        f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} start\\n')\n"
-        "    time.sleep(seconds if b == 1 else 0.02)\n"
-        f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} end\\n')\n")
     seconds = {"bole_sync": 1.0, "ar": 0.02, "mtp3": 0.02, "bole": 0.02}
-    procs = {n: subprocess.Popen([sys.executable, "-c", worker, n, str(s)]) for n, s in seconds.items()}
-    e2e.POLL_S = 0.01
+    procs = _fake_workers(e2e, tmp_path, [1, 4], "time.sleep(arg if b == 1 else 0.02)", seconds)
     groups = e2e.gpu_groups(["bole_sync", "mtp3", "ar", "bole"], 2)
     assert groups == [["bole_sync", "ar"], ["mtp3", "bole"]]
     turns = e2e.give_turns_per_gpu(tmp_path, procs, groups, [1, 4], calibrating="bole_sync")
     for proc in procs.values():
         proc.wait(timeout=30)
     assert sorted((n, b) for n, b, _ in turns) == sorted((n, b) for n in seconds for b in (1, 4))
-    lines = log.read_text().split("\n")[:-1]
+    lines = (tmp_path / "turns.log").read_text().split("\n")[:-1]
     at = {line: i for i, line in enumerate(lines)}
     assert at["mtp3 1 end"] < at["bole_sync 1 end"]          # the other GPU did not wait for the calibration ...
     assert at["bole 1 start"] > at["bole_sync 1 end"]        # ... but its Bole configuration did
