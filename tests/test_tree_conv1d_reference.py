@@ -92,6 +92,22 @@ def test_conv_large_trees(shape, t):
     assert torch.equal(new[0], windows[t - 1].float())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["chain", "star", "random", "multi"])
+def test_conv_is_bitwise_one_depthwise_conv_per_window(name, dtype):
+    """The reference's one strided conv over the windows laid end to end gives, bit for bit, what a depthwise
+    ``F.conv1d`` over each node's own window gives (the per-token computation of vLLM's CPU conv)."""
+    import torch.nn.functional as F
+
+    from vllm_bole.kernels.tree_conv1d.reference import tree_windows
+
+    parent, cu, x, weight, bias, conv_state = setup(NAMED_SPECS[name], 96, 4, seed_params=(name, str(dtype)), dtype=dtype)
+    out = tree_causal_conv1d(x, weight, bias, conv_state, parent, cu, activation=None)
+    win = tree_windows(x, conv_state, parent, cu, 4).to(weight.dtype)
+    per_window = F.conv1d(win, weight.unsqueeze(1), bias, groups=x.shape[1])[..., 0]
+    assert torch.equal(out, per_window.to(x.dtype))
+
+
 def test_chain_matches_vllm_causal_conv1d():
     """On chains the tree conv is vLLM's own causal conv (torch CPU path), and the commit its state update."""
     from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_torch
