@@ -11,8 +11,9 @@ since 7be5de8, synchronous before, so the ``bole`` rows of earlier result files 
 ``bole_vocab32k_sync`` (``async_scheduling: false``); ``--calibrate`` first runs the budget calibration in the
 first Bole configuration that schedules synchronously (``*_sync``, ``bole_global*``, ``bole_step*``; it is timed
 first) and merges it into ``--budget-table``, which the invocation's other Bole configurations then read;
-``bole_global`` (``selection: "global"``: the best nodes over the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget also
-weighs the step's measured time besides its target forward), ``bole_global_step`` (both), ``bole_vocab32k``
+``bole_global`` (``selection: "global"``: the best nodes over the whole batch, the scheduler waits for the
+drafts), ``bole_step`` (``budget_rule: "step"``: the budget also weighs the step's measured time besides its
+target forward), ``bole_global_step`` (both), ``bole_vocab32k``
 (``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
 rank, so its row shows the cheaper levels but not what a subset costs in acceptance on real text),
 ``bole_step_vocab32k`` (both ``budget_rule: "step"`` and ``draft_vocab: 32768``), ``bole_tput_vocab32k``
@@ -31,8 +32,8 @@ strictly one engine at a time (the others sit idle, waiting for their turn), bat
 configuration times batch 1, then every configuration batch 4, and so on, so that drift over the run (clocks,
 heat, a neighbour on the machine) falls on the configurations of a batch size alike. ``--gpus N`` spreads them
 over N GPUs of the machine (configuration i on GPU i mod N), each GPU giving its own turns at the same time as
-the others (the issue's grid of AR, MTP k=1..4 and Bole does not fit one GPU's memory at once). Results are merged by configuration
-into ``--out``, so several invocations fill one table.
+the others (the issue's grid of AR, MTP k=1..4 and Bole does not fit one GPU's memory at once). Results are
+merged by configuration into ``--out``, so several invocations fill one table.
 
 Per batch size B: B token-id prompts of ``--prompt-len`` tokens, a warm-up ``generate`` of ``--warmup-tokens``
 tokens (default: as long as the timed one, so every step shape has run once; ``--warmup-passes`` of them, and for
@@ -306,10 +307,10 @@ def give_turns(run_dir: Path, procs: dict, order: list[str], batch_sizes, lock_p
     for b in batch_sizes:
         for name in order:
             proc = procs[name]
-            if before is not None:
-                before(name)
             if proc.poll() is not None:
                 continue
+            if before is not None:
+                before(name)
             t = time.monotonic()
             done = run_dir / f"{name}.{b}.done"
             with _turn(lock_path):

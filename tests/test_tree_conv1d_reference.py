@@ -101,7 +101,8 @@ def test_conv_is_bitwise_one_depthwise_conv_per_window(name, dtype):
 
     from vllm_bole.kernels.tree_conv1d.reference import tree_windows
 
-    parent, cu, x, weight, bias, conv_state = setup(NAMED_SPECS[name], 96, 4, seed_params=(name, str(dtype)), dtype=dtype)
+    parent, cu, x, weight, bias, conv_state = setup(NAMED_SPECS[name], 96, 4, seed_params=(name, str(dtype)),
+                                                    dtype=dtype)
     out = tree_causal_conv1d(x, weight, bias, conv_state, parent, cu, activation=None)
     win = tree_windows(x, conv_state, parent, cu, 4).to(weight.dtype)
     per_window = F.conv1d(win, weight.unsqueeze(1), bias, groups=x.shape[1])[..., 0]
