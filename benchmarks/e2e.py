@@ -725,6 +725,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gpus < 1 or args.gpus > 1 and args.turn_lock:
         raise SystemExit("--gpus: at least 1, and 1 with --turn-lock (one lock is one GPU's)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if args.gpus > 1 and visible is not None and len(visible.split(",")) < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: CUDA_VISIBLE_DEVICES={visible!r} names fewer GPUs")
     if args.calibrate and not args.smoke and calibrating_config(args.configs) is None:
         raise SystemExit("--calibrate: --configs needs a Bole configuration that schedules synchronously (e.g. "
                          "bole_sync, bole_vocab32k_sync, bole_global, bole_step)")
