@@ -22,7 +22,8 @@ rank, so its row shows the cheaper levels but not what a subset costs in accepta
 ``bole_async`` and ``bole_async_vocab32k`` (engine ``async_scheduling: true``, now what ``bole`` and
 ``bole_vocab32k`` do on a GPU; on CPU vLLM schedules synchronously anyway), ``bole_async_tput_vocab32k`` (async
 scheduling with ``budget_rule: "throughput"``: the scheduler's quotas from the model runner's step clock and
-acceptance model); each
+acceptance model), ``bole_vocab32k_coarse`` (``bole_vocab32k`` with CUDA-graph token sizes about a quarter apart
+instead of vLLM's steps of 8: fewer graph keys, more padded rows); each
 variant adds ``<name>_*`` fields to the rows and a table of its own,
 ``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``: rows gain
 ``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
@@ -91,12 +92,21 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  # configuration on a GPU since Bole follows vLLM's default (named so in earlier result files).
                  "bole_sync": {}, "bole_vocab32k_sync": {"draft_vocab": 32768},
                  "bole_async": {}, "bole_async_vocab32k": {"draft_vocab": 32768},
-                 "bole_async_tput_vocab32k": {"budget_rule": "throughput", "draft_vocab": 32768}}
+                 "bole_async_tput_vocab32k": {"budget_rule": "throughput", "draft_vocab": 32768},
+                 # The engine's CUDA-graph token sizes (BOLE_GRAPH_SIZES) spaced about a quarter apart.
+                 "bole_vocab32k_coarse": {"draft_vocab": 32768}}
 # Bole's engine settings besides the speculative config (the others keep the engine's default scheduling:
 # asynchronous on a GPU, except where selection "global" or budget_rule "step" need synchronous steps).
 BOLE_ENGINE_VARIANTS = {"bole_sync": {"async_scheduling": False}, "bole_vocab32k_sync": {"async_scheduling": False},
                         "bole_async": {"async_scheduling": True}, "bole_async_vocab32k": {"async_scheduling": True},
                         "bole_async_tput_vocab32k": {"async_scheduling": True}}
+# Token counts vLLM pads a step to, and so the token sizes of Bole's verification and drafter graphs. Tree steps
+# carry B + (up to the budget) tokens: sizes over that whole range, vLLM's spacing (8, then 32), or, for the
+# "coarse" configurations, about a quarter apart, so that a drained batch's token counts fall on fewer graph keys
+# (each new key is a capture inside a step) at the price of padded rows.
+BOLE_GRAPH_SIZES = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 32)}
+COARSE_GRAPH_SIZES = {1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024}
+COARSE_CONFIGS = {"bole_vocab32k_coarse"}
 CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
@@ -253,8 +263,7 @@ def engine_kwargs(args, name: str) -> dict:
             "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}
         kw["speculative_config"] |= BOLE_VARIANTS.get(name, {})
         kw |= BOLE_ENGINE_VARIANTS.get(name, {})
-        # Tree steps carry B + (up to the budget) tokens: capture sizes over that whole range.
-        sizes = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 32)}
+        sizes = (COARSE_GRAPH_SIZES if name in COARSE_CONFIGS else BOLE_GRAPH_SIZES) | set(args.batch_sizes)
     else:
         sizes = set(args.batch_sizes)
     if not kw.get("enforce_eager"):

@@ -182,3 +182,24 @@ def test_turns_per_gpu_run_side_by_side_and_wait_for_the_calibration(tmp_path):
     for group in groups:                                      # one turn at a time on each GPU
         mine = [line for line in lines if line.split()[0] in group]
         assert all(a.rsplit(" ", 1)[0] == b.rsplit(" ", 1)[0] for a, b in zip(mine[::2], mine[1::2])), mine
+
+
+def test_coarse_config_pads_steps_to_fewer_graph_sizes():
+    """``bole_vocab32k_coarse`` is ``bole_vocab32k`` with vLLM's CUDA-graph token sizes about a quarter apart (so
+    Bole's graphs, keyed by the padded token count, fall on fewer keys); both keep the batch sizes themselves."""
+    e2e = _e2e()
+    args = e2e.build_parser().parse_args(["--batch-sizes", "1,4,8,16,32,64,100"])
+    fine, coarse = e2e.engine_kwargs(args, "bole_vocab32k"), e2e.engine_kwargs(args, "bole_vocab32k_coarse")
+    assert coarse["speculative_config"] == fine["speculative_config"]
+    assert {k: v for k, v in coarse.items() if k != "compilation_config"} == \
+        {k: v for k, v in fine.items() if k != "compilation_config"}
+    fine_sizes = fine["compilation_config"]["cudagraph_capture_sizes"]
+    sizes = coarse["compilation_config"]["cudagraph_capture_sizes"]
+    assert 100 in sizes and 100 in fine_sizes and sizes == sorted(sizes)
+    assert all(s <= args.max_num_batched_tokens for s in sizes) and max(sizes) == max(fine_sizes)
+    # vLLM pads a step to the next size: the drained batch-16 steps of 56 and 64 tokens share one graph here.
+    pad = lambda n, table: min(s for s in table if s >= n)  # noqa: E731
+    assert pad(56, sizes) == pad(64, sizes) == 64 and pad(56, fine_sizes) == 56
+    above_32 = [s for s in sizes if s > 32]
+    assert all(b / a <= 1.34 for a, b in zip([32, *above_32], above_32))   # at most a third more rows
+    assert len([s for s in sizes if s <= 256]) < len([s for s in fine_sizes if s <= 256]) / 2
