@@ -203,3 +203,20 @@ def test_coarse_config_pads_steps_to_fewer_graph_sizes():
     above_32 = [s for s in sizes if s > 32]
     assert all(b / a <= 1.34 for a, b in zip([32, *above_32], above_32))   # at most a third more rows
     assert len([s for s in sizes if s <= 256]) < len([s for s in fine_sizes if s <= 256]) / 2
+
+
+def test_engines_that_do_not_fit_one_gpu_stop_before_starting(tmp_path, monkeypatch):
+    """More engines per GPU than ``--gpu-share`` leaves room for: a one-line error naming the option, before any
+    engine starts; spread over two GPUs the same configurations pass that check."""
+    import pytest
+
+    e2e = _e2e()
+    argv = ["--configs", "mtp3,bole_vocab32k,bole_tput_vocab32k,bole_vocab32k_coarse", "--gpu-share", "0.3",
+            "--model", str(tmp_path), "--out", str(tmp_path / "e2e.json")]
+    with pytest.raises(SystemExit, match=r"--gpu-share: 4 engines x 0.3"):
+        e2e.main(argv)
+    assert not (tmp_path / "e2e.json").exists()
+    started = []
+    monkeypatch.setattr(e2e, "run_configs", lambda args, forwarded, out: started.append(args.configs) or {})
+    e2e.main(argv + ["--gpus", "2"])
+    assert started == [["mtp3", "bole_vocab32k", "bole_tput_vocab32k", "bole_vocab32k_coarse"]]
