@@ -38,8 +38,9 @@ merged by configuration into ``--out``, so several invocations fill one table.
 
 Per batch size B: B token-id prompts of ``--prompt-len`` tokens, a warm-up ``generate`` of ``--warmup-tokens``
 tokens (default: as long as the timed one, so every step shape has run once; ``--warmup-passes`` of them, and for
-Bole up to ``--settle-passes`` more while the last one captured a CUDA graph: Bole captures a graph on the first
-use of a step shape, which a serving engine soon stops meeting), then a timed ``generate`` of
+Bole up to ``--settle-passes`` more until ``--settle-clean`` passes in a row captured no CUDA graph: Bole captures a
+graph on the first use of a step shape, which a serving engine soon stops meeting, and a drained batch's shapes
+differ from pass to pass), then a timed ``generate`` of
 ``--new-tokens`` tokens (ignore_eos), repeated until ``--min-timed-s`` of wall time and at least
 ``--min-timed-runs`` times (at most ``--max-timed-runs``): tok/s = the median over those runs of generated tokens /
 wall time; mean accepted tokens per step = 1 + accepted / drafts from vLLM's spec-decode counters over the timed
@@ -167,8 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-passes", type=int, default=2,
                    help="warm-up generates per batch size before its timed one (Bole's lazy graph captures: the "
                         "timed rows still report the captures they ran)")
-    p.add_argument("--settle-passes", type=int, default=4,
-                   help="Bole: after the warm-up passes, up to this many more while the last one captured a graph")
+    p.add_argument("--settle-passes", type=int, default=8,
+                   help="Bole: after the warm-up passes, up to this many more until --settle-clean passes in a row "
+                        "captured no graph")
+    p.add_argument("--settle-clean", type=int, default=2,
+                   help="Bole: passes in a row without a new graph that end the settling")
     p.add_argument("--min-timed-s", type=float, default=3.0,
                    help="repeat a batch size's timed run until this much wall time (tok/s: the runs' median)")
     p.add_argument("--min-timed-runs", type=int, default=3, help="timed runs per batch size, at least")
@@ -333,6 +337,19 @@ def give_turns(run_dir: Path, procs: dict, order: list[str], batch_sizes, lock_p
                 yield name, b, time.monotonic() - t
 
 
+def settle_graphs(generate, graph_counts, max_passes: int, clean_needed: int) -> int:
+    """Warm-up passes (``generate()``) until ``clean_needed`` in a row left ``graph_counts()`` unchanged (no new
+    CUDA graph), at most ``max_passes``; returns the passes run. One clean pass is weak evidence: which shapes a
+    pass meets depends on how its batch drains."""
+    passes = clean = 0
+    while passes < max_passes and clean < clean_needed:
+        held = graph_counts()
+        generate()
+        passes += 1
+        clean = clean + 1 if graph_counts() == held else 0
+    return passes
+
+
 def gpu_groups(configs: list[str], gpus: int) -> list[list[str]]:
     """The configurations of each GPU: configuration i on GPU i mod ``gpus``."""
     return [configs[g::gpus] for g in range(gpus) if configs[g::gpus]]
@@ -453,12 +470,8 @@ def run_worker(args) -> None:
         # meets no new one, as a serving engine soon does, so that the timed runs measure the steady state.
         settle = 0
         if name.startswith("bole"):
-            while settle < args.settle_passes:
-                held = _bole_graph_counts(runner)
-                llm.generate(prompts, warm, use_tqdm=False)
-                settle += 1
-                if _bole_graph_counts(runner) == held:
-                    break
+            settle = settle_graphs(lambda: llm.generate(prompts, warm, use_tqdm=False),
+                                   lambda: _bole_graph_counts(runner), args.settle_passes, args.settle_clean)
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         before = spec_decode_counters(llm.get_metrics())
         graphs_before, keys_before = _bole_graph_counts(runner), _bole_graph_keys(runner)

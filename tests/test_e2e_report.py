@@ -220,3 +220,22 @@ def test_engines_that_do_not_fit_one_gpu_stop_before_starting(tmp_path, monkeypa
     monkeypatch.setattr(e2e, "run_configs", lambda args, forwarded, out: started.append(args.configs) or {})
     e2e.main(argv + ["--gpus", "2"])
     assert started == [["mtp3", "bole_vocab32k", "bole_tput_vocab32k", "bole_vocab32k_coarse"]]
+
+
+def test_settling_needs_clean_passes_in_a_row():
+    """The warm-up goes on until ``clean_needed`` passes in a row captured nothing; a pass that captures starts
+    the count again; ``max_passes`` bounds it."""
+    e2e = _e2e()
+
+    def run(captures, max_passes, clean_needed):
+        held, script = [0], iter(captures)
+
+        def generate():
+            held[0] += next(script)
+        return e2e.settle_graphs(generate, lambda: held[0], max_passes, clean_needed)
+
+    assert run([1, 0, 2, 0, 0, 5], 8, 2) == 5     # clean after the 2nd pass, then a capture: two more clean ones
+    assert run([0, 0], 8, 2) == 2
+    assert run([1, 1, 1, 1], 3, 2) == 3          # never settles: stops at the bound
+    assert run([3, 0], 8, 1) == 2                # one clean pass, as before
+    assert run([], 0, 2) == 0
