@@ -19,8 +19,10 @@ pytestmark = pytest.mark.vllm
 NUM_REQUESTS = 800
 MAX_TOKENS = 3
 P_MIN = 1e-3
-# Two sampling settings, alternating; every third request has no seed (default generator).
-SETTINGS = [dict(temperature=2.0, top_k=6), dict(temperature=1.5, top_k=10, top_p=0.8)]
+# Three sampling settings, alternating; every fourth request has no seed (default generator). min-p, which vLLM
+# rejects with its own speculative methods, shapes Bole's tree rows.
+SETTINGS = [dict(temperature=2.0, top_k=6), dict(temperature=1.5, top_k=10, top_p=0.8),
+            dict(temperature=2.0, min_p=0.15)]
 # The default tiny model's logits are sharp (the top token leads by 7-10 nats); a softer lm_head spreads the
 # next-token distribution within vLLM's temperature range.
 SOFT_LOGIT_SCALE = 8.0
@@ -30,7 +32,7 @@ def _sampled_requests(prompt: list[int]) -> list[dict]:
     reqs = []
     for i in range(NUM_REQUESTS):
         req = {"prompt": prompt, "max_tokens": MAX_TOKENS, **SETTINGS[i % len(SETTINGS)]}
-        if i % 3:
+        if i % 4:
             req["seed"] = 1000 + i
         reqs.append(req)
     return reqs

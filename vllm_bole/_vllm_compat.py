@@ -6,14 +6,20 @@ Patches:
 1. ``EngineArgs.create_speculative_config`` is wrapped so ``{"method": "bole", ...}`` is translated before vLLM's
    ``SpeculativeConfig`` validates it (that class forbids unknown methods and keys). The wrapper also turns off
    async scheduling and selects Bole's scheduler and worker (see :func:`vllm_bole.plugin.apply_bole_engine_args`).
-2. :func:`runner_class_override` swaps the model-runner class that a worker's ``init_device`` builds: vLLM
-   constructs its runner from a module-level name with no hook.
+2. :func:`module_attr_override` swaps the model-runner class that a worker's ``init_device`` builds: vLLM
+   constructs its runner from a module-level name with no hook. The runner's construction also swaps the
+   ``build_logitsprocs`` that ``gpu_model_runner`` imported (for the CPU runner too, which inherits that
+   ``__init__``): with any speculative config vLLM builds only the min-tokens processor, while Bole's sampling
+   applies vLLM's built-in processors (min-p, logit bias, min-tokens) itself (``spec_decode/tree_sampler.py``).
 3. ``Platform._align_hybrid_block_size`` is wrapped so that, for a Bole engine, it sizes the GDN state page
    without speculative conv columns: the model class's ``get_mamba_state_shape_from_config`` adds
    ``num_speculative_tokens`` columns to the conv state (vLLM's chain drafts roll the conv window), which
    Bole's GDN layers never allocate (``attention/gdn.py``: one state per request). Without it the attention
    block size and the padded page follow a conv state 35 columns wide instead of 3, and the KV cache holds
    about a fifth fewer blocks.
+4. ``InputProcessor._validate_params`` is wrapped so that, for a Bole engine, ``SamplingParams.verify`` sees no
+   speculative config: vLLM rejects ``min_p`` and ``logit_bias`` with speculative decoding (its rejection sampler
+   does not apply them), and Bole's tree walk does (see 2).
 """
 
 import contextlib
@@ -52,11 +58,12 @@ def wrap_create_speculative_config(translate) -> None:
 
 
 @contextlib.contextmanager
-def runner_class_override(module_name: str, attr: str, cls):
-    """Temporarily bind ``module_name.attr`` to ``cls`` (the runner class a worker instantiates)."""
+def module_attr_override(module_name: str, attr: str, value):
+    """Temporarily bind ``module_name.attr`` to ``value`` (the runner class a worker instantiates, the logits
+    processors a runner builds)."""
     module = importlib.import_module(module_name)
     original = getattr(module, attr)
-    setattr(module, attr, cls)
+    setattr(module, attr, value)
     try:
         yield
     finally:
@@ -87,3 +94,31 @@ def wrap_align_hybrid_block_size(is_bole) -> None:
     setattr(_align_hybrid_block_size, _PATCHED_ATTR, True)
     _align_hybrid_block_size.__doc__ = original.__doc__
     Platform._align_hybrid_block_size = classmethod(_align_hybrid_block_size)
+
+
+def wrap_validate_params(is_bole) -> None:
+    """Make ``InputProcessor._validate_params`` verify sampling parameters without the speculative config when
+    ``is_bole(vllm_config)``; that config is read there only by the check that rejects ``min_p`` and
+    ``logit_bias``.
+
+    Idempotent: a second call does nothing.
+    """
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor._validate_params
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    def _validate_params(self, params, supported_tasks):
+        if not is_bole(self.vllm_config):
+            return original(self, params, supported_tasks)
+        speculative_config = self.speculative_config
+        self.speculative_config = None   # synchronous: no other request is validated meanwhile
+        try:
+            return original(self, params, supported_tasks)
+        finally:
+            self.speculative_config = speculative_config
+
+    setattr(_validate_params, _PATCHED_ATTR, True)
+    _validate_params.__doc__ = original.__doc__
+    InputProcessor._validate_params = _validate_params

@@ -124,6 +124,7 @@ def register() -> None:
 
     _vllm_compat.wrap_create_speculative_config(apply_bole_engine_args)
     _vllm_compat.wrap_align_hybrid_block_size(is_bole_engine)
+    _vllm_compat.wrap_validate_params(is_bole_engine)
     _REGISTERED = True
 
 

@@ -51,6 +51,21 @@ def tree_rows_supported(sampling_metadata: SamplingMetadata) -> bool:
                     for p in procs.non_argmax_invariant))
 
 
+def builtin_logitsprocs(vllm_config, device, is_pin_memory: bool, is_pooling_model: bool, custom_logitsprocs=()):
+    """vLLM's built-in logits processors (min-p, logit bias, min-tokens), what ``build_logitsprocs`` gives an
+    engine without speculation: with one it builds only min-tokens, since its rejection sampler cannot apply the
+    others to drafts, while Bole walks a tree by them (:func:`tree_row_probs`) or verifies only its root (vLLM's
+    sampler, all of them). Custom processors stay rejected, as vLLM rejects them with speculative decoding."""
+    from vllm.v1.sample.logits_processor import (BUILTIN_LOGITS_PROCESSORS, STR_SPEC_DEC_REJECTS_LOGITSPROCS,
+                                                 LogitsProcessors)
+
+    if is_pooling_model:
+        return LogitsProcessors()
+    if custom_logitsprocs:
+        raise ValueError(STR_SPEC_DEC_REJECTS_LOGITSPROCS)
+    return LogitsProcessors(ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)
+
+
 def _for_rows(processor, row_req: torch.Tensor):
     """``processor`` with its per-request state indexed by ``row_req`` (the request of each tree row)."""
     if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:

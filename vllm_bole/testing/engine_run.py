@@ -4,7 +4,8 @@
 
 SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "requests": [{"prompt": [ids],
 "max_tokens": n, "ignore_eos": bool, "temperature": t, "seed": s, "stop_token_ids": [ids], "top_k": k,
-"top_p": p, "min_p": m, "structured": {vLLM StructuredOutputsParams fields, e.g. "regex": "..."}}],
+"top_p": p, "min_p": m, "logit_bias": {"id": bias}, "structured": {vLLM StructuredOutputsParams fields, e.g.
+"regex": "..."}}],
 "logprobs": 2, "cpu_async_scheduling": bool}; request keys other than "prompt" and "max_tokens" are optional
 (vLLM's defaults, except ``ignore_eos`` true and ``temperature`` 0).
 ``cpu_async_scheduling``: run vLLM's async scheduling on CPU (:func:`force_cpu_async_scheduling`). Each
@@ -71,6 +72,8 @@ _OPTIONAL_SAMPLING = ("top_k", "top_p", "min_p")
 
 def _sampling_params(sampling_params_cls, r: dict, logprobs):
     extra = {key: r[key] for key in _OPTIONAL_SAMPLING if key in r}
+    if "logit_bias" in r:   # JSON object keys are strings
+        extra["logit_bias"] = {int(token): bias for token, bias in r["logit_bias"].items()}
     if "structured" in r:
         from vllm.sampling_params import StructuredOutputsParams
 

@@ -20,6 +20,7 @@ from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.utils import record_function_or_nullcontext
 
+from .._vllm_compat import module_attr_override
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
@@ -30,8 +31,8 @@ from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_dra
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
-from ..spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
-                                        tree_rows_supported, walk_tree)
+from ..spec_decode.tree_sampler import (builtin_logitsprocs, is_plain_greedy, is_plain_random, pad_outputs,
+                                        sample_tree_rows, tree_rows_supported, walk_tree)
 from . import early_drafting
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
@@ -45,7 +46,9 @@ class BoleModelRunnerMixin:
     """Mixed in front of the platform's V1 model runner class (see :func:`bole_runner_class`)."""
 
     def __init__(self, vllm_config, device):
-        super().__init__(vllm_config, device)
+        # vLLM's built-in logits processors, as without speculation (min-p and logit bias are Bole's to apply)
+        with module_attr_override("vllm.v1.worker.gpu_model_runner", "build_logitsprocs", builtin_logitsprocs):
+            super().__init__(vllm_config, device)
         self.bole_config = bole_config_from_vllm(vllm_config)
         self._bole_trees: dict[str, DraftTree] = {}
         self._bole_forest: StepForest | None = None

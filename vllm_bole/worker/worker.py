@@ -4,7 +4,7 @@ import importlib
 
 from vllm.platforms import current_platform
 
-from .._vllm_compat import runner_class_override
+from .._vllm_compat import module_attr_override
 from ..attention.registration import register_bole_layers
 from .model_runner import BoleModelRunnerMixin, bole_runner_class
 
@@ -22,7 +22,7 @@ class BoleWorker(_PlatformWorker):
     def init_device(self):
         register_bole_layers()
         base = getattr(importlib.import_module(_RUNNER_MODULE), _RUNNER_NAME)
-        with runner_class_override(_RUNNER_MODULE, _RUNNER_NAME, bole_runner_class(base)):
+        with module_attr_override(_RUNNER_MODULE, _RUNNER_NAME, bole_runner_class(base)):
             super().init_device()
         if not isinstance(self.model_runner, BoleModelRunnerMixin):
             raise RuntimeError(

@@ -1,0 +1,73 @@
+"""min_p and logit_bias through Bole equal vLLM without speculation (CPU, tiny Qwen3.5, greedy).
+
+vLLM 0.26 rejects both with its own speculative methods (its rejection sampler does not apply them to drafts).
+Bole builds vLLM's built-in logits processors and applies them itself: a request with a logit bias verifies only
+its tree's root (vLLM's sampler, with the bias), min-p shapes a sampled request's tree rows and leaves a greedy
+one's argmax alone. The other requests of the batch keep their trees.
+"""
+
+import pytest
+
+from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, vocab_size, write_oracle
+
+pytestmark = pytest.mark.vllm
+
+
+def test_front_end_accepts_min_p_and_logit_bias_for_bole_only(tiny_qwen3_5_dir):
+    """vLLM's request validation, as its input processor runs it: a Bole engine takes min_p and logit_bias, an MTP
+    chain engine still rejects them, and the processor keeps its speculative config."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_bole import plugin
+
+    plugin.register()
+
+    def validate(spec, params):
+        cfg = EngineArgs(model=tiny_qwen3_5_dir, language_model_only=True, enable_prefix_caching=False,
+                         speculative_config=spec).create_engine_config()
+        processor = SimpleNamespace(vllm_config=cfg, model_config=cfg.model_config,
+                                    speculative_config=cfg.speculative_config,
+                                    structured_outputs_config=cfg.structured_outputs_config, tokenizer=None,
+                                    use_v2_model_runner=False)
+        InputProcessor._validate_params(processor, params, ("generate",))
+        assert processor.speculative_config is cfg.speculative_config is not None
+
+    for params in (SamplingParams(min_p=0.1), SamplingParams(logit_bias={3: 2.0})):
+        validate({"method": "bole"}, params)
+        with pytest.raises(ValueError, match="min_p and logit_bias sampling parameters are not yet supported"):
+            validate({"method": "mtp", "num_speculative_tokens": 2}, params)
+
+
+def test_logit_bias_and_min_p_requests_are_lossless(tmp_path, tiny_qwen3_5_dir):
+    model = tiny_qwen3_5_dir
+    vocab = vocab_size(model)
+    requests = random_requests(vocab, [5, 12, 30, 7, 9, 16], 32, seed=5)
+    requests.append(dict(requests[0]))   # request 0 without its bias: the bias must change the output
+    bias = {str(t): 20.0 for t in range(vocab // 2, vocab, 9)}   # the tiny model's top token leads by 7-10 nats
+    requests[0]["logit_bias"] = bias
+    requests[1]["logit_bias"] = {str(t): -100.0 for t in range(10, vocab // 2, 3)}
+    requests[2]["min_p"] = 0.5   # greedy: min-p keeps the argmax
+    ref = run_engine(tmp_path, "ref", {"model": model, "requests": requests, "logprobs": 2,
+                                       "engine": {"max_num_seqs": 8}})
+    outputs = [o["tokens"] for o in ref["outputs"]]
+    assert outputs[0] != outputs[-1]
+    assert all(t >= vocab // 2 and (t - vocab // 2) % 9 == 0 for t in outputs[0]), outputs[0]
+    assert not any(10 <= t < vocab // 2 and (t - 10) % 3 == 0 for t in outputs[1]), outputs[1]
+    write_oracle(tmp_path, requests, ref)
+    runs = {
+        "planted_sync": {"engine": bole_engine(tmp_path, "planted_sync", depth=4, topk=3, budget=512,
+                                               max_num_seqs=8, async_scheduling=False)},
+        "mtp_async": {"engine": bole_engine(tmp_path, "mtp_async", depth=3, topk=2, budget=48, drafter="mtp",
+                                            max_num_seqs=8) | {"async_scheduling": True},
+                      "cpu_async_scheduling": True},
+    }
+    for name, spec in runs.items():
+        out = run_engine(tmp_path, name, {"model": model, "requests": requests, "logprobs": 2, **spec})
+        assert_lossless(ref, out, max_near_ties=2)
+        print(f"{name}: counters {out['counters']}, scheduling {out['scheduling']}")
+        assert out["counters"]["num_accepted_tokens"] > 0, out["counters"]
+    assert out["scheduling"]["scheduler"] == "BoleAsyncScheduler" and out["scheduling"]["batch_queue"]
