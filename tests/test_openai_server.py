@@ -1,4 +1,5 @@
-"""vLLM's OpenAI-compatible server with Bole on CPU: completions, chat, metrics, and a rejected request."""
+"""vLLM's OpenAI-compatible server with Bole on CPU: completions, chat, metrics, min_p and logit_bias, and a
+rejected request."""
 
 import json
 import os
@@ -89,6 +90,19 @@ def test_rejected_request_leaves_engine_serving(server):
     status, out = _post(base + "/v1/completions", {"model": model, "prompt": "The river", "max_tokens": 8,
                                                    "temperature": 0.7, "seed": 3})
     assert status == 200 and out["usage"]["completion_tokens"] == 8
+
+
+def test_min_p_and_logit_bias_are_served(server):
+    """The server's front end takes min_p and logit_bias for Bole (vLLM rejects them with its own speculative
+    methods), and the bias reaches the sampler."""
+    base, model = server
+    request = {"model": model, "prompt": "The river starts high in the hills", "max_tokens": 12, "temperature": 0}
+    status, plain = _post(base + "/v1/completions", request)
+    assert status == 200
+    status, biased = _post(base + "/v1/completions", request | {"logit_bias": {str(t): 30 for t in range(300, 600)}})
+    assert status == 200 and biased["choices"][0]["text"] != plain["choices"][0]["text"]
+    status, out = _post(base + "/v1/completions", request | {"temperature": 0.8, "min_p": 0.2, "seed": 5})
+    assert status == 200 and out["usage"]["completion_tokens"] == 12
 
 
 def test_vllm_bench_serve_reports_tree_acceptance(server, monkeypatch):
