@@ -116,3 +116,15 @@ def bole_engine(tmp_path, name, depth, topk, budget, drafter="planted", selectio
         spec["drafter_args"] = {"oracle": str(tmp_path / "oracle.json"), "seed": depth * 10 + topk,
                                 "stats": str(tmp_path / f"{name}.stats.jsonl")}
     return {"speculative_config": spec, **engine}
+
+
+def sync_and_async_runs(tmp_path) -> dict[str, dict]:
+    """Two Bole engine specs for :func:`run_engine` over a batch of up to 8 requests: the planted drafter scheduled
+    synchronously, and the MTP drafter under vLLM's async scheduling (run on CPU too)."""
+    return {
+        "planted_sync": {"engine": bole_engine(tmp_path, "planted_sync", depth=4, topk=3, budget=512,
+                                               max_num_seqs=8, async_scheduling=False)},
+        "mtp_async": {"engine": bole_engine(tmp_path, "mtp_async", depth=3, topk=2, budget=48, drafter="mtp",
+                                            max_num_seqs=8) | {"async_scheduling": True},
+                      "cpu_async_scheduling": True},
+    }

@@ -8,7 +8,8 @@ one's argmax alone. The other requests of the batch keep their trees.
 
 import pytest
 
-from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, vocab_size, write_oracle
+from e2e_support import (assert_lossless, random_requests, run_engine, sync_and_async_runs, vocab_size,
+                          write_oracle)
 
 pytestmark = pytest.mark.vllm
 
@@ -58,14 +59,7 @@ def test_logit_bias_and_min_p_requests_are_lossless(tmp_path, tiny_qwen3_5_dir):
     assert all(t >= vocab // 2 and (t - vocab // 2) % 9 == 0 for t in outputs[0]), outputs[0]
     assert not any(10 <= t < vocab // 2 and (t - 10) % 3 == 0 for t in outputs[1]), outputs[1]
     write_oracle(tmp_path, requests, ref)
-    runs = {
-        "planted_sync": {"engine": bole_engine(tmp_path, "planted_sync", depth=4, topk=3, budget=512,
-                                               max_num_seqs=8, async_scheduling=False)},
-        "mtp_async": {"engine": bole_engine(tmp_path, "mtp_async", depth=3, topk=2, budget=48, drafter="mtp",
-                                            max_num_seqs=8) | {"async_scheduling": True},
-                      "cpu_async_scheduling": True},
-    }
-    for name, spec in runs.items():
+    for name, spec in sync_and_async_runs(tmp_path).items():
         out = run_engine(tmp_path, name, {"model": model, "requests": requests, "logprobs": 2, **spec})
         assert_lossless(ref, out, max_near_ties=2)
         print(f"{name}: counters {out['counters']}, scheduling {out['scheduling']}")

@@ -6,7 +6,8 @@ A structured-output request's next token comes from vLLM's sampler with its gram
 
 import pytest
 
-from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, vocab_size, write_oracle
+from e2e_support import (assert_lossless, random_requests, run_engine, sync_and_async_runs, vocab_size,
+                          write_oracle)
 
 pytestmark = pytest.mark.vllm
 
@@ -20,14 +21,7 @@ def test_structured_outputs_are_lossless_sync_and_async(tmp_path, tiny_qwen3_5_d
                                        "engine": {"max_num_seqs": 8}})
     assert all(o["finish_reason"] == "stop" for o in ref["outputs"][:3]), ref["outputs"]
     write_oracle(tmp_path, requests, ref)
-    runs = {
-        "planted_sync": {"engine": bole_engine(tmp_path, "planted_sync", depth=4, topk=3, budget=512,
-                                               max_num_seqs=8, async_scheduling=False)},
-        "mtp_async": {"engine": bole_engine(tmp_path, "mtp_async", depth=3, topk=2, budget=48, drafter="mtp",
-                                            max_num_seqs=8) | {"async_scheduling": True},
-                      "cpu_async_scheduling": True},
-    }
-    for name, spec in runs.items():
+    for name, spec in sync_and_async_runs(tmp_path).items():
         out = run_engine(tmp_path, name, {"model": model, "requests": requests, "logprobs": 2, **spec})
         assert_lossless(ref, out, max_near_ties=2)
         assert [o["finish_reason"] for o in out["outputs"]] == [o["finish_reason"] for o in ref["outputs"]]

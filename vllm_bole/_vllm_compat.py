@@ -58,16 +58,20 @@ def wrap_create_speculative_config(translate) -> None:
 
 
 @contextlib.contextmanager
-def module_attr_override(module_name: str, attr: str, value):
-    """Temporarily bind ``module_name.attr`` to ``value`` (the runner class a worker instantiates, the logits
-    processors a runner builds)."""
-    module = importlib.import_module(module_name)
-    original = getattr(module, attr)
-    setattr(module, attr, value)
+def attr_override(obj, attr: str, value):
+    """Temporarily set ``obj.attr`` to ``value``."""
+    original = getattr(obj, attr)
+    setattr(obj, attr, value)
     try:
         yield
     finally:
-        setattr(module, attr, original)
+        setattr(obj, attr, original)
+
+
+def module_attr_override(module_name: str, attr: str, value):
+    """Temporarily bind ``module_name.attr`` to ``value`` (the runner class a worker instantiates, the logits
+    processors a runner builds)."""
+    return attr_override(importlib.import_module(module_name), attr, value)
 
 
 def wrap_align_hybrid_block_size(is_bole) -> None:
@@ -84,12 +88,8 @@ def wrap_align_hybrid_block_size(is_bole) -> None:
     def _align_hybrid_block_size(cls, vllm_config, backend_cls):
         if not is_bole(vllm_config):
             return original(cls, vllm_config, backend_cls)
-        speculative_config = vllm_config.speculative_config
-        vllm_config.speculative_config = None   # only the GDN state shape reads it here
-        try:
+        with attr_override(vllm_config, "speculative_config", None):   # only the GDN state shape reads it here
             return original(cls, vllm_config, backend_cls)
-        finally:
-            vllm_config.speculative_config = speculative_config
 
     setattr(_align_hybrid_block_size, _PATCHED_ATTR, True)
     _align_hybrid_block_size.__doc__ = original.__doc__
@@ -112,12 +112,8 @@ def wrap_validate_params(is_bole) -> None:
     def _validate_params(self, params, supported_tasks):
         if not is_bole(self.vllm_config):
             return original(self, params, supported_tasks)
-        speculative_config = self.speculative_config
-        self.speculative_config = None   # synchronous: no other request is validated meanwhile
-        try:
+        with attr_override(self, "speculative_config", None):   # synchronous: no other request meanwhile
             return original(self, params, supported_tasks)
-        finally:
-            self.speculative_config = speculative_config
 
     setattr(_validate_params, _PATCHED_ATTR, True)
     _validate_params.__doc__ = original.__doc__
