@@ -53,9 +53,10 @@ def tree_rows_supported(sampling_metadata: SamplingMetadata) -> bool:
 
 def builtin_logitsprocs(vllm_config, device, is_pin_memory: bool, is_pooling_model: bool, custom_logitsprocs=()):
     """vLLM's built-in logits processors (min-p, logit bias, min-tokens), what ``build_logitsprocs`` gives an
-    engine without speculation: with one it builds only min-tokens, since its rejection sampler cannot apply the
-    others to drafts, while Bole walks a tree by them (:func:`tree_row_probs`) or verifies only its root (vLLM's
-    sampler, all of them). Custom processors stay rejected, as vLLM rejects them with speculative decoding."""
+    engine without speculation. With a speculative config it builds only min-tokens, since its rejection sampler
+    cannot apply the others to drafts; Bole walks a plainly sampled tree with min-p (:func:`tree_row_probs`) and
+    verifies only the root of any other request (vLLM's sampler, all of them). Custom processors stay rejected, as
+    vLLM rejects them with speculative decoding."""
     from vllm.v1.sample.logits_processor import (BUILTIN_LOGITS_PROCESSORS, STR_SPEC_DEC_REJECTS_LOGITSPROCS,
                                                  LogitsProcessors)
 
