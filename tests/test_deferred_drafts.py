@@ -5,6 +5,10 @@ drafter's work; ``take_draft_token_ids`` (after vLLM's output processing) or, fa
 import collections
 from types import SimpleNamespace
 
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
+
 from vllm_bole.spec_decode.drafter import DraftStep, TreeDrafter
 from vllm_bole.spec_decode.tree import DraftTree
 from vllm_bole.worker.model_runner import BoleModelRunnerMixin
@@ -168,12 +172,15 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
     assert calls[2:] == [("state", moved)] and runner._bole_commit is None
 
 
-def test_structured_output_requests_carry_no_drafts():
-    """A structured-output request's next token comes from vLLM's sampler with its grammar (its tree would not be
-    walked past the root): its tree is dropped; the other requests keep theirs."""
+@pytest.mark.parametrize("root_only", [dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+")),
+                                       dict(min_tokens=4), dict(presence_penalty=0.5), dict(logit_bias={3: 1.0})])
+def test_root_only_requests_carry_no_drafts(root_only):
+    """A request whose next token comes from vLLM's sampler with its settings (a grammar, min_tokens, penalties,
+    a logit bias: its tree would not be walked past the root) has its tree dropped; the other requests keep
+    theirs."""
     runner, calls = _runner(), []
-    runner.requests = {"a": SimpleNamespace(sampling_params=SimpleNamespace(structured_outputs=object())),
-                       "b": SimpleNamespace(sampling_params=None)}
+    runner.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, **root_only)),
+                       "b": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     tree = DraftTree([5, 6, 7, 8, 9], [-1, -1, 1, 1, 0], [0.4, 0.5, 0.3, 0.45, 0.35])
     step = DraftStep(req_ids=["a", "b"], contexts=[[1], [2]])
     runner._bole_pending = (step, lambda: [tree, tree])

@@ -1,9 +1,10 @@
-"""min_p and logit_bias through Bole equal vLLM without speculation (CPU, tiny Qwen3.5, greedy).
+"""Requests with logits processors through Bole equal vLLM without speculation (CPU, tiny Qwen3.5, greedy).
 
-vLLM 0.26 rejects both with its own speculative methods (its rejection sampler does not apply them to drafts).
-Bole builds vLLM's built-in logits processors and applies them itself: a request with a logit bias verifies only
-its tree's root (vLLM's sampler, with the bias), min-p shapes a sampled request's tree rows and leaves a greedy
-one's argmax alone. The other requests of the batch keep their trees.
+vLLM 0.26 rejects min_p and logit_bias with its own speculative methods (its rejection sampler does not apply
+them to drafts). Bole builds vLLM's built-in logits processors and applies them itself: a request with a logit
+bias, penalties, allowed token ids or min_tokens verifies only its tree's root (vLLM's sampler, with all of them),
+min-p shapes a sampled request's tree rows and leaves a greedy one's argmax alone. The other requests of the batch
+keep their trees.
 """
 
 import pytest
@@ -46,18 +47,23 @@ def test_front_end_accepts_min_p_and_logit_bias_for_bole_only(tiny_qwen3_5_dir):
 def test_logit_bias_and_min_p_requests_are_lossless(tmp_path, tiny_qwen3_5_dir):
     model = tiny_qwen3_5_dir
     vocab = vocab_size(model)
-    requests = random_requests(vocab, [5, 12, 30, 7, 9, 16], 32, seed=5)
+    requests = random_requests(vocab, [5, 12, 30, 7, 9, 16, 11, 6], 32, seed=5)
     requests.append(dict(requests[0]))   # request 0 without its bias: the bias must change the output
     bias = {str(t): 20.0 for t in range(vocab // 2, vocab, 9)}   # the tiny model's top token leads by 7-10 nats
     requests[0]["logit_bias"] = bias
     requests[1]["logit_bias"] = {str(t): -100.0 for t in range(10, vocab // 2, 3)}
     requests[2]["min_p"] = 0.5   # greedy: min-p keeps the argmax
+    allowed = list(range(100, 700, 23))   # (the tokenizer has fewer tokens than the model vocabulary)
+    requests[3] |= {"allowed_token_ids": allowed, "min_tokens": 8, "stop_token_ids": allowed[:3]}
+    requests[4] |= {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    requests[5]["repetition_penalty"] = 3.0
     ref = run_engine(tmp_path, "ref", {"model": model, "requests": requests, "logprobs": 2,
                                        "engine": {"max_num_seqs": 8}})
     outputs = [o["tokens"] for o in ref["outputs"]]
     assert outputs[0] != outputs[-1]
     assert all(t >= vocab // 2 and (t - vocab // 2) % 9 == 0 for t in outputs[0]), outputs[0]
     assert not any(10 <= t < vocab // 2 and (t - 10) % 3 == 0 for t in outputs[1]), outputs[1]
+    assert set(outputs[3]) <= set(allowed) and len(outputs[3]) >= 8, outputs[3]
     write_oracle(tmp_path, requests, ref)
     for name, spec in sync_and_async_runs(tmp_path).items():
         out = run_engine(tmp_path, name, {"model": model, "requests": requests, "logprobs": 2, **spec})

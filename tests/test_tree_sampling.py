@@ -13,7 +13,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_bole.spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
-                                                tree_row_probs, tree_rows_supported, walk_tree)
+                                                tree_row_probs, tree_rows_supported, walk_tree, walks_tree)
 
 VOCAB = 64
 
@@ -156,6 +156,10 @@ def test_request_classes():
     for extra in (dict(presence_penalty=0.5), dict(repetition_penalty=1.1), dict(logit_bias={3: 1.0}),
                   dict(min_tokens=2), dict(bad_words=["x"]), dict(allowed_token_ids=[1, 2]), dict(prompt_logprobs=1)):
         assert not is_plain_random(SamplingParams(temperature=0.8, **extra)), extra
+        # root-only either way: such a request gets no drafts (no placeholders under async scheduling)
+        assert not walks_tree(SamplingParams(temperature=0.8, **extra)), extra
+        assert not walks_tree(SamplingParams(temperature=0.0, **extra)), extra
+    assert walks_tree(SamplingParams(temperature=0.0, min_p=0.2)) and walks_tree(SamplingParams(temperature=0.5))
     assert not is_plain_random(None) and not is_plain_greedy(None)
     assert tree_rows_supported(_metadata([1.0], min_p=[0.1]))
     custom = _metadata([1.0])

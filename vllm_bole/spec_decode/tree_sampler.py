@@ -42,6 +42,12 @@ def is_plain_random(params) -> bool:
     return params is not None and params.temperature >= _SAMPLING_EPS and _no_logits_processors(params)
 
 
+def walks_tree(params) -> bool:
+    """True for requests whose tree is walked past its root (plain greedy or plain random); any other request
+    verifies only the root, so drafts for it would be wasted, and it gets none."""
+    return is_plain_greedy(params) or is_plain_random(params)
+
+
 def tree_rows_supported(sampling_metadata: SamplingMetadata) -> bool:
     """True when the batch's logits processors are vLLM's built-in ones, so that for a plain random request only
     min-p (the one argmax-invariant processor) acts and :func:`tree_row_probs` reproduces vLLM's processing."""

@@ -32,7 +32,7 @@ from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, se
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
 from ..spec_decode.tree_sampler import (builtin_logitsprocs, is_plain_greedy, is_plain_random, pad_outputs,
-                                        sample_tree_rows, tree_rows_supported, walk_tree)
+                                        sample_tree_rows, tree_rows_supported, walk_tree, walks_tree)
 from . import early_drafting
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
@@ -183,15 +183,15 @@ class BoleModelRunnerMixin:
     def _plan_async(self, step: DraftStep, placeholders: Placeholders) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
         drafting request gets as many nodes as its placeholders (``num_spec_tokens_to_schedule``, one more for
-        those in ``bole_one_more``), structured-output requests none (the scheduler gave them no placeholders;
-        their trees would not be walked past the root).
+        those in ``bole_one_more``), root-only requests none (structured outputs, penalties, min_tokens, ...: the
+        scheduler gave them no placeholders; their trees would not be walked past the root).
         Under ``budget_rule "throughput"`` the step clock ticks here and the walks copied so far reach the
         acceptance model, for the scheduler's next budgets (:meth:`bole_async_budget`)."""
         if self.bole_config.budget_rule == "throughput":
             self._tick_clock(len(step.req_ids))
             self._bole_device_walks.observe_ready()
         step.per_request = self.speculative_config.num_speculative_tokens
-        step.quotas = [placeholders.quota(req_id) if d and not self._structured(req_id) else 0
+        step.quotas = [placeholders.quota(req_id) if d and self._walks_tree(req_id) else 0
                        for d, req_id in zip(drafting(step.contexts), step.req_ids)]
         step.budget = sum(step.quotas)
         step.fill_quotas = True
@@ -200,6 +200,12 @@ class BoleModelRunnerMixin:
     def _structured(self, req_id: str) -> bool:
         params = self.requests[req_id].sampling_params
         return params is not None and params.structured_outputs is not None
+
+    def _walks_tree(self, req_id: str) -> bool:
+        """Whether the request's tree is walked past its root (``tree_sampler.walks_tree``); structured-output
+        and other root-only requests draft nothing."""
+        params = self.requests[req_id].sampling_params
+        return params is None or walks_tree(params)   # (None: no sampling settings to honour)
 
     def _plan_budget(self, step: DraftStep) -> None:
         """The step's per-request cap and node budget (``budget_rule "step"``/``"throughput"``: the clock
@@ -681,9 +687,9 @@ class BoleModelRunnerMixin:
                     trees = finish()
                     if not self.bole_drafter.selects:
                         trees = select_step(trees, step.per_request, step.budget)
-                    # A structured-output request's next token comes from vLLM's sampler with its grammar, past
-                    # the root nothing of its tree would be walked (tree_sampler.is_plain_greedy): no drafts.
-                    trees = [DraftTree() if self._structured(req_id) else t
+                    # A root-only request's next token comes from vLLM's sampler (a grammar, penalties, ...):
+                    # past the root nothing of its tree would be walked (tree_sampler.walks_tree): no drafts.
+                    trees = [t if self._walks_tree(req_id) else DraftTree()
                              for req_id, t in zip(step.req_ids, trees)]
                 self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
                 self._bole_last_nodes = sum(len(t) for t in trees)

@@ -21,6 +21,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import async_budget_source, node_budget
+from ..spec_decode.tree_sampler import walks_tree
 
 logger = init_logger(__name__)
 
@@ -121,9 +122,10 @@ class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
             request = self.requests[req_id]
             if request.is_prefill_chunk:
                 continue
-            if request.use_structured_output:
-                # Its next token comes from vLLM's sampler with its grammar: the runner walks no tree past the
-                # root for it (tree_sampler.is_plain_greedy), so it gets no placeholders.
+            if request.use_structured_output or not walks_tree(request.sampling_params):
+                # Its next token comes from vLLM's sampler with all its settings (a grammar, penalties,
+                # min_tokens, ...): the runner walks no tree past the root for it, so it gets no placeholders
+                # (placeholders it would not fill would also count as output tokens, e.g. toward min_tokens).
                 request.spec_token_ids = []
             else:
                 drafting.append(req_id)
