@@ -176,17 +176,28 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
                                        dict(min_tokens=4), dict(presence_penalty=0.5), dict(logit_bias={3: 1.0})])
 def test_root_only_requests_carry_no_drafts(root_only):
     """A request whose next token comes from vLLM's sampler with its settings (a grammar, min_tokens, penalties,
-    a logit bias: its tree would not be walked past the root) has its tree dropped; the other requests keep
-    theirs."""
-    runner, calls = _runner(), []
-    runner.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, **root_only)),
-                       "b": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
-    tree = DraftTree([5, 6, 7, 8, 9], [-1, -1, 1, 1, 0], [0.4, 0.5, 0.3, 0.45, 0.35])
-    step = DraftStep(req_ids=["a", "b"], contexts=[[1], [2]])
-    runner._bole_pending = (step, lambda: [tree, tree])
-    runner._finish_drafts()
-    assert runner._bole_trees["a"] == DraftTree() and runner._bole_trees["b"] == tree
-    assert runner._draft_token_ids == [[], tree.tokens] and runner._bole_last_nodes == len(tree)
+    a logit bias: its tree would not be walked past the root) drafts nothing, while its drafter K/V still catches
+    up; the step's node budget goes to the other requests."""
+    import numpy as np
+    import torch
+
+    from vllm_bole.spec_decode.drafter import drafting
+    from vllm_bole.spec_decode.queued_drafts import quotas_of
+
+    runner = _runner()
+    runner.requests = {r: SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, **extra),
+                                          prompt_token_ids=[1, 2], output_token_ids=[3])
+                       for r, extra in (("a", root_only), ("b", {}), ("c", {}))}
+    runner.input_batch = SimpleNamespace(req_ids=["a", "b", "c"], num_computed_tokens_cpu=np.array([3, 3, 3]),
+                                         token_ids_cpu=np.zeros((3, 8), dtype=np.int64))
+    runner.discard_request_mask = SimpleNamespace(np=np.zeros(3, dtype=bool))
+    runner.input_ids = SimpleNamespace(cpu=torch.tensor([3, 3, 3]))
+    runner._bole_paths = None
+    scheduled = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1, "c": 1})
+    step = runner._draft_step(scheduled, torch.tensor([[4], [5], [6]]), None, None)
+    assert drafting(step.contexts) == [False, True, True]
+    assert [fp[1] for fp in step.first_pass] == [[4], [5], [6]]          # every request's drafter K/V catches up
+    assert quotas_of(drafting(step.contexts), per_request=8, budget=10) == [0, 5, 5]
 
 
 def test_async_placeholders_in_a_context_become_the_emitted_tokens():

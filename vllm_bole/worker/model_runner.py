@@ -191,7 +191,7 @@ class BoleModelRunnerMixin:
             self._tick_clock(len(step.req_ids))
             self._bole_device_walks.observe_ready()
         step.per_request = self.speculative_config.num_speculative_tokens
-        step.quotas = [placeholders.quota(req_id) if d and self._walks_tree(req_id) else 0
+        step.quotas = [placeholders.quota(req_id) if d else 0
                        for d, req_id in zip(drafting(step.contexts), step.req_ids)]
         step.budget = sum(step.quotas)
         step.fill_quotas = True
@@ -687,10 +687,6 @@ class BoleModelRunnerMixin:
                     trees = finish()
                     if not self.bole_drafter.selects:
                         trees = select_step(trees, step.per_request, step.budget)
-                    # A root-only request's next token comes from vLLM's sampler (a grammar, penalties, ...):
-                    # past the root nothing of its tree would be walked (tree_sampler.walks_tree): no drafts.
-                    trees = [t if self._walks_tree(req_id) else DraftTree()
-                             for req_id, t in zip(step.req_ids, trees)]
                 self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
                 self._bole_last_nodes = sum(len(t) for t in trees)
                 self._draft_token_ids = [t.tokens for t in trees]
@@ -739,7 +735,11 @@ class BoleModelRunnerMixin:
         for r, req_id in enumerate(req_ids):
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             new = [t for t in sampled[r] if t != -1]
-            drafting = not discard[r] and bool(new)
+            ran = not discard[r] and bool(new)
+            # A root-only request's next token comes from vLLM's sampler (a grammar, penalties, min_tokens, ...):
+            # nothing of its tree would be walked past the root (tree_sampler.walks_tree), so it drafts nothing
+            # and the step's node budget goes to the others. Its MTP KV still catches up (first_pass).
+            drafting = ran and self._walks_tree(req_id)
             state = self.requests[req_id]
             if self.bole_async:
                 self._fill_placeholders(req_id, state.output_token_ids)
@@ -751,7 +751,7 @@ class BoleModelRunnerMixin:
                 first_pass.append(([row + p for p in path], [tokens[p] for p in path[1:]] + [new[-1]],
                                    [start + m for m in range(len(path))]))
             elif n:
-                following = new[-1] if drafting else int(self.input_batch.token_ids_cpu[r, start + n])
+                following = new[-1] if ran else int(self.input_batch.token_ids_cpu[r, start + n])
                 first_pass.append((list(range(row, row + n)), input_ids[row + 1:row + n].tolist() + [following],
                                    list(range(start, start + n))))
             else:
