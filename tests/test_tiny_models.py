@@ -7,6 +7,7 @@ checkpoint through their ``load_weights``; the ``vllm``-marked test starts engin
 import json
 import os
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
@@ -183,12 +184,26 @@ def test_checkpoint_covers_every_vllm_parameter(tiny_dirs, kind, part, stock_vll
     }[kind, part]
 
 
+def _start_once_more_if_spawn_fails(run, *args, **kwargs):
+    """``run(*args, **kwargs)``, started a second time when stock vLLM's spawned engine-core process failed to
+    start (once, on a CI machine, it died while importing transformers, with no Bole code loaded: these engines run
+    with ``VLLM_PLUGINS=""``). A second failure fails the test."""
+    try:
+        return run(*args, **kwargs)
+    except RuntimeError as e:
+        if "Engine core initialization failed" not in str(e):
+            raise
+        warnings.warn(f"stock vLLM's engine core failed to start; starting it once more ({e})", stacklevel=2)
+        return run(*args, **kwargs)
+
+
 @pytest.mark.vllm
 def test_mtp_matches_plain_greedy_with_high_acceptance(tiny_qwen3_5_dir, stock_vllm):
     from vllm_bole.testing.greedy_check import PROMPTS, compare_greedy, run_engine
 
-    plain = run_engine(tiny_qwen3_5_dir, "qwen3_5", PROMPTS, max_tokens=24)
-    spec = run_engine(
+    plain = _start_once_more_if_spawn_fails(run_engine, tiny_qwen3_5_dir, "qwen3_5", PROMPTS, max_tokens=24)
+    spec = _start_once_more_if_spawn_fails(
+        run_engine,
         tiny_qwen3_5_dir,
         "qwen3_5",
         PROMPTS,
