@@ -172,12 +172,13 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
     assert calls[2:] == [("state", moved)] and runner._bole_commit is None
 
 
-@pytest.mark.parametrize("root_only", [dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+")),
-                                       dict(min_tokens=4), dict(presence_penalty=0.5), dict(logit_bias={3: 1.0})])
-def test_root_only_requests_carry_no_drafts(root_only):
-    """A request whose next token comes from vLLM's sampler with its settings (a grammar, min_tokens, penalties,
-    a logit bias: its tree would not be walked past the root) drafts nothing, while its drafter K/V still catches
-    up; the step's node budget goes to the other requests."""
+@pytest.mark.parametrize("root_only,asynchronous", [
+    (dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+")), False), (dict(prompt_logprobs=1), False),
+    (dict(min_tokens=4), True)])
+def test_root_only_requests_carry_no_drafts(root_only, asynchronous):
+    """A request whose next token comes from vLLM's sampler with its settings (a grammar, prompt logprobs; under
+    async scheduling min_tokens: its tree would not be walked past the root) drafts nothing, while its drafter K/V
+    still catches up; the step's node budget goes to the other requests."""
     import numpy as np
     import torch
 
@@ -185,6 +186,7 @@ def test_root_only_requests_carry_no_drafts(root_only):
     from vllm_bole.spec_decode.queued_drafts import quotas_of
 
     runner = _runner()
+    runner.use_async_spec_decode, runner._bole_host_emitted = asynchronous, {}
     runner.requests = {r: SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, **extra),
                                           prompt_token_ids=[1, 2], output_token_ids=[3])
                        for r, extra in (("a", root_only), ("b", {}), ("c", {}))}

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -156,10 +157,15 @@ def test_request_classes():
     for extra in (dict(presence_penalty=0.5), dict(repetition_penalty=1.1), dict(logit_bias={3: 1.0}),
                   dict(min_tokens=2), dict(bad_words=["x"]), dict(allowed_token_ids=[1, 2]), dict(prompt_logprobs=1)):
         assert not is_plain_random(SamplingParams(temperature=0.8, **extra)), extra
-        # root-only either way: such a request gets no drafts (no placeholders under async scheduling)
-        assert not walks_tree(SamplingParams(temperature=0.8, **extra)), extra
-        assert not walks_tree(SamplingParams(temperature=0.0, **extra)), extra
+        # Not plain, so not on the early path; but their rows get vLLM's processing with each row's path
+        # (processed_tree_rows), except prompt logprobs (root-only) and min_tokens under async scheduling.
+        for temperature in (0.0, 0.8):
+            params = SamplingParams(temperature=temperature, **extra)
+            assert walks_tree(params) == ("prompt_logprobs" not in extra), extra
+            assert walks_tree(params, asynchronous=True) == (not {"prompt_logprobs", "min_tokens"} & set(extra))
+    assert not walks_tree(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
     assert walks_tree(SamplingParams(temperature=0.0, min_p=0.2)) and walks_tree(SamplingParams(temperature=0.5))
+    assert not walks_tree(None)
     assert not is_plain_random(None) and not is_plain_greedy(None)
     assert tree_rows_supported(_metadata([1.0], min_p=[0.1]))
     custom = _metadata([1.0])
@@ -179,3 +185,61 @@ def test_padded_outputs_parse_like_vllm(outputs):
     assert parsed == outputs
     dropped, _ = RejectionSampler.parse_output(padded, vocab_size=100, discard_req_indices=[0])
     assert dropped == [[]] + outputs[1:]
+
+
+# ---- rows of requests with penalties, bad words, allowed ids, a logit bias, min_tokens -------------------------
+def _processed_metadata(params: list, prompts: list[list[int]], outputs: list[list[int]]) -> SamplingMetadata:
+    """Sampling metadata of a batch as vLLM's input batch builds it for these requests (its built-in logit-bias and
+    min-tokens processors, penalties, allowed ids, bad words as token ids)."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+
+    n, cpu = len(params), torch.device("cpu")
+    procs = [MinTokensLogitsProcessor(None, cpu, False), LogitBiasLogitsProcessor(None, cpu, False)]
+    for proc in procs:
+        proc.update_state(BatchUpdate(batch_size=n, removed=[], moved=[],
+                                      added=[(i, p, prompts[i], outputs[i]) for i, p in enumerate(params)]))
+    width = max(len(p) for p in prompts)
+    mask = torch.zeros(n, VOCAB, dtype=torch.bool)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids:
+            mask[i] = True
+            mask[i, p.allowed_token_ids] = False
+    return SamplingMetadata(
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32), all_greedy=False,
+        all_random=False, top_p=None, top_k=None, generators={}, max_num_logprobs=None, no_penalties=False,
+        prompt_token_ids=torch.tensor([p + [VOCAB] * (width - len(p)) for p in prompts]),
+        frequency_penalties=torch.tensor([p.frequency_penalty for p in params]),
+        presence_penalties=torch.tensor([p.presence_penalty for p in params]),
+        repetition_penalties=torch.tensor([p.repetition_penalty for p in params]),
+        output_token_ids=outputs, allowed_token_ids_mask=mask,
+        bad_words_token_ids={i: p._bad_words_token_ids for i, p in enumerate(params) if p._bad_words_token_ids},
+        logitsprocs=LogitsProcessors(procs))
+
+
+def test_processed_rows_equal_vllms_processing_of_each_rows_output():
+    """Each tree row of a request is processed as vLLM's sampler processes that request once its output has grown
+    by the row's path: the same values as a batch with one request per row."""
+    from vllm_bole.spec_decode.tree_sampler import processed_tree_rows
+
+    stop = 7
+    params = [SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3,
+                             logit_bias={5: 3.0, 9: -2.0}),
+              SamplingParams(temperature=0.8, min_tokens=5, stop_token_ids=[stop], bad_words=["x"],
+                             allowed_token_ids=list(range(4, 40)))]
+    params[0]._bad_words_token_ids, params[1]._bad_words_token_ids = [], [[11], [20, 21], [22, 23, 24]]
+    prompts, outputs = [[3, 4, 5, 6], [8, 9]], [[5, 5, 12], [20, 22, 23]]
+    # request 0: a 3-node chain; request 1: root, two children, a grandchild (paths [], [21], [24], [24, 25])
+    row_req = [0, 0, 0, 1, 1, 1, 1]
+    row_path = [[], [5], [5, 12], [], [21], [24], [24, 25]]
+    logits = torch.randn(len(row_req), VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    got = processed_tree_rows(logits, row_req, row_path, outputs, params, _processed_metadata(params, prompts,
+                                                                                                outputs))
+    row_outputs = [outputs[r] + path for r, path in zip(row_req, row_path)]
+    want = Sampler().apply_logits_processors(
+        logits.clone(), _processed_metadata([params[r] for r in row_req], [prompts[r] for r in row_req],
+                                            row_outputs), predict_bonus_token=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # The path decides: min_tokens masks the stop token below 5 output tokens only; [22, 23, 24] is masked after
+    # the output's 22, 23 but not after the path's 24; [11] everywhere.
+    assert got[3:6, stop].isinf().all() and not got[6, stop].isinf()
+    assert got[3, 24].isinf() and not got[5, 24].isinf() and got[3:, 11].isinf().all()

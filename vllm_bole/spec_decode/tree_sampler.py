@@ -42,10 +42,69 @@ def is_plain_random(params) -> bool:
     return params is not None and params.temperature >= _SAMPLING_EPS and _no_logits_processors(params)
 
 
-def walks_tree(params) -> bool:
-    """True for requests whose tree is walked past its root (plain greedy or plain random); any other request
-    verifies only the root, so drafts for it would be wasted, and it gets none."""
-    return is_plain_greedy(params) or is_plain_random(params)
+def walks_tree(params, asynchronous: bool = False) -> bool:
+    """True for requests whose tree is walked past its root: plain greedy and plain random ones, and those with
+    penalties, bad words, allowed token ids, a logit bias or min_tokens, whose tree rows get vLLM's processing
+    with each row's own output (:func:`processed_tree_rows`). The others verify only the root, so drafts for
+    them would be wasted, and they get none: structured outputs (the grammar's state is the request's, not a
+    row's), prompt logprobs, thinking budgets, logprob token ids, and under async scheduling min_tokens (the
+    runner's host copy of an output may still end in placeholders when its rows are processed)."""
+    if params is None:
+        return False
+    return not (getattr(params, "structured_outputs", None) is not None or params.prompt_logprobs
+                or getattr(params, "thinking_token_budget", None) is not None
+                or getattr(params, "logprob_token_ids", None) or (asynchronous and params.min_tokens))
+
+
+def processed_tree_rows(logits: torch.Tensor, row_req: list[int], row_path: list[list[int]],
+                        outputs: list[list[int]], params: list, md: SamplingMetadata) -> torch.Tensor:
+    """``[R, V]`` float32 tree rows after vLLM's ``Sampler.apply_logits_processors``, each row processed as vLLM
+    without speculation would process request ``row_req[i]`` (batch index) once its output (``outputs``, by batch
+    index) had grown by ``row_path[i]``, the drafted tokens from the root's child down to the row's node. The same
+    steps in the same order with vLLM's own functions: allowed token ids, bad words, min_tokens and logit bias
+    (``md.logitsprocs``, in their order), penalties. ``logits`` is not modified."""
+    from vllm.v1.sample.ops.bad_words import apply_bad_words
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    rows = logits.to(torch.float32, copy=True)
+    req = torch.tensor(row_req, dtype=torch.long).to(rows.device, non_blocking=True)
+    row_outputs = [list(outputs[r]) + path for r, path in zip(row_req, row_path)]
+    if md.allowed_token_ids_mask is not None:
+        rows.masked_fill_(md.allowed_token_ids_mask[req], float("-inf"))
+    if md.bad_words_token_ids:
+        apply_bad_words(rows, {i: md.bad_words_token_ids[r] for i, r in enumerate(row_req)
+                               if r in md.bad_words_token_ids}, row_outputs)
+    for processor in md.logitsprocs.non_argmax_invariant:
+        index = [], []
+        if isinstance(processor, MinTokensLogitsProcessor):
+            # (as its add_request: masked while the output is shorter than min_tokens)
+            for i, r in enumerate(row_req):
+                p = params[r]
+                if p.min_tokens and len(row_outputs[i]) < p.min_tokens and p.all_stop_token_ids:
+                    stop = sorted(p.all_stop_token_ids)
+                    index[0].extend([i] * len(stop))
+                    index[1].extend(stop)
+            if index[0]:
+                rows.index_put_(_device_index(index, rows.device), processor.neg_inf_tensor)
+        elif isinstance(processor, LogitBiasLogitsProcessor):
+            biases = []
+            for i, r in enumerate(row_req):
+                for token, bias in processor.biases.get(r, {}).items():
+                    index[0].append(i)
+                    index[1].append(token)
+                    biases.append(bias)
+            if biases:
+                rows[_device_index(index, rows.device)] += torch.tensor(biases, dtype=torch.float32).to(rows.device)
+        else:
+            raise NotImplementedError(f"tree rows with logits processor {type(processor).__name__}")
+    if not md.no_penalties:
+        rows = apply_all_penalties(rows, md.prompt_token_ids[req], md.presence_penalties[req],
+                                   md.frequency_penalties[req], md.repetition_penalties[req], row_outputs)
+    return rows
+
+
+def _device_index(index: tuple[list[int], list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(torch.tensor(i, dtype=torch.long).to(device, non_blocking=True) for i in index)
 
 
 def tree_rows_supported(sampling_metadata: SamplingMetadata) -> bool:

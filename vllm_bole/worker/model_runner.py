@@ -18,6 +18,7 @@ import torch
 from vllm.utils.math_utils import next_power_of_2
 from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.utils import record_function_or_nullcontext
 
 from .._vllm_compat import module_attr_override
@@ -31,8 +32,9 @@ from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_dra
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
-from ..spec_decode.tree_sampler import (builtin_logitsprocs, is_plain_greedy, is_plain_random, pad_outputs,
-                                        sample_tree_rows, tree_rows_supported, walk_tree, walks_tree)
+from ..spec_decode.tree_sampler import (builtin_logitsprocs, draw_tree_rows, is_plain_greedy, is_plain_random,
+                                        pad_outputs, processed_tree_rows, sample_tree_rows, tree_rows_supported,
+                                        walk_tree, walks_tree)
 from . import early_drafting
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
@@ -205,7 +207,7 @@ class BoleModelRunnerMixin:
         """Whether the request's tree is walked past its root (``tree_sampler.walks_tree``); structured-output
         and other root-only requests draft nothing."""
         params = self.requests[req_id].sampling_params
-        return params is None or walks_tree(params)   # (None: no sampling settings to honour)
+        return params is None or walks_tree(params, self.bole_async)   # (None: no sampling settings to honour)
 
     def _plan_budget(self, step: DraftStep) -> None:
         """The step's per-request cap and node budget (``budget_rule "step"``/``"throughput"``: the clock
@@ -473,6 +475,7 @@ class BoleModelRunnerMixin:
         walks = own_logprobs or not wants_logprobs
         rows_supported = walks and tree_rows_supported(metadata)
         greedy, drawn = [], []  # batch indices of the tree requests walked by argmax / by samples
+        processed = []  # those among them whose rows get vLLM's logits processing (penalties, logit bias, ...)
         for r, req_id in enumerate(self.input_batch.req_ids):
             params = self.requests[req_id].sampling_params
             if r not in tree_of or not walks:
@@ -481,7 +484,11 @@ class BoleModelRunnerMixin:
                 greedy.append(r)
             elif rows_supported and is_plain_random(params):
                 drawn.append(r)
+            elif rows_supported and self._walks_tree(req_id):
+                processed.append(r)
         targets = {}  # batch index -> the target's token after each of its tree rows
+        if processed:
+            targets |= self._processed_targets(logits, processed, row_start, num_rows, tree_of, metadata)
         if greedy:
             first = self._bole_first_pass
             if first is not None:   # already on its way to the host (the drafter's first pass runs behind it)
@@ -512,7 +519,7 @@ class BoleModelRunnerMixin:
             final = self.sampler(logits=logits[torch.tensor(final_rows, device=logits.device)],
                                  sampling_metadata=metadata)
             bonus = final.sampled_token_ids[:, 0].tolist()
-        for r in drawn:  # the draw at the walk's last node is the bonus token
+        for r in drawn + processed:  # the target at the walk's last node is the bonus token
             bonus[r] = targets[r][paths[r][-1]]
         outputs = []
         for r, path in enumerate(paths):
@@ -529,6 +536,39 @@ class BoleModelRunnerMixin:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=final.logprobs_tensors)
         return SamplerOutput(sampled_token_ids=sampled,
                              logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
+
+    def _processed_targets(self, logits, reqs: list[int], row_start: list[int], num_rows: list[int], tree_of,
+                           metadata) -> dict[int, list[int]]:
+        """The target's token after each tree row of requests with penalties, bad words, allowed token ids, a
+        logit bias or min_tokens (batch indices ``reqs``): each row processed as vLLM would process the request
+        with the row's path appended to its output (``tree_sampler.processed_tree_rows``), then its argmax
+        (greedy) or one draw (sampled, ``tree_sampler.draw_tree_rows``)."""
+        forest = self._bole_forest
+        rows, row_req, row_path = [], [], []
+        for r in reqs:
+            parents, tokens = forest.parents_of(tree_of[r]), forest.tokens[tree_of[r]]
+            paths = [[]]   # per node, the drafted tokens from the root's child down to it
+            for j in range(1, len(parents)):
+                paths.append(paths[parents[j]] + [tokens[j]])
+            rows += range(row_start[r], row_start[r] + num_rows[r])
+            row_req += [r] * num_rows[r]
+            row_path += paths
+        params = [self.requests[req_id].sampling_params for req_id in self.input_batch.req_ids]
+        rows_t = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        values = processed_tree_rows(logits[rows_t], row_req, row_path, self.input_batch.req_output_token_ids,
+                                     params, metadata)
+        out = values.argmax(dim=-1)   # greedy rows (vLLM's greedy sample of processed logits)
+        drawn = [i for i, r in enumerate(row_req) if params[r].temperature >= _SAMPLING_EPS]
+        if drawn:
+            index = torch.tensor(drawn, dtype=torch.long).to(values.device, non_blocking=True)
+            out[index] = draw_tree_rows(values[index], [row_req[i] for i in drawn], metadata,
+                                        self.sampler.use_fp64_gumbel).to(out.dtype)
+        out = out.tolist()
+        targets, start = {}, 0
+        for r in reqs:
+            targets[r] = out[start:start + num_rows[r]]
+            start += num_rows[r]
+        return targets
 
     def _host_walk_tokens(self, outputs: list[list[int]]) -> torch.Tensor:
         """A host walk's emitted tokens as vLLM's sampled token ids: on the host (its bookkeeping then needs no

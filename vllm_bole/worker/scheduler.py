@@ -122,11 +122,10 @@ class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
             request = self.requests[req_id]
             if request.is_prefill_chunk:
                 continue
-            if not walks_tree(request.sampling_params):
-                # Its next token comes from vLLM's sampler with all its settings (a grammar, penalties,
-                # min_tokens, ...; structured outputs included): the runner walks no tree past the root for it, so
-                # it gets no placeholders (placeholders it would not fill would also count as output tokens, e.g.
-                # toward min_tokens).
+            if not walks_tree(request.sampling_params, asynchronous=True):
+                # Its next token comes from vLLM's sampler with all its settings (a grammar, min_tokens, prompt
+                # logprobs, ...): the runner walks no tree past the root for it, so it gets no placeholders
+                # (placeholders it would not fill would also count as output tokens, e.g. toward min_tokens).
                 request.spec_token_ids = []
             else:
                 drafting.append(req_id)
