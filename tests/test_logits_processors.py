@@ -44,6 +44,19 @@ def test_front_end_accepts_min_p_and_logit_bias_for_bole_only(tiny_qwen3_5_dir):
             validate({"method": "mtp", "num_speculative_tokens": 2}, params)
 
 
+def _lossless_runs(tmp_path, model: str, requests: list[dict], ref: dict) -> dict[str, dict]:
+    """The requests through Bole, planted trees scheduled synchronously and MTP trees under async scheduling; each
+    run's outputs equal ``ref`` (vLLM without speculation) and some drafts were accepted."""
+    write_oracle(tmp_path, requests, ref)
+    runs = {}
+    for name, spec in sync_and_async_runs(tmp_path).items():
+        out = runs[name] = run_engine(tmp_path, name, {"model": model, "requests": requests, "logprobs": 2, **spec})
+        assert_lossless(ref, out, max_near_ties=2)
+        print(f"{name}: counters {out['counters']}, scheduling {out['scheduling']}")
+        assert out["counters"]["num_accepted_tokens"] > 0, out["counters"]
+    return runs
+
+
 def test_logit_bias_and_min_p_requests_are_lossless(tmp_path, tiny_qwen3_5_dir):
     model = tiny_qwen3_5_dir
     vocab = vocab_size(model)
@@ -64,13 +77,9 @@ def test_logit_bias_and_min_p_requests_are_lossless(tmp_path, tiny_qwen3_5_dir):
     assert all(t >= vocab // 2 and (t - vocab // 2) % 9 == 0 for t in outputs[0]), outputs[0]
     assert not any(10 <= t < vocab // 2 and (t - 10) % 3 == 0 for t in outputs[1]), outputs[1]
     assert set(outputs[3]) <= set(allowed) and len(outputs[3]) >= 8, outputs[3]
-    write_oracle(tmp_path, requests, ref)
-    for name, spec in sync_and_async_runs(tmp_path).items():
-        out = run_engine(tmp_path, name, {"model": model, "requests": requests, "logprobs": 2, **spec})
-        assert_lossless(ref, out, max_near_ties=2)
-        print(f"{name}: counters {out['counters']}, scheduling {out['scheduling']}")
-        assert out["counters"]["num_accepted_tokens"] > 0, out["counters"]
-    assert out["scheduling"]["scheduler"] == "BoleAsyncScheduler" and out["scheduling"]["batch_queue"]
+    runs = _lossless_runs(tmp_path, model, requests, ref)
+    assert runs["mtp_async"]["scheduling"]["scheduler"] == "BoleAsyncScheduler"
+    assert runs["mtp_async"]["scheduling"]["batch_queue"]
 
 
 def _successor_bigrams(model: str, tok) -> dict[str, tuple[int, int]]:
@@ -122,15 +131,10 @@ def test_penalty_bias_bad_words_and_min_tokens_requests_walk_their_trees(tmp_pat
                                        "engine": {"max_num_seqs": 8}})
     outputs = [o["tokens"] for o in ref["outputs"]]
     assert set(outputs[2]) <= set(allowed) and len(outputs[2]) >= 12, outputs[2]
-    write_oracle(tmp_path, requests, ref)
-    for name, spec in sync_and_async_runs(tmp_path).items():
-        out = run_engine(tmp_path, name, {"model": model, "requests": requests, "logprobs": 2, **spec})
-        assert_lossless(ref, out, max_near_ties=2)
-        print(f"{name}: counters {out['counters']}")
-        # every request has such settings: a root-only walk would give exactly 1 token per step
-        if name == "planted_sync":   # the true continuation planted to a random depth of up to 4 (mean about 2.8)
-            assert out["counters"]["mean_acceptance_length"] > 2.2, out["counters"]
-        assert out["counters"]["num_accepted_tokens"] > 0, out["counters"]
+    runs = _lossless_runs(tmp_path, model, requests, ref)
+    # Every request has such settings: a root-only walk would give exactly 1 token per step. The planted drafter
+    # hides the true continuation to a random depth of up to 4 (a mean of about 2.8 tokens per step).
+    assert runs["planted_sync"]["counters"]["mean_acceptance_length"] > 2.2, runs["planted_sync"]["counters"]
 
     # Sampled (temperature 0.8: the tiny model's logits are sharp, so MTP drafts are accepted), with the bad words
     # and a presence penalty: the drawn rows are processed too, so no emitted pair is a bad word.
