@@ -31,8 +31,9 @@ def _no_logits_processors(params) -> bool:
 def is_plain_greedy(params) -> bool:
     """True for requests whose next token is exactly the argmax of the raw logits (no logits processors).
 
-    Requests that are neither plain greedy nor plain random (:func:`is_plain_random`) verify only the root: their
-    next token comes from vLLM's sampler with all their settings.
+    Requests that are neither plain greedy nor plain random (:func:`is_plain_random`) stay off the early path;
+    their rows are processed on the host walk (:func:`processed_tree_rows`), or their trees verified only at the
+    root (:func:`walks_tree`).
     """
     return params is not None and params.temperature == 0.0 and _no_logits_processors(params)
 

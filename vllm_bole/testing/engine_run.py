@@ -5,8 +5,8 @@
 SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "requests": [{"prompt": [ids],
 "max_tokens": n, "ignore_eos": bool, "temperature": t, "seed": s, "stop_token_ids": [ids], "top_k": k,
 "top_p": p, "min_p": m, "presence_penalty", "frequency_penalty", "repetition_penalty", "allowed_token_ids",
-"min_tokens", "bad_words": [strings], "logit_bias": {"id": bias}, "structured": {vLLM StructuredOutputsParams fields, e.g. "regex":
-"..."}}],
+"min_tokens", "bad_words": [strings], "logit_bias": {"id": bias}, "structured": {vLLM StructuredOutputsParams
+fields, e.g. "regex": "..."}}],
 "logprobs": 2, "cpu_async_scheduling": bool}; request keys other than "prompt" and "max_tokens" are optional
 (vLLM's defaults, except ``ignore_eos`` true and ``temperature`` 0).
 ``cpu_async_scheduling``: run vLLM's async scheduling on CPU (:func:`force_cpu_async_scheduling`). Each

@@ -185,8 +185,8 @@ class BoleModelRunnerMixin:
     def _plan_async(self, step: DraftStep, placeholders: Placeholders) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
         drafting request gets as many nodes as its placeholders (``num_spec_tokens_to_schedule``, one more for
-        those in ``bole_one_more``), root-only requests none (structured outputs, penalties, min_tokens, ...: the
-        scheduler gave them no placeholders; their trees would not be walked past the root).
+        those in ``bole_one_more``), root-only requests none (structured outputs, prompt logprobs, min_tokens, ...:
+        ``tree_sampler.walks_tree``; the scheduler gave them no placeholders and ``_draft_step`` no context).
         Under ``budget_rule "throughput"`` the step clock ticks here and the walks copied so far reach the
         acceptance model, for the scheduler's next budgets (:meth:`bole_async_budget`)."""
         if self.bole_config.budget_rule == "throughput":
@@ -776,9 +776,10 @@ class BoleModelRunnerMixin:
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             new = [t for t in sampled[r] if t != -1]
             ran = not discard[r] and bool(new)
-            # A root-only request's next token comes from vLLM's sampler (a grammar, penalties, min_tokens, ...):
-            # nothing of its tree would be walked past the root (tree_sampler.walks_tree), so it drafts nothing
-            # and the step's node budget goes to the others. Its MTP KV still catches up (first_pass).
+            # A root-only request's next token comes from vLLM's sampler (a grammar, prompt logprobs, min_tokens
+            # under async scheduling, ...): nothing of its tree would be walked past the root
+            # (tree_sampler.walks_tree), so it drafts nothing and the step's node budget goes to the others. Its MTP
+            # KV still catches up (first_pass).
             drafting = ran and self._walks_tree(req_id)
             state = self.requests[req_id]
             if self.bole_async:
