@@ -7,7 +7,8 @@ checkpoint through their ``load_weights``; the ``vllm``-marked test starts engin
 import json
 import os
 import socket
-import warnings
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,33 +185,23 @@ def test_checkpoint_covers_every_vllm_parameter(tiny_dirs, kind, part, stock_vll
     }[kind, part]
 
 
-def _start_once_more_if_spawn_fails(run, *args, **kwargs):
-    """``run(*args, **kwargs)``, started a second time when stock vLLM's spawned engine-core process failed to
-    start (once, on a CI machine, it died while importing transformers, with no Bole code loaded: these engines run
-    with ``VLLM_PLUGINS=""``). A second failure fails the test."""
-    try:
-        return run(*args, **kwargs)
-    except RuntimeError as e:
-        if "Engine core initialization failed" not in str(e):
-            raise
-        warnings.warn(f"stock vLLM's engine core failed to start; starting it once more ({e})", stacklevel=2)
-        return run(*args, **kwargs)
-
-
 @pytest.mark.vllm
-def test_mtp_matches_plain_greedy_with_high_acceptance(tiny_qwen3_5_dir, stock_vllm):
-    from vllm_bole.testing.greedy_check import PROMPTS, compare_greedy, run_engine
-
-    plain = _start_once_more_if_spawn_fails(run_engine, tiny_qwen3_5_dir, "qwen3_5", PROMPTS, max_tokens=24)
-    spec = _start_once_more_if_spawn_fails(
-        run_engine,
-        tiny_qwen3_5_dir,
-        "qwen3_5",
-        PROMPTS,
-        max_tokens=24,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+def test_mtp_matches_plain_greedy_with_high_acceptance(tiny_qwen3_5_dir, tmp_path):
+    """Stock vLLM (no plugins) with its own MTP against itself without speculation: the tiny model's MTP layer is
+    trained-like enough for a high acceptance and no greedy near-ties. Runs in a fresh process with the engine core
+    in-process, as the other engine tests: an engine core spawned from the test process could not start on one
+    machine (it died importing transformers) while it started everywhere else."""
+    report = tmp_path / "greedy_check.json"
+    env = dict(os.environ, VLLM_PLUGINS="", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_bole.testing.greedy_check", "--model", tiny_qwen3_5_dir, "--max-tokens", "24",
+         "--spec", json.dumps({"method": "mtp", "num_speculative_tokens": 3}), "--report", str(report)],
+        env=env, capture_output=True, text=True, timeout=900,
     )
-    statuses = [c.status for c in compare_greedy(plain["outputs"], spec["outputs"])]
-    assert statuses == ["identical"] * len(PROMPTS)
-    assert min(min(o.top2_gaps) for o in plain["outputs"]) > 0.3  # no bf16 near-ties
-    assert spec["counters"]["acceptance_rate"] > 0.5
+    assert report.exists(), f"greedy_check failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}"
+    result = json.loads(report.read_text())
+    assert [c["status"] for c in result["comparisons"]] == ["identical"] * len(result["plain_texts"])
+    assert proc.returncode == 0
+    assert result["min_top2_gap"] > 0.3  # no bf16 near-ties
+    assert result["spec_decode"]["acceptance_rate"] > 0.5
