@@ -5,8 +5,10 @@ Hundreds of short continuations of one prompt (different seeds, some unseeded) r
 planted drafter (trees that hold the greedy continuation) and with the MTP drafter; the 2nd and 3rd tokens and the
 (1st, 2nd) pair are compared with a chi-square two-sample test. The temperature is high enough that several tokens
 have real probability, and the spec-decode counters must show accepted drafts, so the trees are actually walked.
+Requests with penalties get a test of their own: a tree row's penalties count the tokens on the row's path.
 """
 
+import json
 import random
 from collections import Counter
 
@@ -123,5 +125,68 @@ def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, refere
     samples = {"t2": lambda t: t[1], "t3": lambda t: t[2], "(t1,t2)": lambda t: (t[0], t[1])}
     for label, key in samples.items():
         stat, p, dof = chi_square_two_sample([key(t) for t in ref], [key(t) for t in got])
+        print(f"{name} {label}: chi2 {stat:.1f}, dof {dof}, p {p:.3g}")
+        assert p > P_MIN, (label, stat, dof, p)
+
+
+# Sampled requests with penalties: each tree row is drawn after vLLM's penalties with the row's path appended to the
+# output, so a row's distribution depends on the tokens drafted above it. The 1st token comes from the prefill and
+# the trees verify the 2nd and 3rd, so the 3rd is drawn from a depth-1 row whose path is the 2nd. Negative presence
+# and frequency penalties make the 3rd token repeat the 2nd in about a tenth of the requests (the test's power: a row
+# drawn without its path repeats far less often; the tiny model never repeats a token on its own); repetition and
+# frequency penalties above 0 the opposite.
+PENALTY_SETTINGS = [dict(temperature=1.0, top_k=8, presence_penalty=-2.0, frequency_penalty=-2.0),
+                    dict(temperature=1.5, top_k=8, repetition_penalty=1.6, frequency_penalty=1.0)]
+
+
+def _penalty_requests(prompt: list[int]) -> list[dict]:
+    return [{"prompt": prompt, "max_tokens": MAX_TOKENS, "seed": 5000 + i, **PENALTY_SETTINGS[i % 2]}
+            for i in range(NUM_REQUESTS)]
+
+
+def _repeats(tokens: list[list[int]], setting: int) -> float:
+    """Share of the setting's requests whose 3rd token repeats their 2nd."""
+    mine = tokens[setting::len(PENALTY_SETTINGS)]
+    return sum(t[2] == t[1] for t in mine) / len(mine)
+
+
+@pytest.fixture(scope="module")
+def penalty_reference(tmp, model, prompt, reference):
+    ref = _tokens(run_engine(tmp, "penalty_ref", {"model": model, "engine": {"max_num_seqs": 64},
+                                                  "requests": _penalty_requests(prompt)}))
+    print(f"penalty reference: the 3rd token repeats the 2nd in {_repeats(ref, 0):.2f} / {_repeats(ref, 1):.2f}")
+    assert _repeats(ref, 0) > 0.05 and _repeats(ref, 1) < 0.02   # the penalties shape the 3rd token
+    return ref
+
+
+@pytest.mark.parametrize("drafter", ["planted", "mtp"])
+def test_sampled_penalty_requests_match_reference_distribution(tmp, model, prompt, penalty_reference, drafter):
+    """Planted trees scheduled synchronously, MTP trees under async scheduling; the trees are walked below their
+    roots (accepted drafts at depth 2) and the (setting, 2nd, 3rd) tokens, and whether the 3rd repeats the 2nd,
+    follow vLLM's distribution without speculation. Power, checked by drawing the rows without their paths: the
+    MTP run's repeat share drops (p ~ 2e-4) and the planted trees' hidden repeats are never accepted."""
+    name = f"penalty_{drafter}"
+    oracle_dir = tmp / "penalty_oracle"
+    if drafter == "planted":   # trees that hide, after each 1st token, its likeliest 2nd and then a repeat of it
+        oracle_dir.mkdir(exist_ok=True)
+        seconds = {}
+        for t in penalty_reference[0::len(PENALTY_SETTINGS)]:
+            seconds.setdefault(t[0], Counter())[t[1]] += 1
+        (oracle_dir / "oracle.json").write_text(json.dumps(
+            [{"prompt": prompt, "output": [t1] + [c.most_common(1)[0][0]] * 2}
+             for t1, c in seconds.items()]))
+    engine = bole_engine(oracle_dir, name, depth=2, topk=3, budget=512, drafter=drafter, max_num_seqs=64,
+                         async_scheduling=drafter == "mtp")
+    spec = {"model": model, "engine": engine, "requests": _penalty_requests(prompt)}
+    out = run_engine(tmp, name, spec | ({"cpu_async_scheduling": True} if drafter == "mtp" else {}))
+    got, counters = _tokens(out), out["counters"]
+    print(f"{name}: counters {counters}; repeats {_repeats(got, 0):.2f} / {_repeats(got, 1):.2f}")
+    assert counters["accepted_per_pos"][1] > 0, counters
+    settings = len(PENALTY_SETTINGS)
+    samples = {"(s,t2,t3)": lambda i, t: (i % settings, t[1], t[2]),
+               "(s,t3==t2)": lambda i, t: (i % settings, t[2] == t[1])}
+    for label, key in samples.items():
+        stat, p, dof = chi_square_two_sample([key(i, t) for i, t in enumerate(penalty_reference)],
+                                             [key(i, t) for i, t in enumerate(got)])
         print(f"{name} {label}: chi2 {stat:.1f}, dof {dof}, p {p:.3g}")
         assert p > P_MIN, (label, stat, dof, p)
