@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.outputs import DraftTokenIds
 
 from vllm_bole.spec_decode.drafter import DraftStep, TreeDrafter
 from vllm_bole.spec_decode.tree import DraftTree
@@ -18,7 +19,7 @@ class _Base:
     """What the mixin calls of vLLM's runner here."""
 
     def take_draft_token_ids(self):
-        return ("taken", self._draft_token_ids)
+        return DraftTokenIds(list(self._bole_trees), self._draft_token_ids)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         return ("executed", dict(self._bole_trees))
@@ -55,10 +56,22 @@ def test_take_finishes_the_pending_drafts_once():
     runner, calls = _runner(), []
     _pending(runner, calls)
     assert calls == []                                        # queued, not waited for
-    assert runner.take_draft_token_ids() == ("taken", [[5, 6], [7]])
+    assert runner.take_draft_token_ids() == DraftTokenIds(["a", "b"], [[5, 6], [7]])
     assert calls == [1] and runner._bole_pending is None
     assert runner._bole_trees["a"].tokens == [5, 6] and runner._bole_trees["b"].tokens == [7]
-    assert runner.take_draft_token_ids() == ("taken", [[5, 6], [7]]) and calls == [1]
+    assert runner.take_draft_token_ids() == DraftTokenIds(["a", "b"], [[5, 6], [7]]) and calls == [1]
+
+
+def test_structured_requests_drafts_carry_their_trees_parents():
+    """The scheduler fills a structured-output request's grammar rows along its tree (worker/tree_grammar.py)."""
+    from vllm_bole.worker.tree_grammar import PARENTS_ATTR
+
+    runner, calls = _runner(), []
+    runner.requests["a"] = SimpleNamespace(sampling_params=SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+    _pending(runner, calls)
+    drafts = runner.take_draft_token_ids()
+    assert getattr(drafts, PARENTS_ATTR) == {"a": [-1, 0]}
 
 
 def test_the_next_step_finishes_drafts_nobody_took():
@@ -98,7 +111,7 @@ def test_queued_drafts_reach_vllm_as_placeholders_without_waiting():
     step, finish = runner._bole_pending
     trees = [DraftTree([5, 6], [-1, 0], [0.9, 0.8]), DraftTree([7], [-1], [0.5])]
     step.queued = QueuedDrafts.of_trees(step.req_ids, trees, "cpu")
-    assert runner.take_draft_token_ids() == ("taken", [[PLACEHOLDER] * 2, [PLACEHOLDER]])
+    assert runner.take_draft_token_ids().draft_token_ids == [[PLACEHOLDER] * 2, [PLACEHOLDER]]
     assert calls == [] and runner._bole_pending is None and runner._bole_last_nodes == 3
     assert runner._bole_queued == (step.queued, finish, step.req_ids)
 
@@ -173,12 +186,12 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
 
 
 @pytest.mark.parametrize("root_only,asynchronous", [
-    (dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+")), False), (dict(prompt_logprobs=1), False),
+    (dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+")), True), (dict(prompt_logprobs=1), False),
     (dict(min_tokens=4), True)])
 def test_root_only_requests_carry_no_drafts(root_only, asynchronous):
-    """A request whose next token comes from vLLM's sampler with its settings (a grammar, prompt logprobs; under
-    async scheduling min_tokens: its tree would not be walked past the root) drafts nothing, while its drafter K/V
-    still catches up; the step's node budget goes to the other requests."""
+    """A request whose next token comes from vLLM's sampler with its settings (prompt logprobs; under async
+    scheduling a grammar or min_tokens: its tree would not be walked past the root) drafts nothing, while its
+    drafter K/V still catches up; the step's node budget goes to the other requests."""
     import numpy as np
     import torch
 

@@ -40,6 +40,7 @@ from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 from .scheduler import Placeholders
 from .step_profile import StepProfiler, profiled
+from .tree_grammar import PARENTS_ATTR
 
 logger = init_logger(__name__)
 
@@ -204,8 +205,8 @@ class BoleModelRunnerMixin:
         return params is not None and params.structured_outputs is not None
 
     def _walks_tree(self, req_id: str) -> bool:
-        """Whether the request's tree is walked past its root (``tree_sampler.walks_tree``); structured-output
-        and other root-only requests draft nothing."""
+        """Whether the request's tree is walked past its root (``tree_sampler.walks_tree``); root-only requests
+        (prompt logprobs; under async scheduling structured outputs and min_tokens) draft nothing."""
         params = self.requests[req_id].sampling_params
         return params is None or walks_tree(params, self.bole_async)   # (None: no sampling settings to honour)
 
@@ -735,8 +736,8 @@ class BoleModelRunnerMixin:
 
     def _queues_drafts(self, step: DraftStep) -> bool:
         """Whether this step's drafts go to vLLM as placeholders (``selection: "per_request"``): not when a
-        request has structured outputs, whose grammar vLLM checks the draft tokens against (not asked under async
-        scheduling, where drafts always go as placeholders and structured-output requests get none)."""
+        request has structured outputs, whose drafts the scheduler reads to fill their grammar rows (not asked under
+        async scheduling, where drafts always go as placeholders and structured-output requests get none)."""
         if self.bole_config.selection != "per_request":
             return False
         return not any(self._structured(req_id) for req_id in step.req_ids)
@@ -747,7 +748,14 @@ class BoleModelRunnerMixin:
             # Only vLLM's structured-output path asks under async scheduling, to check drafts against grammars;
             # Bole's structured-output requests carry none, the others only placeholders.
             return None
-        return super().take_draft_token_ids()
+        drafts = super().take_draft_token_ids()
+        if drafts is not None:
+            # Structured-output requests' trees: the scheduler fills one grammar row per node after its path.
+            trees = {req_id: self._bole_trees[req_id].parents for req_id in drafts.req_ids
+                     if self._structured(req_id) and req_id in self._bole_trees}
+            if trees:
+                setattr(drafts, PARENTS_ATTR, trees)
+        return drafts
 
     def _fill_placeholders(self, req_id: str, output: list[int]) -> None:
         """Under async scheduling vLLM's host copy of a request's output ends in placeholders (-1) for the last

@@ -16,12 +16,15 @@ request (``BoleModelRunnerMixin._plan_quotas``), so every placeholder has its qu
 from dataclasses import dataclass
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import DraftTokenIds
 
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import async_budget_source, node_budget
 from ..spec_decode.tree_sampler import walks_tree
+from .tree_grammar import PARENTS_ATTR, REQUEST_ATTR, tree_grammar_bitmask, tree_parents
 
 logger = init_logger(__name__)
 
@@ -34,7 +37,46 @@ class _NoPlaceholderPadding:
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
 
 
-class BoleScheduler(_NoPlaceholderPadding, Scheduler):
+class _TreeGrammars:
+    """Structured-output requests with tree drafts (synchronous scheduling): the drafts keep their tree, and the
+    grammar bitmask has one row per tree node filled after the node's path (:mod:`.tree_grammar`)."""
+
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        trees = getattr(draft_token_ids, PARENTS_ATTR, None) or {}
+        for req_id in draft_token_ids.req_ids:   # (a tree's parents belong to its own drafts only)
+            if (request := self.requests.get(req_id)) is not None:
+                setattr(request, REQUEST_ATTR, None)
+        if not trees:
+            return super().update_draft_token_ids(draft_token_ids)
+        rest = ([], [])
+        manager = self.structured_output_manager
+        for req_id, tokens in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(req_id)
+            if req_id not in trees or request is None or request.is_finished() or request.is_prefill_chunk:
+                rest[0].append(req_id)
+                rest[1].append(tokens)
+                continue
+            if not (manager.should_advance(request) and manager.should_fill_bitmask(request)):
+                # Still reasoning (the grammar applies after the reasoning end, which vLLM detects in a chain of
+                # drafts but no tree walk here does): no drafts this step.
+                tokens = []
+            # No chain check (validate_tokens): nodes the grammar forbids stay, unreachable, in the tree.
+            request.spec_token_ids = tokens
+            setattr(request, REQUEST_ATTR, (list(tokens), list(trees[req_id][:len(tokens)])))
+        if rest[0]:
+            super().update_draft_token_ids(DraftTokenIds(*rest))
+
+    def get_grammar_bitmask(self, scheduler_output):
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        structured = [req_id for req_id in scheduler_output.num_scheduled_tokens
+                      if (req := self.requests.get(req_id)) and req.use_structured_output and not req.is_prefill_chunk]
+        if not structured or not any(tree_parents(self.requests[r], spec.get(r, [])) for r in structured):
+            return super().get_grammar_bitmask(scheduler_output)
+        bitmask = tree_grammar_bitmask(self.structured_output_manager, self.requests, structured, spec)
+        return GrammarOutput(structured, bitmask)
+
+
+class BoleScheduler(_TreeGrammars, _NoPlaceholderPadding, Scheduler):
     pass
 
 
@@ -79,7 +121,7 @@ class Placeholders:
         return self.k + (req_id in self.one_more)
 
 
-class BoleAsyncScheduler(_NoPlaceholderPadding, AsyncScheduler):
+class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, AsyncScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.bole_config = bole_config_from_vllm(self.vllm_config)
