@@ -163,9 +163,9 @@ def test_request_classes():
             params = SamplingParams(temperature=temperature, **extra)
             assert walks_tree(params) == ("prompt_logprobs" not in extra), extra
             assert walks_tree(params, asynchronous=True) == (not {"prompt_logprobs", "min_tokens"} & set(extra))
-    # A grammar: one bitmask row per tree node from the scheduler, synchronous scheduling only.
+    # A grammar: one bitmask row per tree node from the scheduler.
     structured = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
-    assert walks_tree(structured) and not walks_tree(structured, asynchronous=True)
+    assert walks_tree(structured) and walks_tree(structured, asynchronous=True)
     assert walks_tree(SamplingParams(temperature=0.0, min_p=0.2)) and walks_tree(SamplingParams(temperature=0.5))
     assert not walks_tree(None)
     assert not is_plain_random(None) and not is_plain_greedy(None)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from vllm.utils.math_utils import next_power_of_2
 from vllm.utils.torch_utils import async_tensor_h2d
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.utils import record_function_or_nullcontext
 
@@ -745,9 +745,9 @@ class BoleModelRunnerMixin:
     def take_draft_token_ids(self):
         self._finish_drafts()
         if self.bole_async:
-            # Only vLLM's structured-output path asks under async scheduling, to check drafts against grammars;
-            # Bole's structured-output requests carry none, the others only placeholders.
-            return None
+            # Only vLLM's structured-output path asks under async scheduling, before it fills the grammar rows of a
+            # step whose forward already runs: that step's trees of structured-output requests.
+            return self._structured_trees()
         drafts = super().take_draft_token_ids()
         if drafts is not None:
             # Structured-output requests' trees: the scheduler fills one grammar row per node after its path.
@@ -755,6 +755,23 @@ class BoleModelRunnerMixin:
                      if self._structured(req_id) and req_id in self._bole_trees}
             if trees:
                 setattr(drafts, PARENTS_ATTR, trees)
+        return drafts
+
+    def _structured_trees(self):
+        """The trees of the structured-output requests of the step just started (async scheduling: vLLM holds
+        their drafts as placeholders and asks for them before it fills their grammar rows), with their parents;
+        None without such trees. Waits for the host copy of the queued trees."""
+        forest = self._bole_forest
+        if forest is None:
+            return None
+        index = [i for i, req_id in enumerate(forest.req_ids) if self._structured(req_id)]
+        if not index:
+            return None
+        forest.materialize()
+        req_ids = [forest.req_ids[i] for i in index]
+        drafts = DraftTokenIds(req_ids, [list(forest.tokens[i][1:]) for i in index])
+        setattr(drafts, PARENTS_ATTR, {req_id: [p - 1 for p in forest.tree_parents[i][1:]]
+                                       for req_id, i in zip(req_ids, index)})
         return drafts
 
     def _fill_placeholders(self, req_id: str, output: list[int]) -> None:

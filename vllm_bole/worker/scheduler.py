@@ -66,6 +66,27 @@ class _TreeGrammars:
         if rest[0]:
             super().update_draft_token_ids(DraftTokenIds(*rest))
 
+    def update_draft_token_ids_in_output(self, draft_token_ids, scheduler_output) -> None:
+        """Async scheduling: the trees behind a deferred step's placeholders, as they are (no chain check)."""
+        trees = getattr(draft_token_ids, PARENTS_ATTR, None) or {}
+        rest = ([], [])
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, tokens in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(req_id)
+            scheduled = spec.get(req_id)
+            if req_id not in trees or request is None or request.is_finished() or not scheduled:
+                rest[0].append(req_id)
+                rest[1].append(tokens)
+                continue
+            if len(tokens) < len(scheduled):
+                raise RuntimeError(f"request {req_id}: a tree of {len(tokens)} drafts behind {len(scheduled)} "
+                                   "placeholders")
+            tokens = list(tokens[:len(scheduled)])
+            spec[req_id] = tokens
+            setattr(request, REQUEST_ATTR, (tokens, list(trees[req_id][:len(tokens)])))
+        if rest[0]:
+            super().update_draft_token_ids_in_output(DraftTokenIds(*rest), scheduler_output)
+
     def get_grammar_bitmask(self, scheduler_output):
         spec = scheduler_output.scheduled_spec_decode_tokens
         structured = [req_id for req_id in scheduler_output.num_scheduled_tokens
@@ -164,10 +185,12 @@ class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, AsyncScheduler):
             request = self.requests[req_id]
             if request.is_prefill_chunk:
                 continue
-            if not walks_tree(request.sampling_params, asynchronous=True):
-                # Its next token comes from vLLM's sampler with all its settings (a grammar, min_tokens, prompt
-                # logprobs, ...): the runner walks no tree past the root for it, so it gets no placeholders
-                # (placeholders it would not fill would also count as output tokens, e.g. toward min_tokens).
+            if not walks_tree(request.sampling_params, asynchronous=True) or (
+                    request.use_structured_output and not self.structured_output_manager.should_fill_bitmask(request)):
+                # Its next token comes from vLLM's sampler with all its settings (min_tokens, prompt logprobs, ...,
+                # a grammar still held back by a reasoning parser): the runner walks no tree past the root for it,
+                # so it gets no placeholders (placeholders it would not fill would also count as output tokens,
+                # e.g. toward min_tokens).
                 request.spec_token_ids = []
             else:
                 drafting.append(req_id)
