@@ -134,3 +134,51 @@ def test_tree_rows_equal_vllms_chain_rows_on_each_path(shape):
                 assert np.array_equal(rows[start + node], want), (shape, trial, r, node, path)
             assert reqs[r].structured_output_request.grammar.history == history   # rolled back
             start += 1 + len(tokens)
+
+
+def test_scheduler_keeps_tree_drafts_with_their_parents():
+    """``update_draft_token_ids``: a structured-output request's tree drafts stay whole (no chain check) with their
+    parents; one whose grammar a reasoning parser still holds back gets none; other requests go through vLLM's
+    own path. ``update_draft_token_ids_in_output`` (async scheduling) puts the trees behind the placeholders."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    from vllm_bole.worker.scheduler import _TreeGrammars
+    from vllm_bole.worker.tree_grammar import PARENTS_ATTR, REQUEST_ATTR, tree_parents
+
+    class Base:
+        def update_draft_token_ids(self, draft_token_ids):
+            self.vllm_took = list(draft_token_ids.req_ids)
+
+        def update_draft_token_ids_in_output(self, draft_token_ids, scheduler_output):
+            self.vllm_took = list(draft_token_ids.req_ids)
+
+    class Sched(_TreeGrammars, Base):
+        pass
+
+    def request(reasoning_over=True):
+        return SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=False, spec_token_ids=[],
+                               reasoning_over=reasoning_over)
+
+    sched = Sched()
+    sched.requests = {"a": request(), "b": request(reasoning_over=False), "c": request()}
+    sched.structured_output_manager = SimpleNamespace(should_advance=lambda r: True,
+                                                      should_fill_bitmask=lambda r: r.reasoning_over)
+    drafts = DraftTokenIds(["a", "b", "c"], [[5, 6, 7], [8, 9], [1, 2]])
+    setattr(drafts, PARENTS_ATTR, {"a": [-1, -1, 0], "b": [-1, 0]})
+    sched.update_draft_token_ids(drafts)
+    assert sched.requests["a"].spec_token_ids == [5, 6, 7] and sched.requests["b"].spec_token_ids == []
+    assert sched.vllm_took == ["c"]
+    assert tree_parents(sched.requests["a"], [5, 6]) == [-1, -1]            # a prefix the scheduler cut
+    assert tree_parents(sched.requests["a"], [5, 7]) is None                # not its drafts: a chain
+    assert getattr(sched.requests["c"], REQUEST_ATTR) is None
+
+    out = SimpleNamespace(scheduled_spec_decode_tokens={"a": [-1, -1], "c": [-1]})
+    drafts = DraftTokenIds(["a", "c"], [[3, 4, 4], [1]])
+    setattr(drafts, PARENTS_ATTR, {"a": [-1, 0, 0]})
+    sched.update_draft_token_ids_in_output(drafts, out)
+    assert out.scheduled_spec_decode_tokens["a"] == [3, 4] and tree_parents(sched.requests["a"], [3, 4]) == [-1, 0]
+    assert sched.vllm_took == ["c"]
+    drafts = DraftTokenIds(["a"], [[3]])
+    setattr(drafts, PARENTS_ATTR, {"a": [-1]})
+    with pytest.raises(RuntimeError, match="a tree of 1 drafts behind 2 placeholders"):
+        sched.update_draft_token_ids_in_output(drafts, out)
