@@ -1,5 +1,5 @@
-"""vLLM's OpenAI-compatible server with Bole on CPU: completions, chat, metrics, min_p and logit_bias, and a
-rejected request."""
+"""vLLM's OpenAI-compatible server with Bole on CPU: completions, chat, metrics, min_p and logit_bias, a JSON-schema
+response format, a rejected request and vLLM's serving benchmark."""
 
 import json
 import os
@@ -103,6 +103,25 @@ def test_min_p_and_logit_bias_are_served(server):
     assert status == 200 and biased["choices"][0]["text"] != plain["choices"][0]["text"]
     status, out = _post(base + "/v1/completions", request | {"temperature": 0.8, "min_p": 0.2, "seed": 5})
     assert status == 200 and out["usage"]["completion_tokens"] == 12
+
+
+def test_json_schema_response_format_is_served(server):
+    """A chat request with an OpenAI ``response_format`` JSON schema: the structured-output request walks its trees
+    (one grammar row per tree node) and the reply parses as the schema asks, greedy and sampled."""
+    base, model = server
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "age": {"type": "integer", "enum": [7, 21, 64]}},
+              "required": ["name", "age"], "additionalProperties": False}
+    request = {"model": model, "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+               "max_tokens": 64, "response_format": {"type": "json_schema",
+                                                     "json_schema": {"name": "person", "schema": schema}}}
+    for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 2}):
+        status, out = _post(base + "/v1/chat/completions", request | extra)
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        value = json.loads(choice["message"]["content"])
+        assert set(value) == {"name", "age"} and value["age"] in (7, 21, 64) and len(value["name"]) <= 6, value
 
 
 def test_vllm_bench_serve_reports_tree_acceptance(server, monkeypatch):
