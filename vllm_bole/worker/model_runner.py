@@ -186,7 +186,7 @@ class BoleModelRunnerMixin:
     def _plan_async(self, step: DraftStep, placeholders: Placeholders) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
         drafting request gets as many nodes as its placeholders (``num_spec_tokens_to_schedule``, one more for
-        those in ``bole_one_more``), root-only requests none (structured outputs, prompt logprobs, min_tokens, ...:
+        those in ``bole_one_more``), root-only requests none (prompt logprobs, min_tokens, ...:
         ``tree_sampler.walks_tree``; the scheduler gave them no placeholders and ``_draft_step`` no context).
         Under ``budget_rule "throughput"`` the step clock ticks here and the walks copied so far reach the
         acceptance model, for the scheduler's next budgets (:meth:`bole_async_budget`)."""
@@ -206,7 +206,7 @@ class BoleModelRunnerMixin:
 
     def _walks_tree(self, req_id: str) -> bool:
         """Whether the request's tree is walked past its root (``tree_sampler.walks_tree``); root-only requests
-        (prompt logprobs; under async scheduling structured outputs and min_tokens) draft nothing."""
+        (prompt logprobs; under async scheduling min_tokens) draft nothing."""
         params = self.requests[req_id].sampling_params
         return params is None or walks_tree(params, self.bole_async)   # (None: no sampling settings to honour)
 
@@ -737,7 +737,8 @@ class BoleModelRunnerMixin:
     def _queues_drafts(self, step: DraftStep) -> bool:
         """Whether this step's drafts go to vLLM as placeholders (``selection: "per_request"``): not when a
         request has structured outputs, whose drafts the scheduler reads to fill their grammar rows (not asked under
-        async scheduling, where drafts always go as placeholders and structured-output requests get none)."""
+        async scheduling, where drafts always go as placeholders: vLLM asks for those trees before it fills the
+        rows, :meth:`_structured_trees`)."""
         if self.bole_config.selection != "per_request":
             return False
         return not any(self._structured(req_id) for req_id in step.req_ids)
@@ -801,7 +802,7 @@ class BoleModelRunnerMixin:
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             new = [t for t in sampled[r] if t != -1]
             ran = not discard[r] and bool(new)
-            # A root-only request's next token comes from vLLM's sampler (a grammar, prompt logprobs, min_tokens
+            # A root-only request's next token comes from vLLM's sampler (prompt logprobs, min_tokens
             # under async scheduling, ...): nothing of its tree would be walked past the root
             # (tree_sampler.walks_tree), so it drafts nothing and the step's node budget goes to the others. Its MTP
             # KV still catches up (first_pass).

@@ -38,8 +38,9 @@ class _NoPlaceholderPadding:
 
 
 class _TreeGrammars:
-    """Structured-output requests with tree drafts (synchronous scheduling): the drafts keep their tree, and the
-    grammar bitmask has one row per tree node filled after the node's path (:mod:`.tree_grammar`)."""
+    """Structured-output requests with tree drafts: the drafts keep their tree (synchronous scheduling:
+    ``update_draft_token_ids``; async: ``update_draft_token_ids_in_output``, for a step whose sampling vLLM deferred),
+    and the grammar bitmask has one row per tree node filled after the node's path (:mod:`.tree_grammar`)."""
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         trees = getattr(draft_token_ids, PARENTS_ATTR, None) or {}

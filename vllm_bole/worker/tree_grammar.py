@@ -37,7 +37,7 @@ def tree_grammar_bitmask(manager, requests: dict, structured_ids: list[str], sch
     order: its root, then one row per scheduled draft), with each draft's row filled after the tokens on its path.
     Requests without drafts get vLLM's single row; drafts that are not a tree's run as a chain. Only for requests
     whose grammar is applied from the first row (``manager.should_fill_bitmask``); a request still reasoning
-    carries no drafts (:meth:`~vllm_bole.worker.scheduler.TreeGrammarScheduling.update_draft_token_ids`)."""
+    carries no drafts (``scheduler._TreeGrammars``)."""
     if manager._grammar_bitmask is None:   # (allocated on first use, as grammar_bitmask does)
         spec = manager.vllm_config.num_speculative_tokens
         manager._grammar_bitmask = manager.backend.allocate_token_bitmask(
