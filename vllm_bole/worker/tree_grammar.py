@@ -16,6 +16,8 @@ are a prefix of those tokens (vLLM may cut drafts to a prefix, which keeps a tre
 
 import numpy as np
 
+from ..spec_decode.tree import children_of
+
 # DraftTokenIds attribute: {req_id: parents} of tree drafts of structured-output requests (-1: child of the root).
 PARENTS_ATTR = "bole_tree_parents"
 # Request attribute: (tokens, parents) of its last tree drafts.
@@ -54,9 +56,8 @@ def tree_grammar_bitmask(manager, requests: dict, structured_ids: list[str], sch
             parents = list(range(-1, len(tokens) - 1))
         if tokens and not apply:
             raise RuntimeError(f"request {req_id} carries drafts while its grammar is not applied yet")
-        children = [[] for _ in range(len(tokens) + 1)]   # verification nodes: 0 the root, 1 + i draft i
-        for i, p in enumerate(parents):
-            children[p + 1].append(i + 1)
+        # verification nodes: 0 the root, 1 + i draft i
+        children = children_of([-1] + [p + 1 for p in parents])
         _fill_subtree(manager, bits, grammar, req_id, tokens, children, 0, row, apply)
         row += 1 + len(tokens)
     return bits[:row]
@@ -68,18 +69,15 @@ def _fill_subtree(manager, bits: np.ndarray, grammar, req_id: str, tokens, child
     unreachable (its rows unconstrained)."""
     row = first_row + node
     manager._fill_bitmasks(((grammar, row, valid),))
-    for child in children[node]:
-        token = tokens[child - 1]
-        if not valid:
-            _fill_subtree(manager, bits, grammar, req_id, tokens, children, child, first_row, False)
-        elif grammar.is_terminated():
-            # (vLLM does not advance a terminated grammar; the rows after it stay unconstrained)
-            _fill_subtree(manager, bits, grammar, req_id, tokens, children, child, first_row, True)
-        elif _allowed(bits[row], token) and grammar.accept_tokens(req_id, [token]):
-            _fill_subtree(manager, bits, grammar, req_id, tokens, children, child, first_row, True)
+    for child in children.get(node, ()):
+        # vLLM does not advance a terminated grammar (the rows after it stay unconstrained); a token the parent's
+        # row masks is never accepted, so its subtree is unreachable
+        advanced = (valid and not grammar.is_terminated() and _allowed(bits[row], tokens[child - 1])
+                    and grammar.accept_tokens(req_id, [tokens[child - 1]]))
+        _fill_subtree(manager, bits, grammar, req_id, tokens, children, child, first_row,
+                      advanced or (valid and grammar.is_terminated()))
+        if advanced:
             grammar.rollback(1)
-        else:   # the parent's row masks this token: never accepted
-            _fill_subtree(manager, bits, grammar, req_id, tokens, children, child, first_row, False)
 
 
 def _allowed(row: np.ndarray, token: int) -> bool:
