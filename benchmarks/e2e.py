@@ -475,6 +475,7 @@ def run_worker(args) -> None:
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         before = spec_decode_counters(llm.get_metrics())
         graphs_before, keys_before = _bole_graph_counts(runner), _bole_graph_keys(runner)
+        stand_ins_before = _bole_stand_ins(runner)
         budgets_before = collections.Counter(getattr(runner, "bole_budgets", {}))
         # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second), at least
         # --min-timed-runs times, so that the median leaves out a run that captured a graph or compiled a kernel;
@@ -510,6 +511,8 @@ def run_worker(args) -> None:
                 kind: sorted(keys - keys_before.get(kind, set())) for kind, keys in _bole_graph_keys(runner).items()
                 if keys - keys_before.get(kind, set())}
             row["graphs_held"] = list(graphs_after)
+            # steps of a shape not held yet that replayed a held graph of a few more tokens instead
+            row["stand_in_replays_in_timed_run"] = [a - b for a, b in zip(_bole_stand_ins(runner), stand_ins_before)]
             row["settle_passes"] = settle
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
@@ -525,6 +528,14 @@ def _bole_graph_counts(runner) -> tuple[int, int]:
     engines."""
     counts = getattr(runner, "bole_graph_counts", None)
     return counts() if counts is not None else (0, 0)
+
+
+def _bole_stand_ins(runner) -> tuple[int, int]:
+    """(verification, drafter level) replays so far of a larger held graph standing in for a key not held yet
+    (``worker/verify_graphs.stand_in``); zeros for other engines."""
+    drafter = getattr(runner, "bole_drafter", None)
+    return tuple(getattr(h, "stand_in_replays", 0) for h in (getattr(runner, "_bole_graphs", None),
+                                                            getattr(drafter, "graphs", None)))
 
 
 def _bole_graph_keys(runner) -> dict[str, set]:

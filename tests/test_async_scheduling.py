@@ -170,7 +170,8 @@ def test_quotas_growing_as_the_batch_drains_async(tmp, model, requests_, referen
     # Every step drafts the whole budget (up to each request's cap): with 5 requests and 12 nodes, 2 requests of 3
     # and 3 of 2, not 5 of 2.
     assert out["budgets"] and all(n == min(budget, b * depth * topk) for b, n, _ in out["budgets"]), out["budgets"]
-    assert_graphs_used(out, drafter=True)
+    # the drained batch's smaller token counts: run from the larger graphs held (VLLM_BOLE_CAPTURE_AFTER on a GPU)
+    assert_graphs_used(out, drafter=True, stand_ins=True)
 
 
 def test_drafting_after_the_walk_when_drafting_before_it_fails_async(tmp, model, requests_, reference):

@@ -20,7 +20,8 @@ def _graphs(k=2, depth=3, max_reqs=8):
     drafter = SimpleNamespace(
         runner=SimpleNamespace(max_num_reqs=max_reqs, device=torch.device("cpu"), max_model_len=512),
         bole_config=SimpleNamespace(topk=k, max_depth=depth, max_nodes_per_request=depth * k),
-        _request_tensors=MTPTreeDrafter._request_tensors, _metadata=lambda *args: "per-layer metadata")
+        _request_tensors=MTPTreeDrafter._request_tensors, _metadata=lambda *args: "per-layer metadata",
+        proposer=SimpleNamespace(_slot_mapping_buffer=torch.arange(64)))
     graphs = DraftGraphs(drafter)
     snapshots, captures = [], []
 
@@ -97,3 +98,27 @@ def test_catch_up_runs_short_chunks_as_causal_tree_rows():
     long = [(2, list(range(depth + 2)), list(range(depth + 2)), depth + 2, list(range(depth + 2)))]
     hidden, top = drafter._catch_up(cm, long, torch.zeros(depth + 2, 1))
     assert vllm_path == [long] and top is None
+
+
+def test_a_new_level_size_replays_a_held_larger_graph_until_it_recurs(monkeypatch):
+    """A level whose padded size has no graph yet replays a held one of the same requests, route and rows per
+    request with a few more tokens (its extra rows with KV slot -1), and gets its own at the CAPTURE_AFTER-th
+    occurrence."""
+    import vllm_bole.spec_decode.draft_graphs as draft_graphs
+
+    monkeypatch.setattr(draft_graphs, "CAPTURE_AFTER", 2)
+    k = 2
+    graphs, snapshots, captures = _graphs(k)
+    slots = graphs.drafter.proposer._slot_mapping_buffer
+    cm = SimpleNamespace(block_table_tensor=torch.arange(8 * 4, dtype=torch.int32).view(8, 4))
+    chunks = [(r, range(k), None, 40, None) for r in (0, 1, 2)]
+    packed = DeviceTreeRows.pack([TreeRows(req_index=i, row_start=i * k, region_mask=torch.ones(k, k, dtype=bool))
+                                  for i in range(3)], "cpu", words=graphs.words)
+    rows = (packed.meta, packed.bits)
+    graphs.level(cm, chunks, rows, 6, 16, CUDAGraphMode.PIECEWISE)
+    assert [c[0] for c in captures] == [(16, 4, False, k)]
+    hidden, top = graphs.level(cm, chunks, rows, 6, 8, CUDAGraphMode.PIECEWISE)
+    assert hidden.shape[0] == 6 and top.shape[0] == 6 and len(captures) == 1 and graphs.stand_in_replays == 1
+    assert slots[:8].tolist() == list(range(8)) and slots[8:16].tolist() == [-1] * 8 and slots[16] == 16
+    graphs.level(cm, chunks, rows, 6, 8, CUDAGraphMode.PIECEWISE)   # the second time: its own graph
+    assert [c[0] for c in captures] == [(16, 4, False, k), (8, 4, False, k)] and graphs.stand_in_replays == 1

@@ -28,7 +28,8 @@ def _setup(monkeypatch, mode=CUDAGraphMode.PIECEWISE):
         bole_config=SimpleNamespace(max_nodes_per_request=6),
         query_start_loc=SimpleNamespace(gpu=torch.zeros(9, dtype=torch.int32)),
         seq_lens=torch.zeros(8, dtype=torch.int32),
-        input_batch=SimpleNamespace(block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=table))]),
+        input_batch=SimpleNamespace(block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=table),
+                                                                 slot_mapping=SimpleNamespace(gpu=torch.arange(64)))]),
         kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["gdn.0", "attn.1"])]))
     context = SimpleNamespace(cudagraph_runtime_mode=mode)
     monkeypatch.setattr(verify_graphs, "get_forward_context", lambda: context)
@@ -151,3 +152,67 @@ def test_steps_of_small_trees_run_under_a_small_bound(monkeypatch):
     forest = step([list(range(-1, 12)), [-1, 0, 1]])      # 13 and 3 nodes: the same 16 rows
     assert (16, 2, 16, False) in seen and forest.max_nodes == 16
     assert sorted(graphs.graphs) == [(16, 2, False, 8), (16, 2, False, 16)]
+
+
+def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypatch):
+    """A step whose key is not held replays the graph of the same requests, route and bound with the fewest
+    more tokens (within the padding allowance): its output is cut to the step's rows and the extra rows' KV
+    slots are -1; when the key comes back for the CAPTURE_AFTER-th time it gets its own graph."""
+    graphs, runner, context, seen, current = _setup(monkeypatch)
+    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 3)
+    runner.bole_config.max_nodes_per_request = 32
+    ids = torch.zeros(64, dtype=torch.long)
+    slots = runner.input_batch.block_table[0].slot_mapping.gpu
+
+    def step(rows, parents=([-1, 0, 0], [-1, 0])):
+        forest = _forest(graphs, list(parents), [], [0, len(parents[0])], [0, 1])
+        current[0] = forest
+
+        def call():
+            seen.append((context.cudagraph_runtime_mode,) + _view(forest))
+            forest.gdn_scratch = _Scratch()
+            return torch.arange(forest.graph.num_tokens)[:, None].float()
+
+        return graphs.forward(forest, call, (ids[:rows], None, None, None, ()))
+
+    assert step(24).shape == (24, 1) and sorted(graphs.graphs) == [(24, 2, False, 8)]
+    for occurrence in (1, 2):   # 16 rows: the 24-row graph stands in, its rows 16..23 write no K/V
+        seen.clear()
+        slots.copy_(torch.arange(64))
+        out = step(16)
+        assert [s[0] for s in seen] == ["replay"] and seen[0][1][0] == 24
+        assert out.tolist() == [[float(i)] for i in range(16)]
+        assert slots[:16].tolist() == list(range(16)) and slots[16:24].tolist() == [-1] * 8
+        assert slots[24:].tolist() == list(range(24, 64))
+        assert sorted(graphs.graphs) == [(24, 2, False, 8)] and graphs.stand_in_replays == occurrence
+    seen.clear()
+    step(16)   # the third time: captured
+    assert [s[0] for s in seen][-1] == "replay" and seen[-1][1][0] == 16
+    assert sorted(graphs.graphs) == [(16, 2, False, 8), (24, 2, False, 8)] and graphs.stand_in_replays == 2
+    # Another bound is captured at once; a step of 8 rows replays the fewest rows that hold it (16, not 24).
+    step(16, parents=(list(range(-1, 11)), [-1]))
+    assert (16, 2, False, 16) in graphs.graphs and graphs.stand_in_replays == 2
+    seen.clear()
+    step(8)
+    assert seen[-1][1][0] == 16 and graphs.stand_in_replays == 3 and (8, 2, False, 8) not in graphs.graphs
+    # A held graph past the allowance (16 rows: at most 16 + 32 = 48) stands in for nothing: captured at once.
+    graphs.graphs = {(64, 2, False, 8): graphs.graphs[(24, 2, False, 8)]}
+    graphs._misses.clear()
+    seen.clear()
+    step(16)
+    assert sorted(graphs.graphs) == [(16, 2, False, 8), (64, 2, False, 8)] and graphs.stand_in_replays == 3
+    assert seen[-1] == ("replay", (16, 2, 8, False), seen[-1][2], [0, 3, 5])
+
+
+def test_stand_in_keeps_requests_bound_and_route():
+    held = [(32, 4, False, 8), (40, 4, False, 16), (40, 8, False, 8), (48, 4, True, 8), (64, 4, False, 8)]
+    stand_in = verify_graphs.stand_in
+    assert stand_in((24, 4, False, 8), held, 100) == (32, 4, False, 8)
+    assert stand_in((32, 4, False, 8), [(32, 4, False, 8), (16, 4, False, 8)], 100) is None   # larger keys only
+    assert stand_in((40, 4, False, 8), held, 100) == (64, 4, False, 8)   # 40 + 32 rows allowed
+    assert stand_in((16, 4, False, 8), held, 100) == (32, 4, False, 8)
+    assert stand_in((8, 4, False, 8), held, 100) == (32, 4, False, 8)   # 8 + 32 rows allowed
+    assert stand_in((24, 4, True, 8), held, 4000) == (48, 4, True, 8)  # a long prefix: that route's graphs only
+    assert stand_in((24, 2, False, 8), held, 100) is None
+    assert stand_in((200, 4, False, 8), [(320, 4, False, 8)], 100) is None   # more than half again as many rows
+    assert stand_in((200, 4, False, 8), [(296, 4, False, 8)], 100) == (296, 4, False, 8)

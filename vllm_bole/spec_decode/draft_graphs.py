@@ -10,18 +10,24 @@ forward over the tokens a step committed (at most depth + 1 per request) runs th
 Fixed addresses: the proposer's persistent token / position / hidden-state / slot buffers, and this module's
 query_start_loc, seq_lens, block-table rows and tree-row buffers, refilled before every replay. The attention
 layer reads the graph's bounds (``GraphStep``) instead of the level's host values.
+
+As the verification graphs (``worker/verify_graphs.stand_in``), a key not held yet replays a held graph of a few
+more tokens (its extra rows with KV slot -1, past every request's queries) until it has occurred
+``CAPTURE_AFTER`` times, and is captured then.
 """
 
 import time
+from collections import Counter
 
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.utils.math_utils import cdiv, next_power_of_2
+from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest
-from ..worker.verify_graphs import GraphStep, capture
+from ..worker.verify_graphs import CAPTURE_AFTER, GraphStep, capture, stand_in
 from .device_beam import region_words
 
 logger = init_logger(__name__)
@@ -52,6 +58,8 @@ class DraftGraphs:
         self._layout = None   # (bucket, query_start_loc, row metadata) the buffers hold
         self.graphs: dict[tuple, tuple] = {}
         self.replays = 0
+        self.stand_in_replays = 0   # of which from a larger key's graph
+        self._misses: Counter = Counter()
         self.disabled = False
         self._full_logged = False
 
@@ -70,9 +78,17 @@ class DraftGraphs:
         # the pruned levels' request counts vary.
         reqs = len(chunks)
         bucket = min(next_power_of_2(reqs), self.seq_lens.numel())
-        key = (padded, bucket, not reads_prefix_itself(max(c[3] for c in chunks), padded),
-               max_rows or drafter.bole_config.topk)
+        max_seq_len = max(c[3] for c in chunks)
+        key = (padded, bucket, not reads_prefix_itself(max_seq_len, padded), max_rows or drafter.bole_config.topk)
         entry = self.graphs.get(key)
+        if entry is None:
+            self._misses[key] += 1
+            held = stand_in(key, self.graphs, max_seq_len)
+            if held is not None and (self._misses[key] < CAPTURE_AFTER or len(self.graphs) >= MAX_GRAPHS):
+                key, entry = held, self.graphs[held]
+                # The stand-in's extra rows write no K/V (vLLM padded the slots up to ``padded`` only).
+                drafter.proposer._slot_mapping_buffer[padded:key[0]].fill_(PADDING_SLOT_ID)
+                self.stand_in_replays += 1
         if entry is None and len(self.graphs) >= MAX_GRAPHS:
             if not self._full_logged:
                 logger.info("Bole holds %d drafter CUDA graphs; new level shapes run piecewise", MAX_GRAPHS)

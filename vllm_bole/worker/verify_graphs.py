@@ -14,11 +14,17 @@ replayed from a graph of the whole target forward that Bole captures itself, one
   ``cu_seqlens`` / ``seq_lens`` on the device;
 - a key is captured the first time it occurs: one eager run of the graph-mode layer code (Triton compiles
   there; it computes this step's outputs), the capture, then a replay. Re-running a verification forward is
-  harmless: it writes only this step's K/V slots and Bole's per-step scratch.
+  harmless: it writes only this step's K/V slots and Bole's per-step scratch;
+- unless a held graph of the same requests, route and bound has a few more tokens (:func:`stand_in`): the step
+  replays that one, its extra rows with KV slot -1 and past every request's tree, so they cost compute and
+  nothing else. The key is captured when it comes back (:data:`CAPTURE_AFTER`): a drained batch's one-off token
+  counts no longer cost a capture each (an eager run, a synchronize and the capture: about 150 ms at 9B shapes).
 """
 
 import functools
+import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from unittest.mock import patch
 
@@ -41,6 +47,14 @@ NODE_BOUNDS = (8, 16, 32)
 # capacity, so a graph costs its capture time (tens of ms) more than memory. A calibration sweep plus serving
 # batch sizes 1..64 holds a few hundred keys.
 MAX_GRAPHS = 384
+
+# Occurrences of a key not yet held that replay a larger held graph (:func:`stand_in`) before the key is captured
+# itself: a shape that recurs gets its own graph, a one-off one never costs a capture.
+CAPTURE_AFTER = int(os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "3"))
+# A stand-in graph may carry up to this many more rows than the step (and at least PAD_ROWS more): at these
+# token counts the target forward is bound by reading the weights, so extra rows cost little.
+PAD_FRACTION = 0.5
+PAD_ROWS = 32
 
 
 @dataclass
@@ -101,6 +115,8 @@ class VerifyGraphs:
         self._block_tables = None
         self._full_logged = False
         self.replays = 0   # verification steps run from a graph (the capturing step included)
+        self.stand_in_replays = 0   # of which from a larger key's graph
+        self._misses: Counter = Counter()   # key -> steps it occurred without its own graph
 
     # ---- forest buffer --------------------------------------------------------------------------------
     def forest_tensors(self, parents, cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,12 +164,20 @@ class VerifyGraphs:
         key = self.key(forest, inputs)
         if key is None:
             return call()
+        rows = key[0]
         entry = self.graphs.get(key)
-        if entry is None and len(self.graphs) >= MAX_GRAPHS:
-            if not self._full_logged:
-                logger.info("Bole holds %d verification CUDA graphs; new shapes run piecewise", MAX_GRAPHS)
-                self._full_logged = True
-            return call()
+        if entry is None:
+            self._misses[key] += 1
+            held = stand_in(key, self.graphs, forest.max_seq_len)
+            if held is not None and (self._misses[key] < CAPTURE_AFTER or len(self.graphs) >= MAX_GRAPHS):
+                key, entry = held, self.graphs[held]
+                self._unused_rows_write_nothing(rows, key[0])
+                self.stand_in_replays += 1
+            elif len(self.graphs) >= MAX_GRAPHS:
+                if not self._full_logged:
+                    logger.info("Bole holds %d verification CUDA graphs; new shapes run piecewise", MAX_GRAPHS)
+                    self._full_logged = True
+                return call()
         if entry is not None and entry.input_ptrs != _ptrs(inputs):
             return call()   # vLLM moved an input buffer: the graph would read stale memory
         forest.promote_plain_decodes(self.forest_tensors)   # a graph runs them as one-node trees
@@ -166,7 +190,13 @@ class VerifyGraphs:
         entry.graph.replay()
         self.replays += 1
         forest.cu_seqlens = self._cu_seqlens(forest.num_trees)
-        return entry.output
+        return leading_rows(entry.output, rows) if key[0] != rows else entry.output
+
+    def _unused_rows_write_nothing(self, rows: int, upto: int) -> None:
+        """KV slot -1 for the rows a stand-in graph has past the step's ``rows`` (vLLM set it up to ``rows``),
+        in every KV-cache group's persistent slot mapping, which the graph's layers read."""
+        for table in self.runner.input_batch.block_table:
+            table.slot_mapping.gpu[rows:upto].fill_(-1)
 
     def _enter(self, key, forest) -> None:
         """Point the forest at the key's bounds and buffers (what the layers read in graph mode); the GDN
@@ -225,6 +255,27 @@ def node_bound(max_nodes: int, tokens: int, cap: int) -> int:
     need = max(max_nodes, 1)
     bound = next((b for b in NODE_BOUNDS if need <= b < cap), cap)
     return min(bound, tokens)
+
+
+def stand_in(key: tuple, held, max_seq_len: int) -> tuple | None:
+    """The held key whose graph can run a step of ``key`` (padded tokens, requests, long prefix, node bound):
+    the same request bucket and node bound, the fewest tokens at or above the step's within the padding
+    allowance (:data:`PAD_FRACTION`, :data:`PAD_ROWS`), and the attention route the step would take at that
+    token count. None when there is none."""
+    rows, reqs, long_prefix, bound = key
+    most = max(rows + PAD_ROWS, int(rows * (1 + PAD_FRACTION)))
+    fits = [k for k in held if k[1] == reqs and k[3] == bound and rows < k[0] <= most
+            and k[2] == long_prefix and k[2] == (not reads_prefix_itself(max_seq_len, k[0]))]
+    return min(fits, default=None)
+
+
+def leading_rows(output, rows: int):
+    """A graph's output cut to the step's ``rows`` (tensors, or tuples / lists of them, as the model returns)."""
+    if isinstance(output, torch.Tensor):
+        return output[:rows]
+    if isinstance(output, (tuple, list)):
+        return type(output)(leading_rows(o, rows) for o in output)
+    return output
 
 
 def capture(call, pool) -> tuple[torch.cuda.CUDAGraph, object]:
