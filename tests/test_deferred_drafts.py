@@ -186,11 +186,11 @@ def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypa
 
 
 @pytest.mark.parametrize("root_only,asynchronous", [
-    (dict(prompt_logprobs=1), False), (dict(prompt_logprobs=1), True), (dict(thinking_token_budget=8), True)])
+    (dict(prompt_logprobs=1), False), (dict(prompt_logprobs=1), True), (dict(min_tokens=4), True)])
 def test_root_only_requests_carry_no_drafts(root_only, asynchronous):
-    """A request whose next token comes from vLLM's sampler with its settings (prompt logprobs, a thinking budget:
-    its tree would not be walked past the root) drafts nothing, while its drafter K/V still catches up; the step's
-    node budget goes to the other requests."""
+    """A request whose next token comes from vLLM's sampler with its settings (prompt logprobs; under async
+    scheduling min_tokens: its tree would not be walked past the root) drafts nothing, while its drafter K/V still
+    catches up; the step's node budget goes to the other requests."""
     import numpy as np
     import torch
 

@@ -80,7 +80,9 @@ def test_planted_trees_are_lossless(tmp, model, requests_, reference, name):
     divs = assert_lossless(reference, out, max_near_ties=2)
     print(f"{name}: near-tie divergences {len(divs)}; counters {out['counters']}; graphs {out['bole_graphs']}; "
           f"queued trees {out['queued_trees']}, stale placeholders {out['stale_placeholders']}")
-    assert_graphs_used(out)
+    # Global selection's trees vary in size from step to step: with VLLM_BOLE_CAPTURE_AFTER above 1000 (a GPU run)
+    # a step of fewer tokens replays a held larger graph whenever one fits, and the outputs must stay exact.
+    assert_graphs_used(out, stand_ins=name == "k2_d8")
     assert out["outputs"][LONG]["finish_reason"] == "length"
     # One GDN state slot per request, conv window of width-1: no per-draft snapshots.
     assert out["mamba_state"] and all(g["num_speculative_blocks"] == 0 for g in out["mamba_state"])

@@ -158,13 +158,14 @@ def test_request_classes():
                   dict(min_tokens=2), dict(bad_words=["x"]), dict(allowed_token_ids=[1, 2]), dict(prompt_logprobs=1)):
         assert not is_plain_random(SamplingParams(temperature=0.8, **extra)), extra
         # Not plain, so not on the early path; but their rows get vLLM's processing with each row's path
-        # (processed_tree_rows), except prompt logprobs (root-only).
+        # (processed_tree_rows), except prompt logprobs (root-only) and min_tokens under async scheduling.
         for temperature in (0.0, 0.8):
             params = SamplingParams(temperature=temperature, **extra)
             assert walks_tree(params) == ("prompt_logprobs" not in extra), extra
+            assert walks_tree(params, asynchronous=True) == (not {"prompt_logprobs", "min_tokens"} & set(extra))
     # A grammar: one bitmask row per tree node from the scheduler.
     structured = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
-    assert walks_tree(structured)
+    assert walks_tree(structured) and walks_tree(structured, asynchronous=True)
     assert walks_tree(SamplingParams(temperature=0.0, min_p=0.2)) and walks_tree(SamplingParams(temperature=0.5))
     assert not walks_tree(None)
     assert not is_plain_random(None) and not is_plain_greedy(None)

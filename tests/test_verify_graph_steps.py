@@ -2,6 +2,7 @@
 the key, the promotion of plain decodes, the forest buffer the graph reads, the bounds the layers see, and what
 the commit gets back after a replay."""
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -216,3 +217,24 @@ def test_stand_in_keeps_requests_bound_and_route():
     assert stand_in((24, 2, False, 8), held, 100) is None
     assert stand_in((200, 4, False, 8), [(320, 4, False, 8)], 100) is None   # more than half again as many rows
     assert stand_in((200, 4, False, 8), [(296, 4, False, 8)], 100) == (296, 4, False, 8)
+
+
+def test_by_default_every_new_key_is_captured_at_once(monkeypatch):
+    """Without VLLM_BOLE_CAPTURE_AFTER the stand-ins are off: a step of fewer tokens gets its own graph even where
+    a larger held one would fit."""
+    if "VLLM_BOLE_CAPTURE_AFTER" not in os.environ:
+        assert verify_graphs.CAPTURE_AFTER == 1
+    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 1)
+    graphs, runner, context, seen, current = _setup(monkeypatch)
+    runner.bole_config.max_nodes_per_request = 32
+    for rows in (24, 16):
+        forest = _forest(graphs, [[-1, 0, 0], [-1, 0]], [], [0, 3], [0, 1])
+        current[0] = forest
+
+        def call(forest=forest):
+            forest.gdn_scratch = _Scratch()
+            return torch.zeros(forest.graph.num_tokens, 1)
+
+        out = graphs.forward(forest, call, (torch.zeros(64, dtype=torch.long)[:rows], None, None, None, ()))
+        assert out.shape[0] == rows
+    assert sorted(graphs.graphs) == [(16, 2, False, 8), (24, 2, False, 8)] and graphs.stand_in_replays == 0

@@ -43,17 +43,20 @@ def is_plain_random(params) -> bool:
     return params is not None and params.temperature >= _SAMPLING_EPS and _no_logits_processors(params)
 
 
-def walks_tree(params) -> bool:
+def walks_tree(params, asynchronous: bool = False) -> bool:
     """True for requests whose tree is walked past its root: plain greedy and plain random ones, and those with
     penalties, bad words, allowed token ids, a logit bias or min_tokens, whose tree rows get vLLM's processing
     with each row's own output (:func:`processed_tree_rows`), and structured outputs (the scheduler's grammar
     bitmask has a row per tree node, ``worker/tree_grammar.py``). The others verify only the root, so drafts for
-    them would be wasted, and they get none: prompt logprobs, thinking budgets and logprob token ids. The same under
-    synchronous and async scheduling."""
+    them would be wasted, and they get none: prompt logprobs, thinking budgets, logprob token ids, and under async
+    scheduling min_tokens (the runner's host copy of an output may still end in placeholders when its rows are
+    processed: vLLM repairs those copies only for batches whose penalties or bad words read them, and a repair must
+    run in every step, which the early path's steps skip; forcing it for every batch lost tokens from the copies
+    and crashed an engine at max_model_len)."""
     if params is None:
         return False
     return not (params.prompt_logprobs or getattr(params, "thinking_token_budget", None) is not None
-                or getattr(params, "logprob_token_ids", None))
+                or getattr(params, "logprob_token_ids", None) or (asynchronous and params.min_tokens))
 
 
 def processed_tree_rows(logits: torch.Tensor, row_req: list[int], row_path: list[list[int]],

@@ -52,11 +52,6 @@ class BoleModelRunnerMixin:
         # vLLM's built-in logits processors, as without speculation (min-p and logit bias are Bole's to apply)
         with module_attr_override("vllm.v1.worker.gpu_model_runner", "build_logitsprocs", builtin_logitsprocs):
             super().__init__(vllm_config, device)
-        if self.bole_async:
-            # vLLM repairs the host copies of outputs (placeholders counting every draft as accepted, under async
-            # scheduling) only for batches whose logits processing reads them; a tree row of a min_tokens request
-            # needs its exact length too (tree_sampler.processed_tree_rows). The flag survives a batch rebuild.
-            self.input_batch.logitsprocs_need_output_token_ids = True
         self.bole_config = bole_config_from_vllm(vllm_config)
         self._bole_trees: dict[str, DraftTree] = {}
         self._bole_forest: StepForest | None = None
@@ -191,7 +186,7 @@ class BoleModelRunnerMixin:
     def _plan_async(self, step: DraftStep, placeholders: Placeholders) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
         drafting request gets as many nodes as its placeholders (``num_spec_tokens_to_schedule``, one more for
-        those in ``bole_one_more``), root-only requests none (prompt logprobs, thinking budgets, ...:
+        those in ``bole_one_more``), root-only requests none (prompt logprobs, min_tokens, ...:
         ``tree_sampler.walks_tree``; the scheduler gave them no placeholders and ``_draft_step`` no context).
         Under ``budget_rule "throughput"`` the step clock ticks here and the walks copied so far reach the
         acceptance model, for the scheduler's next budgets (:meth:`bole_async_budget`)."""
@@ -211,9 +206,9 @@ class BoleModelRunnerMixin:
 
     def _walks_tree(self, req_id: str) -> bool:
         """Whether the request's tree is walked past its root (``tree_sampler.walks_tree``); root-only requests
-        (prompt logprobs, thinking budgets, logprob token ids) draft nothing."""
+        (prompt logprobs; under async scheduling min_tokens) draft nothing."""
         params = self.requests[req_id].sampling_params
-        return params is None or walks_tree(params)   # (None: no sampling settings to honour)
+        return params is None or walks_tree(params, self.bole_async)   # (None: no sampling settings to honour)
 
     def _plan_budget(self, step: DraftStep) -> None:
         """The step's per-request cap and node budget (``budget_rule "step"``/``"throughput"``: the clock
@@ -807,9 +802,10 @@ class BoleModelRunnerMixin:
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             new = [t for t in sampled[r] if t != -1]
             ran = not discard[r] and bool(new)
-            # A root-only request's next token comes from vLLM's sampler (prompt logprobs, a thinking budget, ...):
-            # nothing of its tree would be walked past the root (tree_sampler.walks_tree), so it drafts nothing and
-            # the step's node budget goes to the others. Its MTP KV still catches up (first_pass).
+            # A root-only request's next token comes from vLLM's sampler (prompt logprobs, min_tokens
+            # under async scheduling, ...): nothing of its tree would be walked past the root
+            # (tree_sampler.walks_tree), so it drafts nothing and the step's node budget goes to the others. Its MTP
+            # KV still catches up (first_pass).
             drafting = ran and self._walks_tree(req_id)
             state = self.requests[req_id]
             if self.bole_async:

@@ -186,12 +186,12 @@ class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, AsyncScheduler):
             request = self.requests[req_id]
             if request.is_prefill_chunk:
                 continue
-            if not walks_tree(request.sampling_params) or (
+            if not walks_tree(request.sampling_params, asynchronous=True) or (
                     request.use_structured_output and not self.structured_output_manager.should_fill_bitmask(request)):
-                # Its next token comes from vLLM's sampler with all its settings (prompt logprobs, a thinking
-                # budget, ..., a grammar still held back by a reasoning parser): the runner walks no tree past the
-                # root for it, so it gets no placeholders (placeholders it would not fill would also count as output
-                # tokens).
+                # Its next token comes from vLLM's sampler with all its settings (min_tokens, prompt logprobs, ...,
+                # a grammar still held back by a reasoning parser): the runner walks no tree past the root for it,
+                # so it gets no placeholders (placeholders it would not fill would also count as output tokens,
+                # e.g. toward min_tokens).
                 request.spec_token_ids = []
             else:
                 drafting.append(req_id)

@@ -18,7 +18,8 @@ replayed from a graph of the whole target forward that Bole captures itself, one
 - unless a held graph of the same requests, route and bound has a few more tokens (:func:`stand_in`): the step
   replays that one, its extra rows with KV slot -1 and past every request's tree, so they cost compute and
   nothing else. The key is captured when it comes back (:data:`CAPTURE_AFTER`): a drained batch's one-off token
-  counts no longer cost a capture each (an eager run, a synchronize and the capture: about 150 ms at 9B shapes).
+  counts then no longer cost a capture each (an eager run, a synchronize and the capture: about 150 ms at 9B
+  shapes). Off unless ``VLLM_BOLE_CAPTURE_AFTER`` is above 1.
 """
 
 import functools
@@ -48,9 +49,12 @@ NODE_BOUNDS = (8, 16, 32)
 # batch sizes 1..64 holds a few hundred keys.
 MAX_GRAPHS = 384
 
-# Occurrences of a key not yet held that replay a larger held graph (:func:`stand_in`) before the key is captured
-# itself: a shape that recurs gets its own graph, a one-off one never costs a capture.
-CAPTURE_AFTER = int(os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "3"))
+# Occurrences of a key not yet held after which it is captured; the ones before replay a larger held graph
+# (:func:`stand_in`), so a shape that recurs gets its own graph and a one-off one never costs a capture. 1 (the
+# default) captures every new key at once, as before stand-ins: no GPU lossless run has covered a stand-in replay
+# yet (``tests/test_e2e_lossless.py`` checks one with ``VLLM_BOLE_CAPTURE_AFTER`` above 1000). The e2e run at
+# 3c6ff90 used 3.
+CAPTURE_AFTER = int(os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "1"))
 # A stand-in graph may carry up to this many more rows than the step (and at least PAD_ROWS more): at these
 # token counts the target forward is bound by reading the weights, so extra rows cost little.
 PAD_FRACTION = 0.5
