@@ -197,11 +197,11 @@ def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypat
     step(8)
     assert seen[-1][1][0] == 16 and graphs.stand_in_replays == 3 and (8, 2, False, 8) not in graphs.graphs
     # A held graph past the allowance (16 rows: at most 16 + 32 = 48) stands in for nothing: captured at once.
-    graphs.graphs = {(64, 2, False, 8): graphs.graphs[(24, 2, False, 8)]}
+    graphs.graphs = {(56, 2, False, 8): graphs.graphs[(24, 2, False, 8)]}
     graphs._misses.clear()
     seen.clear()
     step(16)
-    assert sorted(graphs.graphs) == [(16, 2, False, 8), (64, 2, False, 8)] and graphs.stand_in_replays == 3
+    assert sorted(graphs.graphs) == [(16, 2, False, 8), (56, 2, False, 8)] and graphs.stand_in_replays == 3
     assert seen[-1] == ("replay", (16, 2, 8, False), seen[-1][2], [0, 3, 5])
 
 
@@ -210,7 +210,9 @@ def test_stand_in_keeps_requests_bound_and_route():
     stand_in = verify_graphs.stand_in
     assert stand_in((24, 4, False, 8), held, 100) == (32, 4, False, 8)
     assert stand_in((32, 4, False, 8), [(32, 4, False, 8), (16, 4, False, 8)], 100) is None   # larger keys only
-    assert stand_in((40, 4, False, 8), held, 100) == (64, 4, False, 8)   # 40 + 32 rows allowed
+    assert stand_in((40, 4, False, 8), held, 100) == (64, 4, False, 8)   # up to twice the rows below 128
+    assert stand_in((128, 4, False, 8), [(256, 4, False, 8)], 100) == (256, 4, False, 8)
+    assert stand_in((136, 4, False, 8), [(256, 4, False, 8)], 100) is None   # above 128: half again as many
     assert stand_in((16, 4, False, 8), held, 100) == (32, 4, False, 8)
     assert stand_in((8, 4, False, 8), held, 100) == (32, 4, False, 8)   # 8 + 32 rows allowed
     assert stand_in((24, 4, True, 8), held, 4000) == (48, 4, True, 8)  # a long prefix: that route's graphs only
