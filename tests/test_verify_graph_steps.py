@@ -5,6 +5,7 @@ the commit gets back after a replay."""
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 from vllm.config import CUDAGraphMode
 
@@ -240,3 +241,13 @@ def test_by_default_every_new_key_is_captured_at_once(monkeypatch):
         out = graphs.forward(forest, call, (torch.zeros(64, dtype=torch.long)[:rows], None, None, None, ()))
         assert out.shape[0] == rows
     assert sorted(graphs.graphs) == [(16, 2, False, 8), (24, 2, False, 8)] and graphs.stand_in_replays == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "three", ""])
+def test_a_bad_capture_after_is_a_one_line_error(monkeypatch, value):
+    monkeypatch.setenv("VLLM_BOLE_CAPTURE_AFTER", value)
+    with pytest.raises(ValueError, match="^VLLM_BOLE_CAPTURE_AFTER must be a positive integer") as e:
+        verify_graphs.capture_after_from_env()
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("VLLM_BOLE_CAPTURE_AFTER", "3")
+    assert verify_graphs.capture_after_from_env() == 3

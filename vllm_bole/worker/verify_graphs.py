@@ -54,7 +54,16 @@ MAX_GRAPHS = 384
 # default) captures every new key at once, as before stand-ins: no GPU lossless run has covered a stand-in replay
 # yet (``tests/test_e2e_lossless.py`` checks one with ``VLLM_BOLE_CAPTURE_AFTER`` above 1000). The e2e run at
 # 3c6ff90 used 3.
-CAPTURE_AFTER = int(os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "1"))
+def capture_after_from_env() -> int:
+    """``VLLM_BOLE_CAPTURE_AFTER`` as a positive integer (default 1), or a one-line error naming it."""
+    value = os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "1")
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"VLLM_BOLE_CAPTURE_AFTER must be a positive integer (1: capture every new graph shape at "
+                         f"once), got {value!r}")
+    return int(value)
+
+
+CAPTURE_AFTER = capture_after_from_env()
 # How many rows a stand-in graph may carry: twice the step's up to DOUBLE_UP_TO rows (the calibrated target forward
 # grows by about 10% from 80 to 144 tokens at batch 16, against a capture of about 25 steps), half again as many
 # above; at least PAD_ROWS more. With power-of-two graph sizes (the tests') the next size up always fits to 128.
