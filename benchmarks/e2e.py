@@ -534,8 +534,8 @@ def _bole_stand_ins(runner) -> tuple[int, int]:
     """(verification, drafter level) replays so far of a larger held graph standing in for a key not held yet
     (``worker/verify_graphs.stand_in``); zeros for other engines."""
     drafter = getattr(runner, "bole_drafter", None)
-    return tuple(getattr(h, "stand_in_replays", 0) for h in (getattr(runner, "_bole_graphs", None),
-                                                            getattr(drafter, "graphs", None)))
+    holders = (getattr(runner, "_bole_graphs", None), getattr(drafter, "graphs", None))
+    return tuple(h.stand_ins.replays if hasattr(h, "stand_ins") else 0 for h in holders)
 
 
 def _bole_graph_keys(runner) -> dict[str, set]:

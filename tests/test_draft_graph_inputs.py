@@ -104,9 +104,9 @@ def test_a_new_level_size_replays_a_held_larger_graph_until_it_recurs(monkeypatc
     """A level whose padded size has no graph yet replays a held one of the same requests, route and rows per
     request with a few more tokens (its extra rows with KV slot -1), and gets its own at the CAPTURE_AFTER-th
     occurrence."""
-    import vllm_bole.spec_decode.draft_graphs as draft_graphs
+    from vllm_bole.worker import verify_graphs
 
-    monkeypatch.setattr(draft_graphs, "CAPTURE_AFTER", 2)
+    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 2)
     k = 2
     graphs, snapshots, captures = _graphs(k)
     slots = graphs.drafter.proposer._slot_mapping_buffer
@@ -118,7 +118,7 @@ def test_a_new_level_size_replays_a_held_larger_graph_until_it_recurs(monkeypatc
     graphs.level(cm, chunks, rows, 6, 16, CUDAGraphMode.PIECEWISE)
     assert [c[0] for c in captures] == [(16, 4, False, k)]
     hidden, top = graphs.level(cm, chunks, rows, 6, 8, CUDAGraphMode.PIECEWISE)
-    assert hidden.shape[0] == 6 and top.shape[0] == 6 and len(captures) == 1 and graphs.stand_in_replays == 1
+    assert hidden.shape[0] == 6 and top.shape[0] == 6 and len(captures) == 1 and graphs.stand_ins.replays == 1
     assert slots[:8].tolist() == list(range(8)) and slots[8:16].tolist() == [-1] * 8 and slots[16] == 16
     graphs.level(cm, chunks, rows, 6, 8, CUDAGraphMode.PIECEWISE)   # the second time: its own graph
-    assert [c[0] for c in captures] == [(16, 4, False, k), (8, 4, False, k)] and graphs.stand_in_replays == 1
+    assert [c[0] for c in captures] == [(16, 4, False, k), (8, 4, False, k)] and graphs.stand_ins.replays == 1

@@ -186,23 +186,23 @@ def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypat
         assert out.tolist() == [[float(i)] for i in range(16)]
         assert slots[:16].tolist() == list(range(16)) and slots[16:24].tolist() == [-1] * 8
         assert slots[24:].tolist() == list(range(24, 64))
-        assert sorted(graphs.graphs) == [(24, 2, False, 8)] and graphs.stand_in_replays == occurrence
+        assert sorted(graphs.graphs) == [(24, 2, False, 8)] and graphs.stand_ins.replays == occurrence
     seen.clear()
     step(16)   # the third time: captured
     assert [s[0] for s in seen][-1] == "replay" and seen[-1][1][0] == 16
-    assert sorted(graphs.graphs) == [(16, 2, False, 8), (24, 2, False, 8)] and graphs.stand_in_replays == 2
+    assert sorted(graphs.graphs) == [(16, 2, False, 8), (24, 2, False, 8)] and graphs.stand_ins.replays == 2
     # Another bound is captured at once; a step of 8 rows replays the fewest rows that hold it (16, not 24).
     step(16, parents=(list(range(-1, 11)), [-1]))
-    assert (16, 2, False, 16) in graphs.graphs and graphs.stand_in_replays == 2
+    assert (16, 2, False, 16) in graphs.graphs and graphs.stand_ins.replays == 2
     seen.clear()
     step(8)
-    assert seen[-1][1][0] == 16 and graphs.stand_in_replays == 3 and (8, 2, False, 8) not in graphs.graphs
+    assert seen[-1][1][0] == 16 and graphs.stand_ins.replays == 3 and (8, 2, False, 8) not in graphs.graphs
     # A held graph past the allowance (16 rows: at most 16 + 32 = 48) stands in for nothing: captured at once.
     graphs.graphs = {(56, 2, False, 8): graphs.graphs[(24, 2, False, 8)]}
-    graphs._misses.clear()
+    graphs.stand_ins.misses.clear()
     seen.clear()
     step(16)
-    assert sorted(graphs.graphs) == [(16, 2, False, 8), (56, 2, False, 8)] and graphs.stand_in_replays == 3
+    assert sorted(graphs.graphs) == [(16, 2, False, 8), (56, 2, False, 8)] and graphs.stand_ins.replays == 3
     assert seen[-1] == ("replay", (16, 2, 8, False), seen[-1][2], [0, 3, 5])
 
 
@@ -240,7 +240,7 @@ def test_by_default_every_new_key_is_captured_at_once(monkeypatch):
 
         out = graphs.forward(forest, call, (torch.zeros(64, dtype=torch.long)[:rows], None, None, None, ()))
         assert out.shape[0] == rows
-    assert sorted(graphs.graphs) == [(16, 2, False, 8), (24, 2, False, 8)] and graphs.stand_in_replays == 0
+    assert sorted(graphs.graphs) == [(16, 2, False, 8), (24, 2, False, 8)] and graphs.stand_ins.replays == 0
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "three", ""])

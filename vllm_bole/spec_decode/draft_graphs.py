@@ -13,11 +13,10 @@ layer reads the graph's bounds (``GraphStep``) instead of the level's host value
 
 As the verification graphs (``worker/verify_graphs.stand_in``), a key not held yet replays a held graph of a few
 more tokens (its extra rows with KV slot -1, past every request's queries) until it has occurred
-``CAPTURE_AFTER`` times, and is captured then.
+``CAPTURE_AFTER`` times, and is captured then (``verify_graphs.StandIns``).
 """
 
 import time
-from collections import Counter
 
 import torch
 from vllm.config import CUDAGraphMode
@@ -27,7 +26,7 @@ from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
 from ..worker.forest_context import DeviceTreeRows, StepForest
-from ..worker.verify_graphs import CAPTURE_AFTER, GraphStep, capture, stand_in
+from ..worker.verify_graphs import GraphStep, StandIns, capture
 from .device_beam import region_words
 
 logger = init_logger(__name__)
@@ -58,8 +57,7 @@ class DraftGraphs:
         self._layout = None   # (bucket, query_start_loc, row metadata) the buffers hold
         self.graphs: dict[tuple, tuple] = {}
         self.replays = 0
-        self.stand_in_replays = 0   # of which from a larger key's graph
-        self._misses: Counter = Counter()
+        self.stand_ins = StandIns()
         self.disabled = False
         self._full_logged = False
 
@@ -81,14 +79,11 @@ class DraftGraphs:
         max_seq_len = max(c[3] for c in chunks)
         key = (padded, bucket, not reads_prefix_itself(max_seq_len, padded), max_rows or drafter.bole_config.topk)
         entry = self.graphs.get(key)
-        if entry is None:
-            self._misses[key] += 1
-            held = stand_in(key, self.graphs, max_seq_len)
-            if held is not None and (self._misses[key] < CAPTURE_AFTER or len(self.graphs) >= MAX_GRAPHS):
-                key, entry = held, self.graphs[held]
-                # The stand-in's extra rows write no K/V (vLLM padded the slots up to ``padded`` only).
-                drafter.proposer._slot_mapping_buffer[padded:key[0]].fill_(PADDING_SLOT_ID)
-                self.stand_in_replays += 1
+        held = None if entry is not None else self.stand_ins.pick(key, self.graphs, max_seq_len, MAX_GRAPHS)
+        if held is not None:
+            key, entry = held, self.graphs[held]
+            # The stand-in's extra rows write no K/V (vLLM padded the slots up to ``padded`` only).
+            drafter.proposer._slot_mapping_buffer[padded:key[0]].fill_(PADDING_SLOT_ID)
         if entry is None and len(self.graphs) >= MAX_GRAPHS:
             if not self._full_logged:
                 logger.info("Bole holds %d drafter CUDA graphs; new level shapes run piecewise", MAX_GRAPHS)

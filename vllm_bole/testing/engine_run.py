@@ -33,11 +33,11 @@ def _graph_summary(llm) -> dict | None:
     graphs = getattr(runner, "_bole_graphs", None)
     if graphs is None:
         return None
-    summary = {"graphs": len(graphs.graphs), "replays": graphs.replays, "stand_in_replays": graphs.stand_in_replays}
+    summary = {"graphs": len(graphs.graphs), "replays": graphs.replays, "stand_in_replays": graphs.stand_ins.replays}
     draft = getattr(getattr(runner, "bole_drafter", None), "graphs", None)
     if draft is not None:
         summary |= {"draft_graphs": len(draft.graphs), "draft_replays": draft.replays,
-                    "draft_stand_in_replays": draft.stand_in_replays}
+                    "draft_stand_in_replays": draft.stand_ins.replays}
     beam = getattr(getattr(getattr(runner, "bole_drafter", None), "beam", None), "graphs", None)
     if beam is not None:
         summary |= {"beam_graphs": len(beam.graphs), "beam_replays": beam.replays}

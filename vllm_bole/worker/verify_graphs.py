@@ -49,11 +49,6 @@ NODE_BOUNDS = (8, 16, 32)
 # batch sizes 1..64 holds a few hundred keys.
 MAX_GRAPHS = 384
 
-# Occurrences of a key not yet held after which it is captured; the ones before replay a larger held graph
-# (:func:`stand_in`), so a shape that recurs gets its own graph and a one-off one never costs a capture. 1 (the
-# default) captures every new key at once, as before stand-ins: no GPU lossless run has covered a stand-in replay
-# yet (``tests/test_e2e_lossless.py`` checks one with ``VLLM_BOLE_CAPTURE_AFTER`` above 1000). The e2e run at
-# 3c6ff90 used 3.
 def capture_after_from_env() -> int:
     """``VLLM_BOLE_CAPTURE_AFTER`` as a positive integer (default 1), or a one-line error naming it."""
     value = os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "1")
@@ -63,6 +58,11 @@ def capture_after_from_env() -> int:
     return int(value)
 
 
+# Occurrences of a key not yet held after which it is captured; the ones before replay a larger held graph
+# (:func:`stand_in`), so a shape that recurs gets its own graph and a one-off one never costs a capture. 1 (the
+# default) captures every new key at once, as before stand-ins: no GPU lossless run has covered a stand-in replay
+# yet (``tests/test_e2e_lossless.py`` checks one with ``VLLM_BOLE_CAPTURE_AFTER`` above 1000). The e2e run at
+# 3c6ff90 used 3.
 CAPTURE_AFTER = capture_after_from_env()
 # How many rows a stand-in graph may carry: twice the step's up to DOUBLE_UP_TO rows (the calibrated target forward
 # grows by about 10% from 80 to 144 tokens at batch 16, against a capture of about 25 steps), half again as many
@@ -130,8 +130,7 @@ class VerifyGraphs:
         self._block_tables = None
         self._full_logged = False
         self.replays = 0   # verification steps run from a graph (the capturing step included)
-        self.stand_in_replays = 0   # of which from a larger key's graph
-        self._misses: Counter = Counter()   # key -> steps it occurred without its own graph
+        self.stand_ins = StandIns()
 
     # ---- forest buffer --------------------------------------------------------------------------------
     def forest_tensors(self, parents, cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,12 +181,10 @@ class VerifyGraphs:
         rows = key[0]
         entry = self.graphs.get(key)
         if entry is None:
-            self._misses[key] += 1
-            held = stand_in(key, self.graphs, forest.max_seq_len)
-            if held is not None and (self._misses[key] < CAPTURE_AFTER or len(self.graphs) >= MAX_GRAPHS):
+            held = self.stand_ins.pick(key, self.graphs, forest.max_seq_len, MAX_GRAPHS)
+            if held is not None:
                 key, entry = held, self.graphs[held]
                 self._unused_rows_write_nothing(rows, key[0])
-                self.stand_in_replays += 1
             elif len(self.graphs) >= MAX_GRAPHS:
                 if not self._full_logged:
                     logger.info("Bole holds %d verification CUDA graphs; new shapes run piecewise", MAX_GRAPHS)
@@ -282,6 +279,25 @@ def stand_in(key: tuple, held, max_seq_len: int) -> tuple | None:
     fits = [k for k in held if k[1] == reqs and k[3] == bound and rows < k[0] <= most
             and k[2] == long_prefix and k[2] == (not reads_prefix_itself(max_seq_len, k[0]))]
     return min(fits, default=None)
+
+
+class StandIns:
+    """When a key not held replays a larger held graph (:func:`stand_in`) instead of being captured: the misses per
+    key and the replays that stood in, for one holder of graphs (verification or drafter levels)."""
+
+    def __init__(self):
+        self.misses: Counter = Counter()   # key -> steps it occurred without its own graph
+        self.replays = 0
+
+    def pick(self, key: tuple, held: dict, max_seq_len: int, max_graphs: int) -> tuple | None:
+        """The held key to replay for ``key`` (not held): a stand-in before the key's ``CAPTURE_AFTER``-th
+        occurrence, or whenever the holder is full; None: capture ``key`` (or, when full, run without a graph)."""
+        self.misses[key] += 1
+        other = stand_in(key, held, max_seq_len)
+        if other is None or (self.misses[key] >= CAPTURE_AFTER and len(held) < max_graphs):
+            return None
+        self.replays += 1
+        return other
 
 
 def leading_rows(output, rows: int):
