@@ -222,11 +222,11 @@ def test_stand_in_keeps_requests_bound_and_route():
     assert stand_in((200, 4, False, 8), [(296, 4, False, 8)], 100) == (296, 4, False, 8)
 
 
-def test_by_default_every_new_key_is_captured_at_once(monkeypatch):
-    """Without VLLM_BOLE_CAPTURE_AFTER the stand-ins are off: a step of fewer tokens gets its own graph even where
-    a larger held one would fit."""
+def test_capture_after_one_captures_every_new_key_at_once(monkeypatch):
+    """With VLLM_BOLE_CAPTURE_AFTER=1 the stand-ins are off: a step of fewer tokens gets its own graph even where
+    a larger held one would fit (without the variable a key waits for its third occurrence)."""
     if "VLLM_BOLE_CAPTURE_AFTER" not in os.environ:
-        assert verify_graphs.CAPTURE_AFTER == 1
+        assert verify_graphs.CAPTURE_AFTER == 3
     monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 1)
     graphs, runner, context, seen, current = _setup(monkeypatch)
     runner.bole_config.max_nodes_per_request = 32
@@ -249,5 +249,7 @@ def test_a_bad_capture_after_is_a_one_line_error(monkeypatch, value):
     with pytest.raises(ValueError, match="^VLLM_BOLE_CAPTURE_AFTER must be a positive integer") as e:
         verify_graphs.capture_after_from_env()
     assert "\n" not in str(e.value)
-    monkeypatch.setenv("VLLM_BOLE_CAPTURE_AFTER", "3")
+    monkeypatch.setenv("VLLM_BOLE_CAPTURE_AFTER", "5")
+    assert verify_graphs.capture_after_from_env() == 5
+    monkeypatch.delenv("VLLM_BOLE_CAPTURE_AFTER")
     assert verify_graphs.capture_after_from_env() == 3

@@ -19,7 +19,7 @@ replayed from a graph of the whole target forward that Bole captures itself, one
   replays that one, its extra rows with KV slot -1 and past every request's tree, so they cost compute and
   nothing else. The key is captured when it comes back (:data:`CAPTURE_AFTER`): a drained batch's one-off token
   counts then no longer cost a capture each (an eager run, a synchronize and the capture: about 150 ms at 9B
-  shapes). Off unless ``VLLM_BOLE_CAPTURE_AFTER`` is above 1.
+  shapes). ``VLLM_BOLE_CAPTURE_AFTER=1`` turns them off.
 """
 
 import functools
@@ -50,8 +50,8 @@ NODE_BOUNDS = (8, 16, 32)
 MAX_GRAPHS = 384
 
 def capture_after_from_env() -> int:
-    """``VLLM_BOLE_CAPTURE_AFTER`` as a positive integer (default 1), or a one-line error naming it."""
-    value = os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "1")
+    """``VLLM_BOLE_CAPTURE_AFTER`` as a positive integer (default 3), or a one-line error naming it."""
+    value = os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "3")
     if not value.strip().isdigit() or int(value) < 1:
         raise ValueError(f"VLLM_BOLE_CAPTURE_AFTER must be a positive integer (1: capture every new graph shape at "
                          f"once), got {value!r}")
@@ -59,10 +59,9 @@ def capture_after_from_env() -> int:
 
 
 # Occurrences of a key not yet held after which it is captured; the ones before replay a larger held graph
-# (:func:`stand_in`), so a shape that recurs gets its own graph and a one-off one never costs a capture. 1 (the
-# default) captures every new key at once, as before stand-ins: no GPU lossless run has covered a stand-in replay
-# yet (``tests/test_e2e_lossless.py`` checks one with ``VLLM_BOLE_CAPTURE_AFTER`` above 1000). The e2e run at
-# 3c6ff90 used 3.
+# (:func:`stand_in`), so a shape that recurs gets its own graph and a one-off one never costs a capture. 1 captures
+# every new key at once (no stand-ins). ``tests/test_e2e_lossless.py`` forces stand-ins with
+# ``VLLM_BOLE_CAPTURE_AFTER`` above 1000 and checks that a step used one.
 CAPTURE_AFTER = capture_after_from_env()
 # How many rows a stand-in graph may carry: twice the step's up to DOUBLE_UP_TO rows (the calibrated target forward
 # grows by about 10% from 80 to 144 tokens at batch 16, against a capture of about 25 steps), half again as many
