@@ -17,7 +17,9 @@ target forward), ``bole_global_step`` (both), ``bole_vocab32k``
 (``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
 rank, so its row shows the cheaper levels but not what a subset costs in acceptance on real text),
 ``bole_step_vocab32k`` (both ``budget_rule: "step"`` and ``draft_vocab: 32768``), ``bole_tput_vocab32k``
-(``budget_rule: "throughput"``, ``draft_vocab: 32768``), ``bole_late`` and ``bole_vocab32k_late``
+(``budget_rule: "throughput"``, ``draft_vocab: 32768``: the default rule now, so the same as ``bole_vocab32k``,
+whose rows in result files up to e2b13ff ran the rule "decode"), ``bole_decode_vocab32k``
+(``budget_rule: "decode"``: the calibrated B_ver every step, the default before), ``bole_late`` and ``bole_vocab32k_late``
 (``early_drafting: false``: the drafter catches up after the host walk instead of being queued before it),
 ``bole_async`` and ``bole_async_vocab32k`` (engine ``async_scheduling: true``, now what ``bole`` and
 ``bole_vocab32k`` do on a GPU; on CPU vLLM schedules synchronously anyway), ``bole_async_tput_vocab32k`` (async
@@ -86,6 +88,7 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  "bole_vocab32k": {"draft_vocab": 32768},
                  "bole_step_vocab32k": {"budget_rule": "step", "draft_vocab": 32768},
                  "bole_tput_vocab32k": {"budget_rule": "throughput", "draft_vocab": 32768},
+                 "bole_decode_vocab32k": {"budget_rule": "decode", "draft_vocab": 32768},
                  # Drafting after the host walk (before it is the default: speculative_config.early_drafting).
                  "bole_late": {"early_drafting": False},
                  "bole_vocab32k_late": {"draft_vocab": 32768, "early_drafting": False},

@@ -123,6 +123,18 @@ def test_throughput_lookup_keeps_the_last_choice_unless_another_is_clearly_bette
     assert budgets.lookup_throughput(16, 256, 5.0, close, probe=1, keep=128) == 256   # probes move off the kept
 
 
+def test_throughput_lookup_never_goes_below_b_ver():
+    """Sizes below the calibrated B_ver are never chosen, however they look: the choice, the probes and a kept
+    size below it all land on B_ver or above; a bucket whose curve ends below B_ver gets B_ver."""
+    budgets = _budgets([(64, 10.5), (128, 11.0), (256, 14.0), (512, 20.0)], b_ver=128)
+    gain = {64: 60.0, 128: 62.0, 256: 63.0, 512: 64.0}.get   # 64 nodes would be best: 60 / 15.5 = 3.87
+    assert budgets.lookup_throughput(16, 256, 5.0, gain) == 128                  # 62 / 16 = 3.88 > 63 / 19
+    assert [budgets.lookup_throughput(16, 256, 5.0, gain, probe) for probe in (-1, 1)] == [128, 256]
+    assert budgets.lookup_throughput(16, 256, 5.0, gain, keep=64) == 128
+    short = _budgets([(16, 10.0), (32, 10.2)], b_ver=48)
+    assert short.lookup_throughput(16, 256, 5.0, lambda n: float(n)) == 48
+
+
 def test_probes_find_a_rest_that_grows_with_the_trees():
     """A closed loop of the throughput rule against steps whose rest grows steeply with the nodes per request
     (drafter levels): measured at one size only, the fit is flat and charges smaller trees the rest of larger

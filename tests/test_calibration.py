@@ -108,8 +108,8 @@ def test_step_rule_weighs_the_rest_of_the_step(tmp_path, fresh_tables):
     assert budget_mod.node_budget(cfg, 16, 300, _model(), rest_ms=0.0) == 128
     assert budget_mod.node_budget(cfg, 16, 300, _model(), rest_ms=10.0) == 256   # 12.0 <= 11 + 0.1 * 10
     assert budget_mod.node_budget(cfg, 16, 300, _model(), rest_ms=50.0) == 512   # 16.0 <= 11 + 0.1 * 50
-    decode, _ = parse_bole_config({"method": "bole", "budget_table": str(path)})
-    assert budget_mod.node_budget(decode, 16, 300, _model(), rest_ms=50.0) == 128  # the default rule ignores it
+    decode, _ = parse_bole_config({"method": "bole", "budget_table": str(path), "budget_rule": "decode"})
+    assert budget_mod.node_budget(decode, 16, 300, _model(), rest_ms=50.0) == 128  # the rule "decode" ignores it
     # The calibrated forward between and beyond the points (N = 0: the plain decode step).
     assert budget_mod.verify_ms(cfg, 16, 0, 300, _model()) == pytest.approx(10.0)
     assert budget_mod.verify_ms(cfg, 16, 96, 300, _model()) == pytest.approx(10.4)
@@ -117,6 +117,27 @@ def test_step_rule_weighs_the_rest_of_the_step(tmp_path, fresh_tables):
     assert budget_mod.verify_ms(cfg, 16, 768, 300, _model()) == pytest.approx(20.0)
     fixed, _ = parse_bole_config({"method": "bole", "budget": 40})
     assert budget_mod.verify_ms(fixed, 16, 96) is None
+
+
+def test_throughput_rule_applies_only_with_curves_to_choose_from(tmp_path, fresh_tables):
+    """The default rule "throughput" is kept where a table holds T_ver curves for the model on this GPU; without
+    a table, with B_ver alone, or for another model it becomes "decode" (it would pick B_ver anyway)."""
+    path = tmp_path / "t.json"
+    cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(path)})
+    assert cfg.budget_rule == "throughput"
+    assert budget_mod.with_applicable_rule(cfg, _model()).budget_rule == "decode"           # no table
+    write_table(path, [{**_entry(16, 256, [(64, 10.0)]), "points": []}])
+    budget_mod.reload_budget_tables()
+    assert budget_mod.with_applicable_rule(cfg, _model()).budget_rule == "decode"           # B_ver alone
+    write_table(path, [_entry(16, 256, [(64, 10.0), (128, 10.8)])])
+    budget_mod.reload_budget_tables()
+    kept = budget_mod.with_applicable_rule(cfg, _model())
+    assert kept is cfg and kept.budget_rule == "throughput"
+    assert budget_mod.with_applicable_rule(cfg, _model(hidden=256)).budget_rule == "decode"  # another model
+    step, _ = parse_bole_config({"method": "bole", "budget_table": str(path), "budget_rule": "step"})
+    assert budget_mod.with_applicable_rule(step, _model()) is step
+    fixed, _ = parse_bole_config({"method": "bole", "budget": 40})
+    assert budget_mod.with_applicable_rule(fixed, _model()) is fixed and fixed.budget_rule == "decode"
 
 
 def test_step_clock_averages_the_rest_of_tree_steps():
@@ -312,11 +333,12 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
         assert e["gpu"] == device_name() and e["tree"] == {"shape": "beam", "topk": topk, "max_depth": depth}
     assert len({e["fingerprint"] for e in entries}) == 1
 
-    # Serve with budget "auto": 2 requests drafting 6 nodes each are cut to the table's B_ver(2) = 8 per step.
+    # Serve with budget "auto" and the rule "decode": 2 requests drafting 6 nodes each are cut to the table's
+    # B_ver(2) = 8 per step.
     b_ver = next(e["b_ver"] for e in entries if e["batch_size"] == 2 and e["kv_len"] == 24)
     assert b_ver == 8
     vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
-    engine = {"speculative_config": {**spec, "budget": "auto", "budget_table": str(table),
+    engine = {"speculative_config": {**spec, "budget": "auto", "budget_table": str(table), "budget_rule": "decode",
                                      "drafter": "vllm_bole.calibration.drafter:FixedShapeDrafter",
                                      "drafter_args": {"nodes": depth * topk},
                                      "synthetic_acceptance": {"rates": [0.0], "sibling_rates": []}}}
@@ -334,16 +356,18 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
     c = out["counters"]
     assert c["num_drafts"] > 0 and c["num_draft_tokens"] == b_ver * c["num_drafts"] // 2
 
-    # budget_rule "throughput": the runner feeds its walks to the acceptance model and picks N among the grid's
-    # points (nothing is ever accepted here, so every N yields the same tokens and the cheapest one wins: which
-    # one depends on this machine's timings; the choice itself is tested in test_acceptance_model.py).
-    engine["speculative_config"]["budget_rule"] = "throughput"
+    # budget_rule "throughput" (the default with "auto"): the runner feeds its walks to the acceptance model and
+    # picks N among the grid's points from B_ver up (nothing is ever accepted here, so every N yields the same
+    # tokens and the cheapest one wins: which one depends on this machine's timings; the choice itself is tested
+    # in test_acceptance_model.py). A table whose B_ver is 3 leaves it 3, 5 and 8 to choose from, never 2.
+    write_table(table, [{**e, "b_ver": 3} for e in entries])   # the engine runs in its own process
+    engine["speculative_config"].pop("budget_rule")
     out = run_engine(tmp_path, "throughput", {"model": model, "engine": engine,
                                               "requests": random_requests(vocab, [12, 20], max_tokens=12)})
     c = out["counters"]
     assert c["num_drafts"] > 0 and out["acceptance_steps"] > 0, out
     assert c["num_accepted_tokens"] == 0 and c["num_draft_tokens"] <= b_ver * c["num_drafts"] // 2
-    assert c["num_draft_tokens"] >= 2 * c["num_drafts"] // 2   # the grid's smallest N, 2 nodes per step
+    assert c["num_draft_tokens"] >= 3 * c["num_drafts"] // 2   # B_ver, 3 nodes per step, at least
 
     # ... and under async scheduling, with the MTP drafter: the scheduler places each step's quotas before the
     # step runs, from the model runner's budget once that has a clock and acceptance measurements (the
@@ -356,9 +380,31 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
     assert out["device_output_steps"] > 0 and out["acceptance_steps"] > 0, out
     print(f"async throughput: planned {out['budgets']}, runner's {out['async_budgets']}")
     given = {n for b, n, _ in out["async_budgets"] if b == 2}
-    assert given and given <= {2, 3, 5, 8}, out["async_budgets"]   # the runner's choices: the grid's N
-    # Steps of both requests drafted B_ver(2) = 8 nodes until the runner's budget came, then what it gave (an odd
+    assert given and given <= {3, 5, 8}, out["async_budgets"]   # the runner's choices: the grid's N from B_ver
+    # Steps of both requests drafted B_ver(2) = 3 nodes until the runner's budget came, then what it gave (an odd
     # budget whole: one request drafts one node more).
     planned = {n for b, n, _ in out["budgets"] if b == 2}
-    assert 8 in planned and planned <= given | {8}, (out["budgets"], out["async_budgets"])
+    assert 3 in planned and planned <= given | {3}, (out["budgets"], out["async_budgets"])
     assert out["stale_placeholders"] == 0 and out["counters"]["num_accepted_tokens"] == 0, out
+
+    # The default rule in charge of real trees is lossless: the planted drafter (the true continuation in the
+    # tree) with the table and no synthetic acceptance, scheduled synchronously (the runner picks each budget)
+    # and asynchronously (the scheduler asks the runner), against vLLM without speculation. Two requests: batch 2
+    # has the grid's 3, 5 and 8 nodes to choose from, so 2 per request at least (a depth-2 path fits).
+    from e2e_support import assert_lossless, bole_engine, write_oracle
+
+    requests = random_requests(vocab, [12, 20], max_tokens=40, seed=7)
+    ref = run_engine(tmp_path, "ref", {"model": model, "requests": requests})
+    write_oracle(tmp_path, requests, ref)
+    for name, asynchronous in (("planted_sync", False), ("planted_async", True)):
+        engine = bole_engine(tmp_path, name, depth=depth, topk=topk, budget="auto", max_num_seqs=2,
+                             async_scheduling=asynchronous)
+        engine["speculative_config"]["budget_table"] = str(table)
+        out = run_engine(tmp_path, name, {"model": model, "engine": engine, "requests": requests,
+                                          **({"cpu_async_scheduling": True} if asynchronous else {})})
+        print(f"{name}: budgets {out['budgets']}, runner's {out['async_budgets']}, counters {out['counters']}")
+        assert_lossless(ref, out, max_near_ties=2)
+        assert out["acceptance_steps"] > 0, out                 # the rule had walks to go by
+        assert {n for b, n, _ in out["budgets"] if b == 2} <= {3, 5, 8}, out["budgets"]
+        assert out["counters"]["accepted_per_pos"][1] > 0, out["counters"]   # depth-2 paths accepted
+    assert out["async_budgets"] and out["stale_placeholders"] == 0, out

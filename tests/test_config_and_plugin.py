@@ -52,7 +52,10 @@ def test_bad_values_name_the_field(key, value, field):
 def test_budget_rule():
     cfg, _ = parse_bole_config({"method": "bole", "budget-rule": "step"})
     assert (cfg.budget, cfg.budget_rule) == ("auto", "step")
-    assert parse_bole_config({"method": "bole"})[0].budget_rule == "decode"
+    # "auto" reads the table by the throughput rule unless told otherwise; a fixed budget reads no table.
+    assert parse_bole_config({"method": "bole"})[0].budget_rule == "throughput"
+    assert parse_bole_config({"method": "bole", "budget_rule": "decode"})[0].budget_rule == "decode"
+    assert parse_bole_config({"method": "bole", "budget": 64})[0].budget_rule == "decode"
     with pytest.raises(BoleConfigError, match="budget_rule applies only with budget 'auto'"):
         parse_bole_config({"method": "bole", "budget": 64, "budget_rule": "step"})
 

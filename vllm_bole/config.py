@@ -33,9 +33,10 @@ class BoleConfig:
     # Calibration table that "auto" reads (None: $VLLM_BOLE_BUDGET_TABLE, else ~/.cache/vllm-bole/budget_table.json).
     budget_table: str | None = None
     # How "auto" reads the table: "decode", the calibrated B_ver (T_ver(N) <= (1+eps) T_dec); "step", the largest
-    # N whose extra verification costs at most eps of the measured step; "throughput", the N with the most
-    # expected tokens per unit of measured step time (spec_decode/budget.py).
-    budget_rule: str = "decode"
+    # N whose extra verification costs at most eps of the measured step; "throughput" (the default with "auto"),
+    # the N from B_ver up with the most expected tokens per unit of measured step time (spec_decode/budget.py).
+    # A fixed budget reads no table: "decode" then.
+    budget_rule: str = "throughput"
     # How a step's budget is shared: "per_request", an even share per request, so the node counts are known before
     # the drafts and the next step is scheduled while the device drafts (spec_decode/queued_drafts.py); "global",
     # the best nodes over the whole batch (the scheduler waits for the drafts).
@@ -99,7 +100,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
         if budget != "auto":
             raise BoleConfigError(
                 f"speculative_config.budget_table applies only with budget 'auto', got budget={budget!r}")
-    budget_rule = spec.get("budget_rule", "decode")
+    budget_rule = spec.get("budget_rule", "throughput" if budget == "auto" else "decode")
     if budget_rule not in BUDGET_RULES:
         raise BoleConfigError(
             f"speculative_config.budget_rule must be one of {list(BUDGET_RULES)}, got {budget_rule!r}")

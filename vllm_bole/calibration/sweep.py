@@ -99,7 +99,7 @@ def calibration_mode(runner, budget: int, shape: str, seed: int = 0):
     """Run a Bole runner with the fixed-shape drafter, a fixed node budget and no accepted drafts; restores the
     runner's drafter, config and acceptance afterwards. Yields (drafter, timer)."""
     saved = runner.bole_drafter, runner.bole_config, runner._bole_synthetic
-    cfg = dataclasses.replace(runner.bole_config, budget=budget,
+    cfg = dataclasses.replace(runner.bole_config, budget=budget, budget_rule="decode",
                               drafter_args={"shape": shape, "seed": seed, "nodes": 0})
     runner.bole_config = cfg
     runner.bole_drafter = drafter = FixedShapeDrafter(runner, cfg)

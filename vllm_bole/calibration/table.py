@@ -168,18 +168,20 @@ class ModelBudgets:
 
     def lookup_throughput(self, batch_size: int, context_len: int | None, rest_ms, tokens, probe: int = 0,
                           keep: int | None = None) -> int:
-        """The "throughput" rule: the calibrated N with the most expected tokens per millisecond,
+        """The "throughput" rule: the calibrated N, at least B_ver, with the most expected tokens per millisecond,
         ``tokens(N) / (rest(N) + T_ver(N))`` (the smaller N on a tie; B_ver for a bucket without its curve).
+        Never below B_ver: up to it a node costs next to nothing by the calibration's own measure, and on the H200
+        the sizes the rule chose below it ran slower than B_ver at batch 1 and 8 (README, "End-to-end status").
         ``rest_ms``: the step's time besides its target forward, in ms, or N -> that time; ``keep``: the N chosen
         last, kept unless another is better by more than ``KEEP_MARGIN`` (estimates that wobble would otherwise
         switch sizes, and each new size is a new CUDA graph); ``probe``: take the calibrated N that many places
-        above (below, if negative) the choice instead (within the curve)."""
+        above (below, if negative) the choice instead (within the curve from B_ver)."""
         rest = rest_ms if callable(rest_ms) else (lambda n: rest_ms)
 
         def best(key):
-            if key not in self.curves:
+            points = [p for p in self.curves[key][2] if p["nodes"] >= self.b_ver[key]] if key in self.curves else []
+            if not points:
                 return self.b_ver[key]
-            points = self.curves[key][2]
             rate = [tokens(p["nodes"]) / (rest(p["nodes"]) + p["t_ver_ms"]) for p in points]
             i = max(range(len(points)), key=lambda j: (rate[j], -j))
             kept = next((j for j, p in enumerate(points) if p["nodes"] == keep), None)

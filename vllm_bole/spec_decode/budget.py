@@ -6,15 +6,16 @@ knows it) context length, read once per process from the table written by ``vllm
 ``~/.cache/vllm-bole/budget_table.json``; see :mod:`vllm_bole.calibration.table`). Without a usable table it
 logs one warning saying why and uses :data:`DEFAULT_AUTO_BUDGET`.
 
-``budget_rule``: ``"decode"`` (default) uses the table's B_ver, the largest N with T_ver(N) <= (1+eps) T_dec:
+``budget_rule``: ``"decode"`` uses the table's B_ver, the largest N with T_ver(N) <= (1+eps) T_dec:
 right when a step is mostly its target forward. ``"step"`` also counts what the step spends besides the target
 forward (drafting, sampling, scheduling: :class:`StepClock` measures it per batch bucket), and allows N to cost up
 to eps of that whole plain step more: T_ver(N) <= T_dec + eps * (T_dec + T_rest). With T_rest = 0 both agree;
-until the clock has a measurement the step rule uses B_ver. ``"throughput"`` picks, among the calibrated N, the
-one with the most expected tokens per unit of step time: tokens(N) / (T_rest(N) + T_ver(N)), where tokens(N) is
-what the batch's trees of N nodes are expected to accept (``spec_decode/acceptance_model.py``, from the walks so
-far) and T_rest(N) the rest's fit over the node counts of recent steps (:meth:`StepClock.rest_model`); until both
-are measured it uses B_ver.
+until the clock has a measurement the step rule uses B_ver. ``"throughput"`` (the default with ``"auto"``) picks,
+among the calibrated N from B_ver up, the one with the most expected tokens per unit of step time: tokens(N) /
+(T_rest(N) + T_ver(N)), where tokens(N) is what the batch's trees of N nodes are expected to accept
+(``spec_decode/acceptance_model.py``, from the walks so far) and T_rest(N) the rest's fit over the node counts of
+recent steps (:meth:`StepClock.rest_model`); until both are measured it uses B_ver. Where no table holds T_ver
+curves for the model and GPU it runs as "decode" (:func:`with_applicable_rule`).
 
 Under async scheduling the scheduler fixes each request's next tree size before the step that drafts it runs
 (``worker/scheduler.async_budget`` and ``async_quotas``). The rules "decode" and "throughput" apply there: for
@@ -23,6 +24,7 @@ tensor_parallel_size 1 vLLM runs the worker inside the engine core), which holds
 model.
 """
 
+import dataclasses
 import functools
 import weakref
 from pathlib import Path
@@ -91,6 +93,19 @@ def node_budget(bole_config, batch_size: int, context_len: int | None = None, mo
     if bole_config.budget_rule == "throughput" and rest_ms is not None and tokens is not None:
         return budgets.lookup_throughput(batch_size, context_len, rest_ms, tokens, probe, keep)
     return budgets.lookup(batch_size, context_len)
+
+
+def with_applicable_rule(bole_config, model_config=None):
+    """``bole_config``, with ``budget_rule "throughput"`` (the default with "auto") replaced by "decode" where it
+    has nothing to choose from: no calibration table with T_ver curves for this model and GPU. The rule would give
+    B_ver (or the default budget) every step anyway, after feeding a step clock and an acceptance model for
+    nothing. The model runner and the async scheduler both hold what this returns."""
+    if bole_config.budget != "auto" or bole_config.budget_rule != "throughput":
+        return bole_config
+    budgets = _budgets(bole_config, model_config)
+    if budgets is not None and budgets.curves:
+        return bole_config
+    return dataclasses.replace(bole_config, budget_rule="decode")
 
 
 _ASYNC_SOURCE: "weakref.WeakMethod | None" = None

@@ -26,7 +26,7 @@ from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel, DeviceWalks
-from ..spec_decode.budget import StepClock, node_budget, set_async_budget_source, verify_ms
+from ..spec_decode.budget import StepClock, node_budget, set_async_budget_source, verify_ms, with_applicable_rule
 from ..spec_decode.device_beam import device_constant
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
@@ -52,7 +52,7 @@ class BoleModelRunnerMixin:
         # vLLM's built-in logits processors, as without speculation (min-p and logit bias are Bole's to apply)
         with module_attr_override("vllm.v1.worker.gpu_model_runner", "build_logitsprocs", builtin_logitsprocs):
             super().__init__(vllm_config, device)
-        self.bole_config = bole_config_from_vllm(vllm_config)
+        self.bole_config = with_applicable_rule(bole_config_from_vllm(vllm_config), self.model_config)
         self._bole_trees: dict[str, DraftTree] = {}
         self._bole_forest: StepForest | None = None
         self._bole_paths: list[list[int]] | None = None  # per batch request, this step's accepted nodes

@@ -22,7 +22,7 @@ from vllm.v1.outputs import DraftTokenIds
 
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
-from ..spec_decode.budget import async_budget_source, node_budget
+from ..spec_decode.budget import async_budget_source, node_budget, with_applicable_rule
 from ..spec_decode.tree_sampler import walks_tree
 from .tree_grammar import PARENTS_ATTR, REQUEST_ATTR, tree_grammar_bitmask, tree_parents
 
@@ -146,7 +146,7 @@ class Placeholders:
 class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, AsyncScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.bole_config = bole_config_from_vllm(self.vllm_config)
+        self.bole_config = with_applicable_rule(bole_config_from_vllm(self.vllm_config), self.vllm_config.model_config)
         # A platform may turn async scheduling off after the engine arguments chose this class (vLLM's CPU
         # platform always does): it then schedules as BoleScheduler.
         self._asynchronous = bool(self.scheduler_config.async_scheduling)
