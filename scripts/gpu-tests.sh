@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The tests that mean more on a GPU: Triton kernels against their references, and tiny engines with Bole's CUDA
+# graphs against vLLM without speculation, several engines side by side.
+#   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless serving (default: all three)
+# Each group writes LOG_DIR/<group>.log and a one-line summary to stdout. Engine tests start two to four engines
+# one after another (100-170 s each on an H200), so a group of them takes several minutes.
+#   kernels   Triton kernels and graph helpers against the torch references (no engine)
+#   lossless  the core lossless engine tests, with graph stand-ins forced wherever a larger graph fits
+#             (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one was used),
+#             and the calibrated table served under the default budget rule
+#   serving   logits processors, preemption, structured outputs, sampling
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:?usage: scripts/gpu-tests.sh LOG_DIR [kernels|lossless|serving ...]}
+shift
+GROUPS_RUN=("$@")
+[ ${#GROUPS_RUN[@]} -eq 0 ] && GROUPS_RUN=(kernels lossless serving)
+mkdir -p "$LOG"
+export VLLM_BOLE_TEST_CUDA_GRAPHS=1 VLLM_BOLE_TEST_GPU_SHARE=${VLLM_BOLE_TEST_GPU_SHARE:-0.12}
+WORKERS=${WORKERS:-3}      # pytest-xdist workers (engines side by side); 1: no xdist
+PYTHON=${PYTHON:-python3}
+XDIST=()
+[ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS" --dist loadfile)   # a file's tests on one worker: its reference runs once
+
+run_group() {
+  local name=$1; shift
+  local start=$SECONDS
+  "$PYTHON" -m pytest -p no:cacheprovider -rA --tb=short "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $((SECONDS - start)) s: $(tail -n 1 "$LOG/$name.log")"
+}
+
+for group in "${GROUPS_RUN[@]}"; do
+  case $group in
+    kernels)
+      run_group kernels "${XDIST[@]}" tests/test_kernels_triton.py tests/test_tree_attention_triton.py \
+        tests/test_tree_attn_gpu_backend.py tests/test_top_children.py tests/test_kv_compaction.py \
+        tests/test_beam_graphs.py ;;
+    lossless)
+      VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless "${XDIST[@]}" \
+        tests/test_e2e_lossless.py tests/test_async_scheduling.py \
+        "tests/test_calibration.py::test_calibrate_then_serve_auto_budget" ;;
+    serving)
+      run_group serving "${XDIST[@]}" tests/test_logits_processors.py tests/test_preemption.py \
+        tests/test_structured_outputs.py tests/test_e2e_sampling.py ;;
+    *)
+      echo "unknown group $group (kernels, lossless, serving)" >&2; exit 2 ;;
+  esac
+done
