@@ -45,7 +45,9 @@ graph on the first use of a step shape, which a serving engine soon stops meetin
 differ from pass to pass), then a timed ``generate`` of
 ``--new-tokens`` tokens (ignore_eos), repeated until ``--min-timed-s`` of wall time and at least
 ``--min-timed-runs`` times (at most ``--max-timed-runs``): tok/s = the median over those runs of generated tokens /
-wall time; mean accepted tokens per step = 1 + accepted / drafts from vLLM's spec-decode counters over the timed
+wall time (``--rounds R`` splits those runs into R rounds, every configuration's round r before any
+configuration's round r + 1, so that a slow spell of the machine falls on all configurations of the batch size;
+rows then also hold each round's median, ``tok_s_rounds``); mean accepted tokens per step = 1 + accepted / drafts from vLLM's spec-decode counters over the timed
 run (tokens per request per verification step, bonus token included). Concurrency: vLLM's "maximum concurrency for
 max_model_len tokens per request" of the engine's KV cache config (``get_kv_cache_capacity``, with
 ``--max-model-len``, default 2048), at the KV cache size recorded in the JSON.
@@ -126,6 +128,13 @@ def _ints(text: str) -> list[int]:
     return sorted({int(v) for v in text.split(",") if v.strip()})
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _configs(text: str) -> list[str]:
     names = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in names if c not in CONFIGS]
@@ -180,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repeat a batch size's timed run until this much wall time (tok/s: the runs' median)")
     p.add_argument("--min-timed-runs", type=int, default=3, help="timed runs per batch size, at least")
     p.add_argument("--max-timed-runs", type=int, default=5)
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="time each batch size in this many rounds, every configuration's round r before any "
+                        "configuration's round r + 1, so that a slow spell of the machine falls on all of them; "
+                        "the --min-timed-* and --max-timed-runs amounts are split over the rounds (tok/s: the "
+                        "median over every round's runs)")
     p.add_argument("--max-model-len", type=int, default=2048, help="also the request length of the concurrency")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=18.0, help="fixed KV cache per engine")
@@ -308,36 +322,45 @@ def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
         time.sleep(POLL_S)
 
 
-def worker_turns(run_dir: Path, name: str, batch_sizes):
-    """The worker's side of the turns: yields each batch size once the parent gave this configuration its turn
-    at it (``<name>.<B>.go``), and reports the turn done (``<name>.<B>.done``) when the caller comes back."""
+def _turn_stem(name: str, b: int, r: int) -> str:
+    """The turn files' stem: ``<name>.<B>`` for a batch size's first round, ``<name>.<B>.r<r>`` for the others."""
+    return f"{name}.{b}" if r == 0 else f"{name}.{b}.r{r}"
+
+
+def worker_turns(run_dir: Path, name: str, batch_sizes, rounds: int = 1):
+    """The worker's side of the turns: yields (batch size, round) once the parent gave this configuration its
+    turn at it (``<stem>.go``), and reports the turn done (``<stem>.done``) when the caller comes back."""
     for b in batch_sizes:
-        _wait_for(run_dir / f"{name}.{b}.go")
-        yield b
-        (run_dir / f"{name}.{b}.done").touch()
+        for r in range(rounds):
+            _wait_for(run_dir / f"{_turn_stem(name, b, r)}.go")
+            yield b, r
+            (run_dir / f"{_turn_stem(name, b, r)}.done").touch()
 
 
 def give_turns(run_dir: Path, procs: dict, order: list[str], batch_sizes, lock_path: str | None = None,
-               before=None):
-    """The parent's side: batch size by batch size, each live configuration of ``order`` in turn times that batch
-    size while the others wait, so that whatever drifts over a run (clocks, heat, a neighbour on the machine)
-    falls on every configuration of a batch size alike. Yields (name, batch size, seconds) per finished turn;
-    a worker that exited is skipped from then on. ``before(name)``: called before each turn (may wait)."""
+               before=None, rounds: int = 1):
+    """The parent's side: batch size by batch size and round by round, each live configuration of ``order`` in
+    turn times that batch size while the others wait, so that whatever drifts over a run (clocks, heat, a
+    neighbour on the machine) falls on every configuration of a batch size alike. Yields (name, batch size,
+    seconds) per finished turn; a worker that exited is skipped from then on. ``before(name)``: called before
+    each turn (may wait)."""
     for b in batch_sizes:
-        for name in order:
-            proc = procs[name]
-            if proc.poll() is not None:
-                continue
-            if before is not None:
-                before(name)
-            t = time.monotonic()
-            done = run_dir / f"{name}.{b}.done"
-            with _turn(lock_path):
-                (run_dir / f"{name}.{b}.go").touch()
-                while not done.exists() and proc.poll() is None:
-                    time.sleep(POLL_S)
-            if done.exists():
-                yield name, b, time.monotonic() - t
+        for r in range(rounds):
+            for name in order:
+                proc = procs[name]
+                if proc.poll() is not None:
+                    continue
+                if before is not None:
+                    before(name)
+                t = time.monotonic()
+                stem = run_dir / _turn_stem(name, b, r)
+                done = stem.with_name(stem.name + ".done")
+                with _turn(lock_path):
+                    stem.with_name(stem.name + ".go").touch()
+                    while not done.exists() and proc.poll() is None:
+                        time.sleep(POLL_S)
+                if done.exists():
+                    yield name, b, time.monotonic() - t
 
 
 def settle_graphs(generate, graph_counts, max_passes: int, clean_needed: int) -> int:
@@ -359,7 +382,7 @@ def gpu_groups(configs: list[str], gpus: int) -> list[list[str]]:
 
 
 def give_turns_per_gpu(run_dir: Path, procs: dict, groups: list[list[str]], batch_sizes, lock_path=None,
-                       calibrating: str | None = None):
+                       calibrating: str | None = None, rounds: int = 1):
     """:func:`give_turns` on every GPU's configurations at once, one thread per GPU. A Bole configuration waits
     for the calibrating one's first turn (it writes the table the others read), wherever that runs. Returns the
     finished turns as (name, batch size, seconds), each GPU's in its order."""
@@ -377,7 +400,7 @@ def give_turns_per_gpu(run_dir: Path, procs: dict, groups: list[list[str]], batc
     turns: list[tuple] = []
 
     def run(order):
-        for name, b, seconds in give_turns(run_dir, procs, order, batch_sizes, lock_path, before):
+        for name, b, seconds in give_turns(run_dir, procs, order, batch_sizes, lock_path, before, rounds):
             if name == calibrating:
                 calibrated.set()
             turns.append((name, b, seconds))
@@ -438,7 +461,7 @@ def run_worker(args) -> None:
                                                         "settle_passes",
                                                         "rates", "sibling_rates", "model")}}
     _write_json(run_dir / f"{name}.ready", {"startup_s": result["startup_s"]})
-    turns = worker_turns(run_dir, name, args.batch_sizes)
+    turns = worker_turns(run_dir, name, args.batch_sizes, args.rounds)
     first = next(turns)   # the first turn also calibrates (or reads the table the calibrating engine wrote)
 
     if args.calibrate and name == calibrating_config(args.configs, args.smoke):
@@ -462,44 +485,56 @@ def run_worker(args) -> None:
     rng = random.Random(0)
     vocab = runner.model_config.get_vocab_size()
     per_batch = {}
-    for b in itertools.chain([first], turns):
-        prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(args.prompt_len)]}
-                   for _ in range(b)]
-        warm = SamplingParams(max_tokens=args.warmup_tokens or args.new_tokens, ignore_eos=True, temperature=0.0,
-                              detokenize=False)
-        for _ in range(args.warmup_passes):   # Bole captures its graphs on first use of each shape
-            llm.generate(prompts, warm, use_tqdm=False)
-        # Tree steps take many shapes (token counts, request buckets, attention routes): warm up until a pass
-        # meets no new one, as a serving engine soon does, so that the timed runs measure the steady state.
-        settle = 0
-        if name.startswith("bole"):
-            settle = settle_graphs(lambda: llm.generate(prompts, warm, use_tqdm=False),
-                                   lambda: _bole_graph_counts(runner), args.settle_passes, args.settle_clean)
-        params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
-        before = spec_decode_counters(llm.get_metrics())
-        graphs_before, keys_before = _bole_graph_counts(runner), _bole_graph_keys(runner)
-        stand_ins_before = _bole_stand_ins(runner)
-        budgets_before = collections.Counter(getattr(runner, "bole_budgets", {}))
+    # Per round of a batch size the timed runs' share of the minimums (tok/s is the median over all rounds).
+    min_runs, max_runs = -(-args.min_timed_runs // args.rounds), max(1, -(-args.max_timed_runs // args.rounds))
+    min_s = args.min_timed_s / args.rounds
+    for b, r in itertools.chain([first], turns):
+        if r == 0:   # the batch size's first round: warm up, then count from here
+            prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(args.prompt_len)]}
+                       for _ in range(b)]
+            warm = SamplingParams(max_tokens=args.warmup_tokens or args.new_tokens, ignore_eos=True,
+                                  temperature=0.0, detokenize=False)
+            for _ in range(args.warmup_passes):   # Bole captures its graphs on first use of each shape
+                llm.generate(prompts, warm, use_tqdm=False)
+            # Tree steps take many shapes (token counts, request buckets, attention routes): warm up until a pass
+            # meets no new one, as a serving engine soon does, so that the timed runs measure the steady state.
+            settle = 0
+            if name.startswith("bole"):
+                settle = settle_graphs(lambda: llm.generate(prompts, warm, use_tqdm=False),
+                                       lambda: _bole_graph_counts(runner), args.settle_passes, args.settle_clean)
+            params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+            before = spec_decode_counters(llm.get_metrics())
+            graphs_before, keys_before = _bole_graph_counts(runner), _bole_graph_keys(runner)
+            stand_ins_before = _bole_stand_ins(runner)
+            budgets_before = collections.Counter(getattr(runner, "bole_budgets", {}))
+            runs, wall, tokens, round_runs = [], 0.0, 0, []
         # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second), at least
         # --min-timed-runs times, so that the median leaves out a run that captured a graph or compiled a kernel;
-        # tok/s is their median, the acceptance counters cover them all.
-        runs, wall, tokens = [], 0.0, 0
-        while len(runs) < args.min_timed_runs or wall < args.min_timed_s and len(runs) < args.max_timed_runs:
+        # tok/s is their median, the acceptance counters cover them all. With --rounds, each round runs its share
+        # (the engine is idle between its rounds, while the other configurations take theirs).
+        mine, round_wall = [], 0.0
+        while len(mine) < min_runs or round_wall < min_s and len(mine) < max_runs:
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t
             n = sum(len(o.outputs[0].token_ids) for o in outs)
-            runs.append(n / elapsed)
-            wall, tokens = wall + elapsed, tokens + n
+            mine.append(n / elapsed)
+            round_wall, wall, tokens = round_wall + elapsed, wall + elapsed, tokens + n
+        runs += mine
+        round_runs.append(round(statistics.median(mine), 1))
+        if r < args.rounds - 1:
+            continue
         graphs_after = _bole_graph_counts(runner)
         after = spec_decode_counters(llm.get_metrics())
         drafts = after["num_drafts"] - before["num_drafts"]
         accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-        row = {"tok_s": round(statistics.median(runs), 1), "tok_s_runs": [round(r, 1) for r in runs],
+        row = {"tok_s": round(statistics.median(runs), 1), "tok_s_runs": [round(x, 1) for x in runs],
                "wall_s": round(wall, 3), "tokens": tokens,
                "mean_accepted": round(1 + accepted / drafts, 3) if drafts else None,
                "draft_tokens_per_step": round((after["num_draft_tokens"] - before["num_draft_tokens"]) / drafts, 2)
                if drafts else None}
+        if args.rounds > 1:
+            row["tok_s_rounds"] = round_runs   # each round's median, in round order
         if name.startswith("bole"):
             # the node budget the timed runs' steps of all B requests took most often (the rules "step" and
             # "throughput" move it with their measurements)
@@ -636,7 +671,7 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
         if procs[name].poll() is not None:
             print(f"{name}: failed during start-up; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
     groups = [sorted(g, key=lambda n: n != calibrating) for g in gpu_groups(args.configs, args.gpus)]
-    give_turns_per_gpu(run_dir, procs, groups, args.batch_sizes, args.turn_lock, calibrating)
+    give_turns_per_gpu(run_dir, procs, groups, args.batch_sizes, args.turn_lock, calibrating, args.rounds)
     for name in order:
         proc = procs[name]
         proc.wait()

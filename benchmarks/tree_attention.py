@@ -18,7 +18,7 @@ It first checks both routes and FlexAttention against the torch reference on a f
 prefixes 0..1500, mixed tree shapes, vLLM's hybrid block sizes) and aborts on a mismatch or a NaN.
 
 Timing: each variant is captured in one CUDA graph over R rotated input sets (so the L2 does not serve repeats)
-and the median replay time over the reps is reported (benchmarks/kernels.py's Timer). The tree rows' device
+and the median replay time over the reps is reported (benchmarks/gdn_kernels.py's Timer). The tree rows' device
 description is built once per step for all layers; its host time is reported apart (rows_host_us).
 
 Every candidate configuration (--configs) is timed in both routes at every shape, so the rules can be fit to
@@ -49,7 +49,7 @@ from vllm.v1.attention.backends import fa_utils  # noqa: E402
 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata  # noqa: E402
 
 from forest_shapes import make_tree  # noqa: E402
-from kernels import Timer  # noqa: E402
+from gdn_kernels import Timer  # noqa: E402
 from paged_cache import shuffled_block_table  # noqa: E402
 from vllm_bole.attention import tree_attn_gpu  # noqa: E402
 from vllm_bole.kernels.forest import ancestor_mask  # noqa: E402

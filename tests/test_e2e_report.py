@@ -1,6 +1,8 @@
 """benchmarks/e2e.py's rows and table: the best chain is picked among the async-scheduled MTP chains only, the
 synchronous chains and Bole's step-rule configuration are reported beside it."""
 
+import pytest
+
 from e2e_support import load_benchmark
 
 
@@ -121,10 +123,10 @@ def test_calibration_runs_in_the_first_synchronous_bole_config_and_the_latest_is
     assert [e["b_ver"] for e in data["calibration"]] == [64]
 
 
-def _fake_workers(e2e, tmp_path, batch_sizes, body: str, args: dict) -> dict:
+def _fake_workers(e2e, tmp_path, batch_sizes, body: str, args: dict, rounds: int = 1) -> dict:
     """Processes that take turns as benchmark workers do (``worker_turns``), each logging the start and end of
-    its turns to ``turns.log``; ``body`` runs inside a turn (``name``, ``arg`` and ``b`` defined), ``args``: the
-    ``arg`` of each worker by name."""
+    its turns to ``turns.log`` (``<name> <B>``, ``<name> <B>.<round>`` from the second round); ``body`` runs inside
+    a turn (``name``, ``arg``, ``b`` and ``r`` defined), ``args``: the ``arg`` of each worker by name."""
     import subprocess
     import sys
     from pathlib import Path
@@ -137,10 +139,11 @@ def _fake_workers(e2e, tmp_path, batch_sizes, body: str, args: dict) -> dict:
         "e2e = importlib.util.module_from_spec(spec); spec.loader.exec_module(e2e)\n"
         "e2e.POLL_S = 0.01\n"
         "name, arg = sys.argv[1], float(sys.argv[2])\n"
-        f"for b in e2e.worker_turns(Path({str(tmp_path)!r}), name, {list(batch_sizes)!r}):\n"
-        f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} start\\n')\n"
+        f"for b, r in e2e.worker_turns(Path({str(tmp_path)!r}), name, {list(batch_sizes)!r}, {rounds}):\n"
+        "    tag = f'{b}.{r}' if r else str(b)\n"
+        f"    open({str(log)!r}, 'a').write(f'{{name}} {{tag}} start\\n')\n"
         + "".join(f"    {line}\n" for line in body.splitlines()) +
-        f"    open({str(log)!r}, 'a').write(f'{{name}} {{b}} end\\n')\n")
+        f"    open({str(log)!r}, 'a').write(f'{{name}} {{tag}} end\\n')\n")
     e2e.POLL_S = 0.01
     return {name: subprocess.Popen([sys.executable, "-c", worker, name, str(arg)]) for name, arg in args.items()}
 
@@ -161,6 +164,23 @@ def test_turns_go_batch_size_by_batch_size_and_skip_a_worker_that_exited(tmp_pat
         "bole 4 start", "bole 4 end", "mtp3 4 start", "ar 4 start", "ar 4 end",
         "bole 8 start", "bole 8 end", "ar 8 start", "ar 8 end"]
     assert procs["mtp3"].returncode == 3 and procs["bole"].returncode == 0
+
+
+def test_rounds_take_turns_round_by_round(tmp_path):
+    """--rounds 2: at each batch size every configuration times its first round, then every configuration its
+    second, so that a slow spell of the machine falls on all of them."""
+    e2e = _e2e()
+    procs = _fake_workers(e2e, tmp_path, [1, 4], "time.sleep(0.02)", {"bole": 0, "mtp3": 0}, rounds=2)
+    turns = list(e2e.give_turns(tmp_path, procs, ["bole", "mtp3"], [1, 4], rounds=2))
+    for proc in procs.values():
+        proc.wait(timeout=30)
+    assert [(name, b) for name, b, _ in turns] == [("bole", 1), ("mtp3", 1)] * 2 + [("bole", 4), ("mtp3", 4)] * 2
+    starts = [line for line in (tmp_path / "turns.log").read_text().split("\n") if line.endswith("start")]
+    assert starts == ["bole 1 start", "mtp3 1 start", "bole 1.1 start", "mtp3 1.1 start",
+                      "bole 4 start", "mtp3 4 start", "bole 4.1 start", "mtp3 4.1 start"]
+    assert all(proc.returncode == 0 for proc in procs.values())
+    with pytest.raises(SystemExit):
+        e2e.build_parser().parse_args(["--rounds", "0"])
 
 
 def test_turns_per_gpu_run_side_by_side_and_wait_for_the_calibration(tmp_path):

@@ -168,7 +168,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.device) -> dict:
-    """Launch parameters, from sweeps on H200 at Qwen3.5 shapes (benchmarks/kernels.py --sweep).
+    """Launch parameters, from sweeps on H200 at Qwen3.5 shapes (benchmarks/gdn_kernels.py --sweep).
 
     The two-kernel path (:mod:`triton_verify_split`: per-tree matrices once, then one program per value
     block) measured fastest for trees of 33 to 64 nodes at every batch, each tree one 64-row tile; for trees

@@ -15,7 +15,7 @@ Timing: each variant is captured in one CUDA graph over R rotated input sets (so
 repeats) and the median replay time over R is reported. g and beta are inputs of the tree kernels (vLLM
 computes them with its gating kernel beforehand); the chain kernel computes them inline.
 
-Usage: python benchmarks/kernels.py [--sweep] [--smoke]    (--smoke: tiny shapes on CPU, Triton interpreter)
+Usage: python benchmarks/gdn_kernels.py [--sweep] [--smoke]    (--smoke: tiny shapes on CPU, Triton interpreter)
 Needs vLLM's FLA files: vLLM installed, or BOLE_VLLM_FLA_DIR (see tests/vllm_fla.py).
 """
 
