@@ -481,6 +481,12 @@ def run_worker(args) -> None:
         from vllm_bole.spec_decode.budget import reload_budget_tables
 
         reload_budget_tables()
+    if args.calibrate and name.startswith("bole"):
+        # The rule "throughput" applies only where the table holds curves: resolve it again with the new table.
+        runner.bole_refresh_budget_rule()
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        if hasattr(scheduler, "bole_refresh_budget_rule"):   # (the async scheduler; the synchronous one asks none)
+            scheduler.bole_refresh_budget_rule()
 
     rng = random.Random(0)
     vocab = runner.model_config.get_vocab_size()
@@ -556,6 +562,8 @@ def run_worker(args) -> None:
         print(f"[{name}] B={b}: {row}", flush=True)
         if b == args.batch_sizes[-1]:   # the rest of the last turn: the profile, the results
             result["batches"] = per_batch
+            if name.startswith("bole"):   # the budget rule in effect (budget.with_applicable_rule)
+                result["budget_rule"] = runner.bole_config.budget_rule
             if name.startswith("bole") and args.profile_batch:
                 result["profile"] = profile_bole(llm, runner, args, run_dir, rng, name)
             _write_json(run_dir / f"{name}.json", result)

@@ -15,21 +15,29 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_smoke_run_with_two_rounds(tmp_path):
+def test_smoke_run_with_two_rounds_and_a_calibration(tmp_path):
+    """Three engines, two rounds per batch size; ``bole`` calibrates a fresh table in its first turn, after which
+    both Bole engines run the default rule "throughput" (it needs the table's curves, which did not exist when
+    they started)."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    out = tmp_path / "e2e.json"
+    out, names = tmp_path / "e2e.json", ("mtp3", "bole", "bole_sync")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/e2e.py"), "--smoke", "--rounds", "2", "--configs", "mtp3,bole",
-         "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--budget-table", str(tmp_path / "table.json")],
-        env=env, capture_output=True, text=True, timeout=1200)
-    logs = "".join((tmp_path / "logs" / f"{n}.log").read_text()[-3000:] for n in ("mtp3", "bole")
+        [sys.executable, str(ROOT / "benchmarks/e2e.py"), "--smoke", "--rounds", "2", "--calibrate", "--configs",
+         ",".join(names), "--out", str(out), "--log-dir", str(tmp_path / "logs"),
+         "--budget-table", str(tmp_path / "table.json")],
+        env=env, capture_output=True, text=True, timeout=1500)
+    logs = "".join((tmp_path / "logs" / f"{n}.log").read_text()[-3000:] for n in names
                    if (tmp_path / "logs" / f"{n}.log").exists())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
-    configs = json.loads(out.read_text())["configs"]
-    assert sorted(configs) == ["bole", "mtp3"], proc.stdout[-3000:] + logs
+    data = json.loads(out.read_text())
+    configs = data["configs"]
+    assert sorted(configs) == sorted(names), proc.stdout[-3000:] + logs
     for name, config in configs.items():
         assert sorted(config["batches"]) == ["1", "2"]
         for row in config["batches"].values():
             assert len(row["tok_s_rounds"]) == 2 and len(row["tok_s_runs"]) == 2, row   # one run per round
             assert row["tok_s"] > 0 and row["mean_accepted"] >= 1.0, row
-    assert [line.split(":")[0] for line in proc.stdout.splitlines() if " turn " in line] == ["mtp3", "bole"] * 4
+    assert configs["bole"]["calibration"] and configs["bole"]["budget_rule"] == "throughput"
+    assert configs["bole_sync"]["budget_rule"] == "throughput"
+    turns = [line.split(":")[0] for line in proc.stdout.splitlines() if " turn " in line]
+    assert turns == ["bole", "mtp3", "bole_sync"] * 4, turns   # the calibrating engine first at every turn

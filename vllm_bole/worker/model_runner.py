@@ -74,8 +74,7 @@ class BoleModelRunnerMixin:
         self._bole_acceptance = AcceptanceModel(self.bole_config.topk, self.bole_config.max_depth)
         # ... and its walks that stayed on the device (async scheduling), on their way to it
         self._bole_device_walks = DeviceWalks(self._bole_acceptance)
-        if self.bole_config.budget_rule == "throughput":   # the async scheduler of this process asks for budgets
-            set_async_budget_source(self.bole_async_budget)
+        self.bole_refresh_budget_rule()
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
         self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
         # This step's drafting queued behind its target forward (early_drafting.FirstPass), if any
@@ -243,6 +242,15 @@ class BoleModelRunnerMixin:
                               verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
                                         self.model_config), nodes=self._bole_last_nodes,
                               captured=graphs != self._bole_clock_graphs)
+
+    def bole_refresh_budget_rule(self) -> None:
+        """``budget_rule`` as it applies with the calibration table as it is now (:func:`with_applicable_rule`:
+        "throughput" needs T_ver curves); called again after a table was written in this process
+        (``budget.reload_budget_tables``). Under "throughput" the async scheduler of this process asks this runner
+        for budgets."""
+        self.bole_config = with_applicable_rule(bole_config_from_vllm(self.vllm_config), self.model_config)
+        if self.bole_config.budget_rule == "throughput":
+            set_async_budget_source(self.bole_async_budget)
 
     def bole_graph_counts(self) -> tuple[int, int]:
         """(verification graphs, drafter graphs: level and whole-level) captured so far; the holders only grow,

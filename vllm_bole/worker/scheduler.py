@@ -146,11 +146,15 @@ class Placeholders:
 class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, AsyncScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.bole_config = with_applicable_rule(bole_config_from_vllm(self.vllm_config), self.vllm_config.model_config)
+        self.bole_refresh_budget_rule()
         # A platform may turn async scheduling off after the engine arguments chose this class (vLLM's CPU
         # platform always does): it then schedules as BoleScheduler.
         self._asynchronous = bool(self.scheduler_config.async_scheduling)
         self._source_missing_logged = False
+
+    def bole_refresh_budget_rule(self) -> None:
+        """``budget_rule`` as it applies with the calibration table as it is now (the model runner's twin)."""
+        self.bole_config = with_applicable_rule(bole_config_from_vllm(self.vllm_config), self.vllm_config.model_config)
 
     def _budget_source(self):
         """The model runner's budget (``budget_rule "throughput"``), or None: the rule "decode"."""
