@@ -122,6 +122,28 @@ def bole_engine(tmp_path, name, depth, topk, budget, drafter="planted", selectio
     return {"speculative_config": spec, **engine}
 
 
+def tiny_budget_table(path, model_dir: str, batch_sizes=(1, 2, 4, 8, 16), nodes=(16, 32, 64)):
+    """A calibration table for a tiny checkpoint on this device with made-up times (T_ver 20% up per point, so
+    B_ver is the smallest N and the rule "throughput" has the larger ones to choose from): for engines whose budget
+    rule must be in charge (without T_ver curves it runs as "decode"). Returns ``path``."""
+    from types import SimpleNamespace
+
+    from vllm_bole.calibration.table import device_name, make_entry, model_fingerprint, write_table
+
+    config = json.load(open(f"{model_dir}/config.json"))
+    text = config.get("text_config", config)
+    text = SimpleNamespace(**{k: text[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")})
+    model = SimpleNamespace(hf_config=SimpleNamespace(architectures=config["architectures"]), hf_text_config=text,
+                            dtype="bfloat16")   # the tiny engines' dtype (testing.tiny_models.engine_kwargs)
+    points = [{"nodes": n, "t_ver_ms": 10.0 * 1.2 ** i, "samples": 1, "kv_len_mean": 256}
+              for i, n in enumerate(nodes)]
+    write_table(path, [make_entry(fingerprint=model_fingerprint(model), model=model_dir, gpu=device_name(),
+                                  batch_size=b, kv_len=256, epsilon=0.1, t_dec_ms=10.0,
+                                  points=[dict(p) for p in points], tree={"shape": "beam"}, device_timing="made up")
+                       for b in batch_sizes])
+    return path
+
+
 def sync_and_async_runs(tmp_path) -> dict[str, dict]:
     """Two Bole engine specs for :func:`run_engine` over a batch of up to 8 requests: the planted drafter scheduled
     synchronously, and the MTP drafter under vLLM's async scheduling (run on CPU too)."""

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from e2e_support import (assert_graphs_used, assert_lossless, bole_engine, random_requests, run_engine,
-                          write_oracle)
+                          tiny_budget_table, write_oracle)
 
 pytestmark = pytest.mark.vllm
 
@@ -133,11 +133,12 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
 
 def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, reference):
     """``draft_vocab``: the drafter proposes the lower half of the vocabulary only; the output stays exact (with
-    the drafting before the walk, whose walks also feed the ``"throughput"`` budget rule's acceptance model;
-    without a calibration table here the rule keeps the default budget)."""
+    the drafting before the walk, whose walks also feed the default budget rule's acceptance model: a table
+    with curves for the tiny model puts the rule "throughput" in charge)."""
     vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
     engine = bole_engine(tmp, "mtp_vocab", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16)
-    engine["speculative_config"] |= {"draft_vocab": vocab // 2, "budget_rule": "throughput"}
+    engine["speculative_config"] |= {"draft_vocab": vocab // 2,
+                                     "budget_table": str(tiny_budget_table(tmp / "table.json", model))}
     out = run_engine(tmp, "mtp_vocab", {"model": model, "requests": requests_, "logprobs": 2, "engine": engine})
     divs = assert_lossless(reference, out, max_near_ties=2)
     counters = out["counters"]
