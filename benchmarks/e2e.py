@@ -322,19 +322,20 @@ def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
         time.sleep(POLL_S)
 
 
-def _turn_stem(name: str, b: int, r: int) -> str:
-    """The turn files' stem: ``<name>.<B>`` for a batch size's first round, ``<name>.<B>.r<r>`` for the others."""
-    return f"{name}.{b}" if r == 0 else f"{name}.{b}.r{r}"
+def _turn_file(run_dir: Path, name: str, b: int, r: int, kind: str) -> Path:
+    """A turn's file (``kind`` "go" or "done"): ``<name>.<B>.<kind>`` for a batch size's first round,
+    ``<name>.<B>.r<r>.<kind>`` for the others."""
+    return run_dir / (f"{name}.{b}.{kind}" if r == 0 else f"{name}.{b}.r{r}.{kind}")
 
 
 def worker_turns(run_dir: Path, name: str, batch_sizes, rounds: int = 1):
     """The worker's side of the turns: yields (batch size, round) once the parent gave this configuration its
-    turn at it (``<stem>.go``), and reports the turn done (``<stem>.done``) when the caller comes back."""
+    turn at it (its "go" file), and reports the turn done (its "done" file) when the caller comes back."""
     for b in batch_sizes:
         for r in range(rounds):
-            _wait_for(run_dir / f"{_turn_stem(name, b, r)}.go")
+            _wait_for(_turn_file(run_dir, name, b, r, "go"))
             yield b, r
-            (run_dir / f"{_turn_stem(name, b, r)}.done").touch()
+            _turn_file(run_dir, name, b, r, "done").touch()
 
 
 def give_turns(run_dir: Path, procs: dict, order: list[str], batch_sizes, lock_path: str | None = None,
@@ -353,10 +354,9 @@ def give_turns(run_dir: Path, procs: dict, order: list[str], batch_sizes, lock_p
                 if before is not None:
                     before(name)
                 t = time.monotonic()
-                stem = run_dir / _turn_stem(name, b, r)
-                done = stem.with_name(stem.name + ".done")
+                done = _turn_file(run_dir, name, b, r, "done")
                 with _turn(lock_path):
-                    stem.with_name(stem.name + ".go").touch()
+                    _turn_file(run_dir, name, b, r, "go").touch()
                     while not done.exists() and proc.poll() is None:
                         time.sleep(POLL_S)
                 if done.exists():

@@ -52,7 +52,7 @@ class BoleModelRunnerMixin:
         # vLLM's built-in logits processors, as without speculation (min-p and logit bias are Bole's to apply)
         with module_attr_override("vllm.v1.worker.gpu_model_runner", "build_logitsprocs", builtin_logitsprocs):
             super().__init__(vllm_config, device)
-        self.bole_config = with_applicable_rule(bole_config_from_vllm(vllm_config), self.model_config)
+        self.bole_config = bole_config_from_vllm(vllm_config)   # its budget_rule resolved below (refresh)
         self._bole_trees: dict[str, DraftTree] = {}
         self._bole_forest: StepForest | None = None
         self._bole_paths: list[list[int]] | None = None  # per batch request, this step's accepted nodes
