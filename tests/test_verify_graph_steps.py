@@ -159,9 +159,13 @@ def test_steps_of_small_trees_run_under_a_small_bound(monkeypatch):
 def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypatch):
     """A step whose key is not held replays the graph of the same requests, route and bound with the fewest
     more tokens (within the padding allowance): its output is cut to the step's rows and the extra rows' KV
-    slots are -1; when the key comes back for the CAPTURE_AFTER-th time it gets its own graph."""
+    slots are -1; when the key comes back for the CAPTURE_AFTER-th time, its stand-ins' padding having cost
+    CAPTURE_COST_STEPS by then (here one step, every row counted: 0.5 per 16-row step under the 24-row graph), it
+    gets its own graph."""
     graphs, runner, context, seen, current = _setup(monkeypatch)
     monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 3)
+    monkeypatch.setattr(verify_graphs, "FLAT_ROWS", 0)
+    monkeypatch.setattr(verify_graphs, "CAPTURE_COST_STEPS", 1.0)
     runner.bole_config.max_nodes_per_request = 32
     ids = torch.zeros(64, dtype=torch.long)
     slots = runner.input_batch.block_table[0].slot_mapping.gpu
@@ -220,6 +224,35 @@ def test_stand_in_keeps_requests_bound_and_route():
     assert stand_in((24, 2, False, 8), held, 100) is None
     assert stand_in((200, 4, False, 8), [(320, 4, False, 8)], 100) is None   # more than half again as many rows
     assert stand_in((200, 4, False, 8), [(296, 4, False, 8)], 100) == (296, 4, False, 8)
+
+
+def test_padding_cost_counts_rows_above_the_flat_region():
+    cost = verify_graphs.padding_cost
+    assert verify_graphs.FLAT_ROWS == 128
+    assert cost(8, 40) == 0.0 and cost(64, 128) == 0.0         # a forward of up to 128 rows costs the same
+    assert cost(96, 192) == 0.5 and cost(192, 288) == 0.5      # above: the rows past 128 and past its own
+    assert cost(256, 384) == 0.5 and cost(376, 384) < 0.03
+
+
+def test_stand_ins_capture_once_their_padding_costs_a_capture(monkeypatch):
+    """A key is captured at its CAPTURE_AFTER-th occurrence at the earliest, and only once its stand-ins' padding
+    adds up to CAPTURE_COST_STEPS of its own steps: at once when nothing larger is held, never while a held graph
+    pads it within the flat region, after 16 occurrences under a graph of half again as many rows, and never while
+    the holder is full."""
+    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 3)
+    assert verify_graphs.CAPTURE_COST_STEPS == 8.0
+    held = {(128, 4, False, 8): None, (288, 4, False, 8): None}
+    stand_ins = verify_graphs.StandIns()
+    assert stand_ins.pick((320, 4, False, 8), held, 100, 384) is None             # nothing larger held
+    for _ in range(100):                                                          # 64 rows under 128: free
+        assert stand_ins.pick((64, 4, False, 8), held, 100, 384) == (128, 4, False, 8)
+    picks = [stand_ins.pick((192, 4, False, 8), held, 100, 384) for _ in range(16)]
+    assert picks[:15] == [(288, 4, False, 8)] * 15 and picks[15] is None   # 16 x 0.5 steps: the price of a capture
+    assert stand_ins.replays == 115 and stand_ins.cost[(192, 4, False, 8)] == 8.0
+    full = verify_graphs.StandIns()
+    assert all(full.pick((192, 4, False, 8), held, 100, 2) == (288, 4, False, 8) for _ in range(40))
+    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 1)   # stand-ins off
+    assert verify_graphs.StandIns().pick((192, 4, False, 8), held, 100, 384) is None
 
 
 def test_capture_after_one_captures_every_new_key_at_once(monkeypatch):

@@ -17,9 +17,10 @@ replayed from a graph of the whole target forward that Bole captures itself, one
   harmless: it writes only this step's K/V slots and Bole's per-step scratch;
 - unless a held graph of the same requests, route and bound has a few more tokens (:func:`stand_in`): the step
   replays that one, its extra rows with KV slot -1 and past every request's tree, so they cost compute and
-  nothing else. The key is captured when it comes back (:data:`CAPTURE_AFTER`): a drained batch's one-off token
-  counts then no longer cost a capture each (an eager run, a synchronize and the capture: about 150 ms at 9B
-  shapes). ``VLLM_BOLE_CAPTURE_AFTER=1`` turns them off.
+  nothing else. The key is captured only once its stand-ins have cost about as much as a capture would
+  (:class:`StandIns`: an eager run, a synchronize and the capture, 50-150 ms at 9B shapes, several steps'
+  worth), and not before its :data:`CAPTURE_AFTER`-th occurrence: a drained batch's one-off token counts and a
+  budget rule's trial sizes then cost no capture each. ``VLLM_BOLE_CAPTURE_AFTER=1`` turns stand-ins off.
 """
 
 import functools
@@ -58,11 +59,17 @@ def capture_after_from_env() -> int:
     return int(value)
 
 
-# Occurrences of a key not yet held after which it is captured; the ones before replay a larger held graph
-# (:func:`stand_in`), so a shape that recurs gets its own graph and a one-off one never costs a capture. 1 captures
-# every new key at once (no stand-ins). ``tests/test_e2e_lossless.py`` forces stand-ins with
-# ``VLLM_BOLE_CAPTURE_AFTER`` above 1000 and checks that a step used one.
+# The fewest occurrences of a key not yet held before it is captured; the ones before replay a larger held graph
+# (:func:`stand_in`). 1 captures every new key at once (no stand-ins). ``tests/test_e2e_lossless.py`` forces
+# stand-ins with ``VLLM_BOLE_CAPTURE_AFTER`` above 1000 and checks that a step used one.
 CAPTURE_AFTER = capture_after_from_env()
+# Past CAPTURE_AFTER, a key is captured once the extra rows its stand-ins ran add up to this many of its own steps
+# (:func:`padding_cost`; rent until the rent paid equals the price): a capture costs an eager run, a synchronize
+# and the capture itself, 50-150 ms at 9B shapes on an H200, about 5-10 steps of 10-25 ms.
+CAPTURE_COST_STEPS = 8.0
+# Up to this many rows a forward costs about the same whatever its rows (it reads the weights once: the H200's
+# calibrated 9B target forward at batch 32 takes 6.6 ms at 8 nodes and 6.7 ms at 96), so padding below it is free.
+FLAT_ROWS = 128
 # How many rows a stand-in graph may carry: twice the step's up to DOUBLE_UP_TO rows (the calibrated target forward
 # grows by about 10% from 80 to 144 tokens at batch 16, against a capture of about 25 steps), half again as many
 # above; at least PAD_ROWS more. With power-of-two graph sizes (the tests') the next size up always fits to 128.
@@ -280,20 +287,38 @@ def stand_in(key: tuple, held, max_seq_len: int) -> tuple | None:
     return min(fits, default=None)
 
 
+def padding_cost(rows: int, held_rows: int) -> float:
+    """What replaying a graph of ``held_rows`` for a step of ``rows`` adds, as a share of the step's own forward:
+    linear in the rows above :data:`FLAT_ROWS`, nothing below (an upper bound on the calibrated curves, whose cost
+    grows more slowly than the rows)."""
+    own = max(rows, FLAT_ROWS)
+    return (max(held_rows, FLAT_ROWS) - own) / own
+
+
 class StandIns:
-    """When a key not held replays a larger held graph (:func:`stand_in`) instead of being captured: the misses per
-    key and the replays that stood in, for one holder of graphs (verification or drafter levels)."""
+    """When a key not held replays a larger held graph (:func:`stand_in`) instead of being captured, for one holder
+    of graphs (verification or drafter levels): the misses per key, what its stand-ins' padding has cost so far
+    (:func:`padding_cost`, in steps of its own), and the replays that stood in. A key is captured once that cost
+    reaches :data:`CAPTURE_COST_STEPS` (at its :data:`CAPTURE_AFTER`-th occurrence at the earliest): a shape that
+    keeps coming back under a much larger graph gets its own soon, one a few rows short of a held graph or below
+    :data:`FLAT_ROWS` rarely or never, and a one-off never."""
 
     def __init__(self):
         self.misses: Counter = Counter()   # key -> steps it occurred without its own graph
+        self.cost: Counter = Counter()     # key -> its stand-ins' padding so far, in steps
         self.replays = 0
 
     def pick(self, key: tuple, held: dict, max_seq_len: int, max_graphs: int) -> tuple | None:
-        """The held key to replay for ``key`` (not held): a stand-in before the key's ``CAPTURE_AFTER``-th
-        occurrence, or whenever the holder is full; None: capture ``key`` (or, when full, run without a graph)."""
+        """The held key to replay for ``key`` (not held), or None: capture ``key`` (when the holder is full: run
+        without a graph). A stand-in while the key's misses are fewer than ``CAPTURE_AFTER`` or its stand-ins
+        have cost less than ``CAPTURE_COST_STEPS``, and whenever the holder is full; None when none fits."""
         self.misses[key] += 1
         other = stand_in(key, held, max_seq_len)
-        if other is None or (self.misses[key] >= CAPTURE_AFTER and len(held) < max_graphs):
+        if other is None or CAPTURE_AFTER == 1:
+            return None
+        self.cost[key] += padding_cost(key[0], other[0])
+        if (len(held) < max_graphs and self.misses[key] >= CAPTURE_AFTER
+                and self.cost[key] >= CAPTURE_COST_STEPS):
             return None
         self.replays += 1
         return other
