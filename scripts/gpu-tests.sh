@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # The tests that mean more on a GPU: Triton kernels against their references, and tiny engines with Bole's CUDA
 # graphs against vLLM without speculation, several engines side by side.
-#   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless serving (default: all three)
-# Each group writes LOG_DIR/<group>.log and a one-line summary to stdout. Engine tests start two to four engines
-# one after another (100-170 s each on an H200), so a group of them takes several minutes.
-#   kernels   Triton kernels and graph helpers against the torch references (no engine)
-#   lossless  the core lossless engine tests, with graph stand-ins forced wherever a larger graph fits
-#             (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one was used),
-#             and the calibrated table served under the default budget rule
-#   serving   logits processors, preemption, structured outputs, sampling
+#   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless lossless-all serving
+#                                                      (default: kernels lossless serving)
+# Each group writes LOG_DIR/<group>.log, one line per test as it ends (pytest -v: a run cut short still says which
+# passed), and a one-line summary to stdout. Engine tests start two to four engines one after another (100-170 s
+# each on an H200), and a file's tests share one worker (its reference runs once), so a group takes minutes.
+#   kernels       Triton kernels and graph helpers against the torch references (no engine)
+#   lossless      the core lossless engine tests (deep global and per-request trees, the MTP drafter, a draft
+#                 vocabulary served from a table, async scheduling, a request at max_model_len, a calibrated table
+#                 served under the default budget rule), with graph stand-ins forced wherever a larger graph fits
+#                 (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one was used);
+#                 about 10 minutes
+#   lossless-all  every test of tests/test_e2e_lossless.py and tests/test_async_scheduling.py, the same way (25
+#                 items: more than 15 minutes with 3 workers)
+#   serving       logits processors, preemption, structured outputs, sampling
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:?usage: scripts/gpu-tests.sh LOG_DIR [kernels|lossless|serving ...]}
@@ -25,7 +31,7 @@ XDIST=()
 run_group() {
   local name=$1; shift
   local start=$SECONDS
-  "$PYTHON" -m pytest -p no:cacheprovider -rA --tb=short "$@" > "$LOG/$name.log" 2>&1
+  "$PYTHON" -m pytest -p no:cacheprovider -v -rA --tb=short "$@" > "$LOG/$name.log" 2>&1
   local rc=$?
   echo "$name: rc=$rc in $((SECONDS - start)) s: $(tail -n 1 "$LOG/$name.log")"
 }
@@ -38,12 +44,21 @@ for group in "${GROUPS_RUN[@]}"; do
         tests/test_beam_graphs.py ;;
     lossless)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless "${XDIST[@]}" \
+        "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8]" \
+        "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8_per_request_tokens48]" \
+        "tests/test_e2e_lossless.py::test_mtp_tree_drafter_is_lossless_and_accepts[per_request-16-None]" \
+        tests/test_e2e_lossless.py::test_mtp_drafter_with_a_draft_vocabulary_is_lossless \
+        tests/test_async_scheduling.py::test_planted_trees_async_are_lossless_and_deep \
+        tests/test_async_scheduling.py::test_logprobs_and_a_request_at_max_model_len_async \
+        "tests/test_calibration.py::test_calibrate_then_serve_auto_budget" ;;
+    lossless-all)
+      VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless-all "${XDIST[@]}" \
         tests/test_e2e_lossless.py tests/test_async_scheduling.py \
         "tests/test_calibration.py::test_calibrate_then_serve_auto_budget" ;;
     serving)
       run_group serving "${XDIST[@]}" tests/test_logits_processors.py tests/test_preemption.py \
         tests/test_structured_outputs.py tests/test_e2e_sampling.py ;;
     *)
-      echo "unknown group $group (kernels, lossless, serving)" >&2; exit 2 ;;
+      echo "unknown group $group (kernels, lossless, lossless-all, serving)" >&2; exit 2 ;;
   esac
 done
