@@ -511,7 +511,7 @@ def run_worker(args) -> None:
             params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
             before = spec_decode_counters(llm.get_metrics())
             graphs_before, keys_before = _bole_graph_counts(runner), _bole_graph_keys(runner)
-            stand_ins_before = _bole_stand_ins(runner)
+            stand_ins_before, capture_ms_before = _bole_stand_ins(runner), _bole_capture_ms(runner)
             budgets_before = collections.Counter(getattr(runner, "bole_budgets", {}))
             runs, wall, tokens, round_runs = [], 0.0, 0, []
         # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second), at least
@@ -557,6 +557,10 @@ def run_worker(args) -> None:
             row["graphs_held"] = list(graphs_after)
             # steps of a shape not held yet that replayed a held graph of a few more tokens instead
             row["stand_in_replays_in_timed_run"] = [a - b for a, b in zip(_bole_stand_ins(runner), stand_ins_before)]
+            # what those captures cost the timed runs (verification, drafter level, beam level), in ms of host time
+            spent = [a - b for a, b in zip(_bole_capture_ms(runner), capture_ms_before)]
+            row["capture_ms_in_timed_run"] = [round(x, 1) for x in spent]
+            row["capture_share_of_wall"] = round(sum(spent) / 1e3 / wall, 4) if wall else None
             row["settle_passes"] = settle
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
@@ -582,6 +586,15 @@ def _bole_stand_ins(runner) -> tuple[int, int]:
     drafter = getattr(runner, "bole_drafter", None)
     holders = (getattr(runner, "_bole_graphs", None), getattr(drafter, "graphs", None))
     return tuple(h.stand_ins.replays if hasattr(h, "stand_ins") else 0 for h in holders)
+
+
+def _bole_capture_ms(runner) -> tuple[float, float, float]:
+    """(verification, drafter level, drafter beam level) host milliseconds spent capturing CUDA graphs so far
+    (eager warm-up, synchronize and capture: what a step that captures waits); zeros for other engines."""
+    drafter = getattr(runner, "bole_drafter", None)
+    holders = (getattr(runner, "_bole_graphs", None), getattr(drafter, "graphs", None),
+               getattr(getattr(drafter, "beam", None), "graphs", None))
+    return tuple(float(getattr(h, "capture_ms", 0.0)) for h in holders)
 
 
 def _bole_graph_keys(runner) -> dict[str, set]:

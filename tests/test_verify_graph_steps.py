@@ -181,7 +181,10 @@ def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypat
 
         return graphs.forward(forest, call, (ids[:rows], None, None, None, ()))
 
+    assert graphs.capture_ms == 0.0
     assert step(24).shape == (24, 1) and sorted(graphs.graphs) == [(24, 2, False, 8)]
+    spent = graphs.capture_ms
+    assert spent > 0.0   # the capture's host time, which e2e.py reports per timed run
     for occurrence in (1, 2):   # 16 rows: the 24-row graph stands in, its rows 16..23 write no K/V
         seen.clear()
         slots.copy_(torch.arange(64))
@@ -192,7 +195,9 @@ def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypat
         assert slots[24:].tolist() == list(range(24, 64))
         assert sorted(graphs.graphs) == [(24, 2, False, 8)] and graphs.stand_ins.replays == occurrence
     seen.clear()
+    assert graphs.capture_ms == spent   # stand-ins capture nothing
     step(16)   # the third time: captured
+    assert graphs.capture_ms > spent
     assert [s[0] for s in seen][-1] == "replay" and seen[-1][1][0] == 16
     assert sorted(graphs.graphs) == [(16, 2, False, 8), (24, 2, False, 8)] and graphs.stand_ins.replays == 2
     # Another bound is captured at once; a step of 8 rows replays the fewest rows that hold it (16, not 24).

@@ -56,6 +56,7 @@ class BeamGraphs:
         self.state: BeamState | None = None   # [max_reqs] rows, at the first step (hidden size and dtype)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
+        self.capture_ms = 0.0   # host time spent capturing (this step's eager level included), all captures
         self.disabled = False
         self._full_logged = False
         self._step = None           # (request bucket, padded rows) of the step being grown
@@ -171,6 +172,7 @@ class BeamGraphs:
                            type(e).__name__, e)
             self.disabled = True
             return True
+        self.capture_ms += (time.perf_counter() - start) * 1e3
         logger.debug("Bole captured the beam level graph (%d requests, level %d) in %.0f ms", bucket, d,
                      (time.perf_counter() - start) * 1e3)
         if len(self.graphs) == 1:

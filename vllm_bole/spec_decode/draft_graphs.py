@@ -57,6 +57,7 @@ class DraftGraphs:
         self._layout = None   # (bucket, query_start_loc, row metadata) the buffers hold
         self.graphs: dict[tuple, tuple] = {}
         self.replays = 0
+        self.capture_ms = 0.0   # host time spent capturing, all captures
         self.stand_ins = StandIns()
         self.disabled = False
         self._full_logged = False
@@ -149,6 +150,7 @@ class DraftGraphs:
         torch.cuda.synchronize()
         entry = capture(call, self.pool)
         self.graphs[key] = entry
+        self.capture_ms += (time.perf_counter() - start) * 1e3
         logger.debug("Bole captured the drafter level graph of %d tokens, %d requests in %.0f ms", key[0], key[1],
                      (time.perf_counter() - start) * 1e3)
         if len(self.graphs) == 1:

@@ -136,6 +136,7 @@ class VerifyGraphs:
         self._block_tables = None
         self._full_logged = False
         self.replays = 0   # verification steps run from a graph (the capturing step included)
+        self.capture_ms = 0.0   # host time spent capturing (eager warm-up, synchronize, capture), all captures
         self.stand_ins = StandIns()
 
     # ---- forest buffer --------------------------------------------------------------------------------
@@ -257,6 +258,7 @@ class VerifyGraphs:
         entry = _Graph(graph=graph, output=output, scratch=scratch, gdn_layers=list(scratch.layers),
                        gdn_slots=list(scratch.slots), input_ptrs=_ptrs(inputs))
         self.graphs[key] = entry
+        self.capture_ms += (time.perf_counter() - start) * 1e3
         logger.debug("Bole captured the verification graph of %d tokens, %d requests (%s prefixes, trees of at most "
                      "%d nodes) in %.0f ms", key[0], key[1], "long" if key[2] else "short", key[3],
                      (time.perf_counter() - start) * 1e3)
