@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="spread the configurations over this many GPUs, in --configs order (configuration i on GPU "
                         "i mod N); each GPU gives its turns on its own, at the same time as the others")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny bundled model, tiny grid")
+    p.add_argument("--plot-only", action="store_true",
+                   help="only draw --out's plot (<out>.png: tok/s and speedup over the best MTP chain by batch "
+                        "size) from the results it holds; needs matplotlib")
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     return p
@@ -807,9 +810,80 @@ def merge_and_write(out: Path, results: dict[str, dict], args) -> dict:
     return data
 
 
+# The issue's targets for Bole against the best MTP chain, by batch size (the plot marks them).
+TARGETS = {1: 1.5, 8: 1.3, 16: 1.3, 32: 1.3, 64: 1.0}
+
+
+def plot_series(data: dict) -> dict:
+    """What the plot draws from a results file: ``tok_s``, per configuration, [(B, tok/s)] in batch order;
+    ``speedup_vs_best_mtp``, per Bole configuration, [(B, its tok/s over the best MTP chain's at that B)] where a
+    chain ran (asynchronous chains only, as the rows' ``mtp_best_*``)."""
+    tok_s = {}
+    for name, config in data.get("configs", {}).items():
+        points = sorted((int(b), r["tok_s"]) for b, r in config.get("batches", {}).items() if r.get("tok_s"))
+        if points:
+            tok_s[name] = points
+    best: dict[int, float] = {}
+    for name, points in tok_s.items():
+        if name.startswith("mtp") and not name.endswith("_sync"):
+            for b, v in points:
+                best[b] = max(best.get(b, 0.0), v)
+    speedup = {name: [(b, round(v / best[b], 3)) for b, v in points if b in best]
+               for name, points in tok_s.items() if name.startswith("bole")}
+    return {"tok_s": tok_s, "speedup_vs_best_mtp": {n: p for n, p in speedup.items() if p}}
+
+
+def plot_results(data: dict, path: Path) -> bool:
+    """Two panels at ``path``: tok/s by batch size per configuration, and each Bole configuration over the best
+    MTP chain with the issue's targets marked. False when matplotlib is missing (it is not a dependency)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    series = plot_series(data)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    color = {name: f"C{i}" for i, name in enumerate(series["tok_s"])}   # one colour per configuration in both
+    for name, points in series["tok_s"].items():
+        left.plot(*zip(*points), marker="o", label=name, color=color[name])
+    for name, points in series["speedup_vs_best_mtp"].items():
+        right.plot(*zip(*points), marker="o", label=name, color=color[name])
+    sizes = sorted({b for points in series["tok_s"].values() for b, _ in points})
+    right.axhline(1.0, color="gray", linestyle=":", linewidth=1)
+    right.scatter(list(TARGETS), list(TARGETS.values()), marker="_", s=300, color="black", label="target")
+    configs = list(data.get("configs", {}).values())
+    gpu = next((c["gpu"] for c in configs if c.get("gpu")), "")
+    model = next((Path(c["settings"]["model"]).name for c in configs if c.get("settings", {}).get("model")), "")
+    for ax, label in ((left, "output tokens/s"), (right, "tok/s over the best MTP chain")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size (requests)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    left.set_title(", ".join(x for x in (gpu, model) if x))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot(out: Path, data: dict) -> None:
+    png = out.with_suffix(".png")
+    if plot_results(data, png):
+        print(f"wrote {png}")
+    else:
+        print("no plot: matplotlib is not installed")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.plot_only:
+        out = Path(args.out or ROOT / "benchmarks/results/e2e.json")
+        _plot(out, json.loads(out.read_text()))
+        return 0
     if args.smoke:
         apply_smoke(args)
     if args.model is None:
@@ -843,6 +917,7 @@ def main(argv: list[str] | None = None) -> int:
     data = merge_and_write(out, {}, args)
     print(markdown(data["rows"]))
     print(f"wrote {out} ({', '.join(sorted(data['configs']))})")
+    _plot(out, data)
     return 0 if len(results) == len(args.configs) else 1
 
 

@@ -259,3 +259,28 @@ def test_settling_needs_clean_passes_in_a_row():
     assert run([1, 1, 1, 1], 3, 2) == 3          # never settles: stops at the bound
     assert run([3, 0], 8, 1) == 2                # one clean pass, as before
     assert run([], 0, 2) == 0
+
+
+def test_plot_series_by_batch_size_and_over_the_best_async_chain(tmp_path):
+    """What <out>.png draws: every configuration's tok/s in batch order, and each Bole configuration over the best
+    asynchronous MTP chain of its batch size (a synchronous chain is not the reference; a size no chain ran has no
+    ratio). --plot-only draws it from the results file alone, or says that matplotlib is missing."""
+    import json
+
+    e2e = _e2e()
+    batches = lambda **v: {"gpu": "G", "batches": {b: {"tok_s": t} for b, t in v.items()}}   # noqa: E731
+    data = {"configs": {"mtp3": batches(**{"8": 300.0, "1": 100.0}), "mtp4": batches(**{"1": 120.0, "8": 250.0}),
+                        "mtp4_sync": batches(**{"1": 900.0}), "ar": batches(**{"1": 50.0, "8": 0.0}),
+                        "bole": batches(**{"1": 180.0, "8": 390.0, "64": 1000.0})}}
+    series = e2e.plot_series(data)
+    assert series["tok_s"]["mtp3"] == [(1, 100.0), (8, 300.0)] and series["tok_s"]["ar"] == [(1, 50.0)]
+    assert series["speedup_vs_best_mtp"] == {"bole": [(1, 1.5), (8, 1.3)]}
+    out = tmp_path / "e2e.json"
+    out.write_text(json.dumps(data))
+    assert e2e.main(["--plot-only", "--out", str(out)]) == 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (tmp_path / "e2e.png").exists()
+    else:
+        assert (tmp_path / "e2e.png").stat().st_size > 0
