@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Compile caches of one GPU machine, packed for the next fresh one: Triton's (compiled kernels and, with
+# TRITON_CACHE_AUTOTUNING=1, autotuning results: the FLA prefill kernels' autotuning is most of an engine's
+# "profiling/warmup run", about 80 s at 9B shapes), vLLM's torch.compile cache (about 45 s per engine) and the
+# tiny test models (VLLM_BOLE_CACHE). A machine with the same GPU, CUDA, torch, Triton and vLLM finds its kernels
+# there instead of compiling and autotuning them again; anything that changed is simply compiled anew.
+#   bash scripts/gpu-cache.sh pack DIR     DIR/gpu-cache.tgz.00, .01, ... (parts of at most 15 MiB; 4 at most)
+#   bash scripts/gpu-cache.sh unpack DIR   restore those parts into $HOME (and the test models' cache)
+set -euo pipefail
+cmd=${1:?usage: scripts/gpu-cache.sh pack|unpack DIR}
+dir=${2:?usage: scripts/gpu-cache.sh pack|unpack DIR}
+PART=15m
+MAX_PARTS=4
+cd "$HOME"
+paths=()
+for p in .triton/cache .cache/vllm .cache/vllm-bole; do [ -d "$p" ] && paths+=("$p"); done
+case $cmd in
+  pack)
+    mkdir -p "$dir"
+    rm -f "$dir"/gpu-cache.tgz.*
+    [ ${#paths[@]} -gt 0 ] || { echo "gpu-cache: nothing to pack under $HOME"; exit 0; }
+    pack() { tar czf - "$@" "${paths[@]}" | split -b "$PART" -d - "$dir/gpu-cache.tgz."; }
+    pack
+    n=$(ls "$dir"/gpu-cache.tgz.* | wc -l)
+    if [ "$n" -gt "$MAX_PARTS" ]; then
+      # Loading a cached kernel needs its binary, metadata and launcher, not its intermediate IR (Triton's cache
+      # group lists the files; a missing one is skipped): drop the IR rather than the cache.
+      rm -f "$dir"/gpu-cache.tgz.*
+      pack --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' --exclude='*.source'
+      n=$(ls "$dir"/gpu-cache.tgz.* | wc -l)
+    fi
+    echo "gpu-cache: $(du -ch "$dir"/gpu-cache.tgz.* | tail -1 | cut -f1) in $n parts of ${paths[*]}"
+    if [ "$n" -gt "$MAX_PARTS" ]; then
+      echo "gpu-cache: $n parts are more than $MAX_PARTS; keeping none (too large to carry)" >&2
+      rm -f "$dir"/gpu-cache.tgz.*
+      exit 1
+    fi ;;
+  unpack)
+    ls "$dir"/gpu-cache.tgz.* > /dev/null 2>&1 || { echo "gpu-cache: no parts in $dir"; exit 0; }
+    cat "$dir"/gpu-cache.tgz.* | tar xzf - -C "$HOME"
+    echo "gpu-cache: restored $(du -sh .triton/cache 2>/dev/null | cut -f1) of Triton cache," \
+         "$(du -sh .cache/vllm 2>/dev/null | cut -f1) of vLLM cache" ;;
+  *)
+    echo "usage: scripts/gpu-cache.sh pack|unpack DIR" >&2; exit 2 ;;
+esac
