@@ -256,8 +256,9 @@ def test_stand_ins_capture_once_their_padding_costs_a_capture(monkeypatch):
     assert stand_ins.replays == 115 and stand_ins.cost[(192, 4, False, 8)] == 8.0
     full = verify_graphs.StandIns()
     assert all(full.pick((192, 4, False, 8), held, 100, 2) == (288, 4, False, 8) for _ in range(40))
-    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 1)   # stand-ins off
+    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 1)   # stand-ins off, but for a full holder
     assert verify_graphs.StandIns().pick((192, 4, False, 8), held, 100, 384) is None
+    assert verify_graphs.StandIns().pick((192, 4, False, 8), held, 100, 2) == (288, 4, False, 8)
 
 
 def test_capture_after_one_captures_every_new_key_at_once(monkeypatch):

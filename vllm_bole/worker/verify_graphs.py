@@ -316,11 +316,11 @@ class StandIns:
         have cost less than ``CAPTURE_COST_STEPS``, and whenever the holder is full; None when none fits."""
         self.misses[key] += 1
         other = stand_in(key, held, max_seq_len)
-        if other is None or CAPTURE_AFTER == 1:
+        if other is None:
             return None
         self.cost[key] += padding_cost(key[0], other[0])
-        if (len(held) < max_graphs and self.misses[key] >= CAPTURE_AFTER
-                and self.cost[key] >= CAPTURE_COST_STEPS):
+        if len(held) < max_graphs and (CAPTURE_AFTER == 1 or self.misses[key] >= CAPTURE_AFTER
+                                       and self.cost[key] >= CAPTURE_COST_STEPS):
             return None
         self.replays += 1
         return other
