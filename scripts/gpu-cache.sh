@@ -19,19 +19,17 @@ case $cmd in
     mkdir -p "$dir"
     rm -f "$dir"/gpu-cache.tgz.*
     [ ${#paths[@]} -gt 0 ] || { echo "gpu-cache: nothing to pack under $HOME"; exit 0; }
-    pack() { tar czf - "$@" "${paths[@]}" | split -b "$PART" -d - "$dir/gpu-cache.tgz."; }
-    pack
-    n=$(ls "$dir"/gpu-cache.tgz.* | wc -l)
-    if [ "$n" -gt "$MAX_PARTS" ]; then
-      # Loading a cached kernel needs its binary, metadata and launcher, not its intermediate IR (Triton's cache
-      # group lists the files; a missing one is skipped): drop the IR rather than the cache.
-      rm -f "$dir"/gpu-cache.tgz.*
-      pack --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' --exclude='*.source'
-      n=$(ls "$dir"/gpu-cache.tgz.* | wc -l)
-    fi
-    echo "gpu-cache: $(du -ch "$dir"/gpu-cache.tgz.* | tail -1 | cut -f1) in $n parts of ${paths[*]}"
-    if [ "$n" -gt "$MAX_PARTS" ]; then
-      echo "gpu-cache: $n parts are more than $MAX_PARTS; keeping none (too large to carry)" >&2
+    IR=(--exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' --exclude='*.source')
+    pack() { rm -f "$dir"/gpu-cache.tgz.*; tar czf - "$@" | split -b "$PART" -d - "$dir/gpu-cache.tgz."
+             n=$(ls "$dir"/gpu-cache.tgz.* | wc -l); [ "$n" -le "$MAX_PARTS" ]; }
+    # Everything; else without intermediate IR (loading a cached kernel needs its binary, metadata and launcher:
+    # Triton's cache group lists the files and skips a missing one); else Triton's cache alone (its autotuning is
+    # the longest part of a start-up).
+    if pack "${paths[@]}" || pack "${IR[@]}" "${paths[@]}" || { paths=(.triton/cache); [ -d .triton/cache ] \
+        && pack "${IR[@]}" "${paths[@]}"; }; then
+      echo "gpu-cache: $(du -ch "$dir"/gpu-cache.tgz.* | tail -1 | cut -f1) in $n parts of ${paths[*]}"
+    else
+      echo "gpu-cache: more than $MAX_PARTS parts of $PART even for Triton's cache alone; keeping none" >&2
       rm -f "$dir"/gpu-cache.tgz.*
       exit 1
     fi ;;
