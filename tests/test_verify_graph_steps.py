@@ -109,6 +109,47 @@ def test_step_captures_then_replays_with_the_graphs_bounds(monkeypatch):
     assert seen == [("vllm",)]
 
 
+def test_a_step_of_fewer_requests_or_smaller_trees_replays_a_wider_graph(monkeypatch):
+    """A step of two requests replays a held graph of a four-request bucket at its token count: the layers see
+    four trees (the last two empty) and the bucket's state slots, the commit the step's own two; a step whose
+    trees fit the bound 8 replays a held graph of bound 16 (the layers and the walk see 16)."""
+    graphs, runner, context, seen, current = _setup(monkeypatch)
+    runner.bole_config.max_nodes_per_request = 32
+    scratch = _Scratch()
+    ids = torch.zeros(16, dtype=torch.long)
+
+    def step(parents):
+        forest = _forest(graphs, parents, [], [0] + torch.tensor([len(t) for t in parents[:-1]]).cumsum(0).tolist(),
+                         list(range(len(parents))))
+        current[0] = forest
+
+        def call():
+            seen.append((context.cudagraph_runtime_mode,) + _view(forest))
+            forest.gdn_scratch = scratch
+            scratch.layers.append("gdn.0")
+            scratch.slots.append(forest.graph.state_slots("gdn.0"))
+            return torch.zeros(forest.graph.num_tokens, 4)
+
+        out = graphs.forward(forest, call, (ids[:16], None, None, None, ()))
+        return forest, out
+
+    step([[-1, 0, 0], [-1, 0], [-1], [-1, 0, 1]])               # 9 rows of 4 requests: key (16, 4, False, 8)
+    assert sorted(graphs.graphs) == [(16, 4, False, 8)]
+    seen.clear()
+    forest, out = step([[-1, 0, 0, 1], [-1, 0, 1]])               # 2 requests: bucket 2, replays the bucket of 4
+    assert sorted(graphs.graphs) == [(16, 4, False, 8)] and graphs.stand_ins.replays == 1 and out.shape == (16, 4)
+    assert seen == [("replay", (16, 4, 8, False), [-1, 0, 0, 1, -1, 0, 1] + seen[0][2][7:], [0, 4, 7, 7, 7])]
+    assert forest.cu_seqlens.tolist() == [0, 4, 7] and scratch.slots[-1].tolist() == [0, 3, 6, 9]
+    # A bound of 16 held at 16 rows and 2 requests: a step of small trees of 2 requests replays it.
+    step([[-1] + list(range(9)), [-1]])                           # a 10-node tree: key (16, 2, False, 16), captured
+    assert (16, 2, False, 16) in graphs.graphs
+    seen.clear()
+    del graphs.graphs[(16, 4, False, 8)]
+    forest, _ = step([[-1, 0], [-1]])
+    assert seen[-1][:2] == ("replay", (16, 2, 16, False)) and forest.max_nodes == 16
+    assert graphs.stand_ins.replays == 2
+
+
 def test_steps_that_cannot_replay_run_as_vllm_does(monkeypatch):
     graphs, runner, context, seen, current = _setup(monkeypatch, mode=CUDAGraphMode.NONE)
     forest = _forest(graphs, [[-1, 0]], [(0, "a", 0)], [1], [1])
@@ -231,12 +272,35 @@ def test_stand_in_keeps_requests_bound_and_route():
     assert stand_in((200, 4, False, 8), [(296, 4, False, 8)], 100) == (296, 4, False, 8)
 
 
+def test_wider_stand_ins_take_larger_buckets_and_bounds():
+    """Verification graphs also stand in for up to twice the request bucket or node bound at as many tokens or
+    more (extra requests empty, smaller trees under a wider bound): the fewest tokens first, then the smaller bound
+    (a wider one costs kernel work, empty requests do not), then the smaller bucket; never a smaller bucket or
+    bound, never more than twice, never the key itself."""
+    held = [(32, 8, False, 8), (32, 4, False, 16), (40, 4, False, 8), (32, 16, False, 8), (32, 4, False, 32)]
+    stand_in = verify_graphs.stand_in
+    assert stand_in((32, 4, False, 8), held, 100) == (40, 4, False, 8)               # same bucket and bound only
+    assert stand_in((32, 4, False, 8), held, 100, wider=True) == (32, 8, False, 8)   # as many rows, the same bound
+    assert stand_in((32, 4, False, 8), held[1:], 100, wider=True) == (32, 4, False, 16)
+    assert stand_in((32, 4, False, 8), [(32, 16, False, 8), (32, 4, False, 32)], 100, wider=True) is None
+    assert stand_in((32, 8, False, 16), [(40, 4, False, 16), (32, 8, False, 8)], 100, wider=True) is None
+    assert stand_in((32, 4, False, 8), [(32, 4, False, 8)], 100, wider=True) is None   # itself
+    assert stand_in((24, 2, False, 8), held, 100, wider=True) == (32, 4, False, 16)
+    assert stand_in((24, 2, True, 8), [(32, 4, False, 8)], 4000, wider=True) is None   # the route still holds
+
+
 def test_padding_cost_counts_rows_above_the_flat_region():
     cost = verify_graphs.padding_cost
     assert verify_graphs.FLAT_ROWS == 128
-    assert cost(8, 40) == 0.0 and cost(64, 128) == 0.0         # a forward of up to 128 rows costs the same
-    assert cost(96, 192) == 0.5 and cost(192, 288) == 0.5      # above: the rows past 128 and past its own
-    assert cost(256, 384) == 0.5 and cost(376, 384) < 0.03
+
+    def rows(a, b):
+        return cost((a, 4, False, 8), (b, 4, False, 8))
+
+    assert rows(8, 40) == 0.0 and rows(64, 128) == 0.0         # a forward of up to 128 rows costs the same
+    assert rows(96, 192) == 0.5 and rows(192, 288) == 0.5      # above: the rows past 128 and past its own
+    assert rows(256, 384) == 0.5 and rows(376, 384) < 0.03
+    assert cost((64, 4, False, 8), (64, 8, False, 8)) == 0.0   # empty requests
+    assert cost((64, 4, False, 8), (64, 4, False, 16)) == verify_graphs.WIDER_BOUND_COST == 0.05
 
 
 def test_stand_ins_capture_once_their_padding_costs_a_capture(monkeypatch):

@@ -15,9 +15,9 @@ replayed from a graph of the whole target forward that Bole captures itself, one
 - a key is captured the first time it occurs: one eager run of the graph-mode layer code (Triton compiles
   there; it computes this step's outputs), the capture, then a replay. Re-running a verification forward is
   harmless: it writes only this step's K/V slots and Bole's per-step scratch;
-- unless a held graph of the same requests, route and bound has a few more tokens (:func:`stand_in`): the step
-  replays that one, its extra rows with KV slot -1 and past every request's tree, so they cost compute and
-  nothing else. The key is captured only once its stand-ins have cost about as much as a capture would
+- unless a held graph of the same route has a few more tokens, or as many for up to twice the requests or the
+  tree-size bound (:func:`stand_in`): the step replays that one, its extra rows with KV slot -1 and past every
+  request's tree and its extra requests empty, so they cost compute and nothing else. The key is captured only once its stand-ins have cost about as much as a capture would
   (:class:`StandIns`: an eager run, a synchronize and the capture, 50-150 ms at 9B shapes, several steps'
   worth), and not before its :data:`CAPTURE_AFTER`-th occurrence: a drained batch's one-off token counts and a
   budget rule's trial sizes then cost no capture each. ``VLLM_BOLE_CAPTURE_AFTER=1`` turns stand-ins off.
@@ -70,6 +70,10 @@ CAPTURE_COST_STEPS = 8.0
 # Up to this many rows a forward costs about the same whatever its rows (it reads the weights once: the H200's
 # calibrated 9B target forward at batch 32 takes 6.6 ms at 8 nodes and 6.7 ms at 96), so padding below it is free.
 FLAT_ROWS = 128
+# A wider node bound tiles every tree by more rows in the GDN and tree-attention kernels: at 9B shapes and batch 16
+# the GDN verify of 16-node tiles takes 29 us per layer, of 32-node tiles 45 us (README, kernel table), about 0.4 ms
+# over 24 layers of a 10-20 ms step.
+WIDER_BOUND_COST = 0.05
 # How many rows a stand-in graph may carry: twice the step's up to DOUBLE_UP_TO rows (the calibrated target forward
 # grows by about 10% from 80 to 144 tokens at batch 16, against a capture of about 25 steps), half again as many
 # above; at least PAD_ROWS more. With power-of-two graph sizes (the tests') the next size up always fits to 128.
@@ -137,7 +141,9 @@ class VerifyGraphs:
         self._full_logged = False
         self.replays = 0   # verification steps run from a graph (the capturing step included)
         self.capture_ms = 0.0   # host time spent capturing (eager warm-up, synchronize, capture), all captures
-        self.stand_ins = StandIns()
+        # Stand-ins of larger request buckets and node bounds too: the layers read the graph's requests and bound
+        # (_enter), and vLLM pads query_start_loc and seq_lens past the step's requests to the buffers' ends.
+        self.stand_ins = StandIns(wider=True)
 
     # ---- forest buffer --------------------------------------------------------------------------------
     def forest_tensors(self, parents, cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,24 +283,34 @@ def node_bound(max_nodes: int, tokens: int, cap: int) -> int:
     return min(bound, tokens)
 
 
-def stand_in(key: tuple, held, max_seq_len: int) -> tuple | None:
+def stand_in(key: tuple, held, max_seq_len: int, wider: bool = False) -> tuple | None:
     """The held key whose graph can run a step of ``key`` (padded tokens, requests, long prefix, node bound):
-    the same request bucket and node bound, the fewest tokens at or above the step's within the padding
-    allowance (:data:`DOUBLE_UP_TO`, :data:`PAD_FRACTION`, :data:`PAD_ROWS`), and the attention route the step would
-    take at that token count. None when there is none."""
+    the same request bucket and node bound, the fewest tokens above the step's within the padding allowance
+    (:data:`DOUBLE_UP_TO`, :data:`PAD_FRACTION`, :data:`PAD_ROWS`), and the attention route the step would take at
+    that token count. None when there is none. ``wider`` (verification graphs) also takes a held graph of up to
+    twice the request bucket or the node bound, at as many tokens or more: its extra requests are empty, as a
+    bucket's padding requests always are, and a bound only has to hold every tree of the step; of those, the
+    fewest tokens, then the smaller bound, then the smaller bucket."""
     rows, reqs, long_prefix, bound = key
     most = max(rows + PAD_ROWS, 2 * rows if rows <= DOUBLE_UP_TO else int(rows * (1 + PAD_FRACTION)))
-    fits = [k for k in held if k[1] == reqs and k[3] == bound and rows < k[0] <= most
-            and k[2] == long_prefix and k[2] == (not reads_prefix_itself(max_seq_len, k[0]))]
-    return min(fits, default=None)
+
+    def fits(k) -> bool:
+        if not (rows <= k[0] <= most and k[2] == long_prefix and k[2] == (not reads_prefix_itself(max_seq_len, k[0]))):
+            return False
+        if k[1] == reqs and k[3] == bound:
+            return rows < k[0]
+        return wider and reqs <= k[1] <= 2 * reqs and bound <= k[3] <= 2 * bound
+
+    return min((k for k in held if fits(k)), key=lambda k: (k[0], k[3], k[1]), default=None)
 
 
-def padding_cost(rows: int, held_rows: int) -> float:
-    """What replaying a graph of ``held_rows`` for a step of ``rows`` adds, as a share of the step's own forward:
+def padding_cost(key: tuple, held: tuple) -> float:
+    """What replaying the graph of ``held`` for a step of ``key`` adds, as a share of the step's own forward:
     linear in the rows above :data:`FLAT_ROWS`, nothing below (an upper bound on the calibrated curves, whose cost
-    grows more slowly than the rows)."""
-    own = max(rows, FLAT_ROWS)
-    return (max(held_rows, FLAT_ROWS) - own) / own
+    grows more slowly than the rows), plus :data:`WIDER_BOUND_COST` for a wider node bound. Empty requests of a
+    larger bucket cost nothing here (their kernel programs find no rows)."""
+    own = max(key[0], FLAT_ROWS)
+    return (max(held[0], FLAT_ROWS) - own) / own + (WIDER_BOUND_COST if held[3] > key[3] else 0.0)
 
 
 class StandIns:
@@ -305,7 +321,8 @@ class StandIns:
     keeps coming back under a much larger graph gets its own soon, one a few rows short of a held graph or below
     :data:`FLAT_ROWS` rarely or never, and a one-off never."""
 
-    def __init__(self):
+    def __init__(self, wider: bool = False):
+        self.wider = wider                 # :func:`stand_in`'s: larger request buckets and node bounds too
         self.misses: Counter = Counter()   # key -> steps it occurred without its own graph
         self.cost: Counter = Counter()     # key -> its stand-ins' padding so far, in steps
         self.replays = 0
@@ -315,10 +332,10 @@ class StandIns:
         without a graph). A stand-in while the key's misses are fewer than ``CAPTURE_AFTER`` or its stand-ins
         have cost less than ``CAPTURE_COST_STEPS``, and whenever the holder is full; None when none fits."""
         self.misses[key] += 1
-        other = stand_in(key, held, max_seq_len)
+        other = stand_in(key, held, max_seq_len, self.wider)
         if other is None:
             return None
-        self.cost[key] += padding_cost(key[0], other[0])
+        self.cost[key] += padding_cost(key, other)
         if len(held) < max_graphs and (CAPTURE_AFTER == 1 or self.misses[key] >= CAPTURE_AFTER
                                        and self.cost[key] >= CAPTURE_COST_STEPS):
             return None
