@@ -103,12 +103,13 @@ def test_catch_up_runs_short_chunks_as_causal_tree_rows():
 def test_a_new_level_size_replays_a_held_larger_graph_until_it_recurs(monkeypatch):
     """A level whose padded size has no graph yet replays a held one of the same requests, route and rows per
     request with a few more tokens (its extra rows with KV slot -1), and gets its own at the CAPTURE_AFTER-th
-    occurrence once the stand-ins' padding has cost CAPTURE_COST_STEPS (here: one step, every row counted)."""
+    occurrence once the stand-ins' padding has cost CAPTURE_COST_STEPS (here: one step, every row counted and
+    nothing else)."""
     from vllm_bole.worker import verify_graphs
 
     monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 2)
-    monkeypatch.setattr(verify_graphs, "FLAT_ROWS", 0)
-    monkeypatch.setattr(verify_graphs, "CAPTURE_COST_STEPS", 1.0)
+    for name, value in (("FLAT_ROWS", 0), ("FIXED_ROWS", 0), ("MAX_PAD_COST", 2.0), ("CAPTURE_COST_STEPS", 1.0)):
+        monkeypatch.setattr(verify_graphs, name, value)
     k = 2
     graphs, snapshots, captures = _graphs(k)
     slots = graphs.drafter.proposer._slot_mapping_buffer

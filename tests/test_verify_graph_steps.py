@@ -201,12 +201,13 @@ def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypat
     """A step whose key is not held replays the graph of the same requests, route and bound with the fewest
     more tokens (within the padding allowance): its output is cut to the step's rows and the extra rows' KV
     slots are -1; when the key comes back for the CAPTURE_AFTER-th time, its stand-ins' padding having cost
-    CAPTURE_COST_STEPS by then (here one step, every row counted: 0.5 per 16-row step under the 24-row graph), it
-    gets its own graph."""
+    CAPTURE_COST_STEPS by then (here one step, every row counted and nothing else: 0.5 per 16-row step under the
+    24-row graph), it gets its own graph; a held graph that would cost more than MAX_PAD_COST (here 2) stands in
+    for nothing."""
     graphs, runner, context, seen, current = _setup(monkeypatch)
     monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 3)
-    monkeypatch.setattr(verify_graphs, "FLAT_ROWS", 0)
-    monkeypatch.setattr(verify_graphs, "CAPTURE_COST_STEPS", 1.0)
+    for name, value in (("FLAT_ROWS", 0), ("FIXED_ROWS", 0), ("MAX_PAD_COST", 2.0), ("CAPTURE_COST_STEPS", 1.0)):
+        monkeypatch.setattr(verify_graphs, name, value)
     runner.bole_config.max_nodes_per_request = 32
     ids = torch.zeros(64, dtype=torch.long)
     slots = runner.input_batch.block_table[0].slot_mapping.gpu
@@ -247,7 +248,7 @@ def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypat
     seen.clear()
     step(8)
     assert seen[-1][1][0] == 16 and graphs.stand_ins.replays == 3 and (8, 2, False, 8) not in graphs.graphs
-    # A held graph past the allowance (16 rows: at most 16 + 32 = 48) stands in for nothing: captured at once.
+    # A held graph past the allowance (16 rows: at most 48) stands in for nothing: captured at once.
     graphs.graphs = {(56, 2, False, 8): graphs.graphs[(24, 2, False, 8)]}
     graphs.stand_ins.misses.clear()
     seen.clear()
@@ -257,72 +258,76 @@ def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypat
 
 
 def test_stand_in_keeps_requests_bound_and_route():
+    """The held graph of the same request bucket, bound and route that costs least (fewest rows on a tie), within
+    MAX_PAD_COST: any size up to 304 rows for a step of at most 128 (a forward that reads the weights once costs the
+    same), about half again as many rows above (a fixed part of the forward worth 224 rows)."""
     held = [(32, 4, False, 8), (40, 4, False, 16), (40, 8, False, 8), (48, 4, True, 8), (64, 4, False, 8)]
     stand_in = verify_graphs.stand_in
     assert stand_in((24, 4, False, 8), held, 100) == (32, 4, False, 8)
     assert stand_in((32, 4, False, 8), [(32, 4, False, 8), (16, 4, False, 8)], 100) is None   # larger keys only
-    assert stand_in((40, 4, False, 8), held, 100) == (64, 4, False, 8)   # up to twice the rows below 128
+    assert stand_in((40, 4, False, 8), held, 100) == (64, 4, False, 8)
     assert stand_in((128, 4, False, 8), [(256, 4, False, 8)], 100) == (256, 4, False, 8)
-    assert stand_in((136, 4, False, 8), [(256, 4, False, 8)], 100) is None   # above 128: half again as many
-    assert stand_in((16, 4, False, 8), held, 100) == (32, 4, False, 8)
-    assert stand_in((8, 4, False, 8), held, 100) == (32, 4, False, 8)   # 8 + 32 rows allowed
+    assert stand_in((8, 4, False, 8), [(288, 4, False, 8)], 100) == (288, 4, False, 8)
+    assert stand_in((8, 4, False, 8), [(320, 4, False, 8)], 100) is None          # 192 / 352 rows' worth more
+    assert stand_in((8, 4, False, 8), held, 100) == (32, 4, False, 8)
     assert stand_in((24, 4, True, 8), held, 4000) == (48, 4, True, 8)  # a long prefix: that route's graphs only
     assert stand_in((24, 2, False, 8), held, 100) is None
-    assert stand_in((200, 4, False, 8), [(320, 4, False, 8)], 100) is None   # more than half again as many rows
-    assert stand_in((200, 4, False, 8), [(296, 4, False, 8)], 100) == (296, 4, False, 8)
+    assert stand_in((200, 4, False, 8), [(416, 4, False, 8)], 100) is None   # 216 / 424: more than half a step
+    assert stand_in((200, 4, False, 8), [(408, 4, False, 8), (416, 4, False, 8)], 100) == (408, 4, False, 8)
 
 
 def test_wider_stand_ins_take_larger_buckets_and_bounds():
     """Verification graphs also stand in for up to twice the request bucket or node bound at as many tokens or
-    more (extra requests empty, smaller trees under a wider bound): the fewest tokens first, then the smaller bound
-    (a wider one costs kernel work, empty requests do not), then the smaller bucket; never a smaller bucket or
-    bound, never more than twice, never the key itself."""
+    more (extra requests empty, smaller trees under a wider bound): the least padding cost first (a wider bound
+    costs kernel work, empty requests and rows below 128 do not), then the fewest tokens, the smaller bound, the
+    smaller bucket; never a smaller bucket or bound, never more than twice, never the key itself."""
     held = [(32, 8, False, 8), (32, 4, False, 16), (40, 4, False, 8), (32, 16, False, 8), (32, 4, False, 32)]
     stand_in = verify_graphs.stand_in
     assert stand_in((32, 4, False, 8), held, 100) == (40, 4, False, 8)               # same bucket and bound only
     assert stand_in((32, 4, False, 8), held, 100, wider=True) == (32, 8, False, 8)   # as many rows, the same bound
-    assert stand_in((32, 4, False, 8), held[1:], 100, wider=True) == (32, 4, False, 16)
+    assert stand_in((32, 4, False, 8), held[1:], 100, wider=True) == (40, 4, False, 8)   # more rows cost nothing here
+    assert stand_in((32, 4, False, 8), [(32, 4, False, 16), (32, 4, False, 32)], 100, wider=True) == (32, 4, False, 16)
     assert stand_in((32, 4, False, 8), [(32, 16, False, 8), (32, 4, False, 32)], 100, wider=True) is None
     assert stand_in((32, 8, False, 16), [(40, 4, False, 16), (32, 8, False, 8)], 100, wider=True) is None
     assert stand_in((32, 4, False, 8), [(32, 4, False, 8)], 100, wider=True) is None   # itself
-    assert stand_in((24, 2, False, 8), held, 100, wider=True) == (32, 4, False, 16)
+    assert stand_in((24, 2, False, 8), held, 100, wider=True) == (40, 4, False, 8)
     assert stand_in((24, 2, True, 8), [(32, 4, False, 8)], 4000, wider=True) is None   # the route still holds
 
 
 def test_padding_cost_counts_rows_above_the_flat_region():
     cost = verify_graphs.padding_cost
-    assert verify_graphs.FLAT_ROWS == 128
+    assert (verify_graphs.FLAT_ROWS, verify_graphs.FIXED_ROWS) == (128, 224)
 
     def rows(a, b):
         return cost((a, 4, False, 8), (b, 4, False, 8))
 
-    assert rows(8, 40) == 0.0 and rows(64, 128) == 0.0         # a forward of up to 128 rows costs the same
-    assert rows(96, 192) == 0.5 and rows(192, 288) == 0.5      # above: the rows past 128 and past its own
-    assert rows(256, 384) == 0.5 and rows(376, 384) < 0.03
-    assert cost((64, 4, False, 8), (64, 8, False, 8)) == 0.0   # empty requests
+    assert rows(8, 40) == 0.0 and rows(64, 128) == 0.0          # a forward of up to 128 rows costs the same
+    assert rows(96, 192) == pytest.approx(64 / 352) and rows(192, 288) == pytest.approx(96 / 416)
+    assert rows(160, 352) == 0.5 and rows(512, 768) == pytest.approx(256 / 736)
+    assert cost((64, 4, False, 8), (64, 8, False, 8)) == 0.0    # empty requests
     assert cost((64, 4, False, 8), (64, 4, False, 16)) == verify_graphs.WIDER_BOUND_COST == 0.05
 
 
 def test_stand_ins_capture_once_their_padding_costs_a_capture(monkeypatch):
     """A key is captured at its CAPTURE_AFTER-th occurrence at the earliest, and only once its stand-ins' padding
     adds up to CAPTURE_COST_STEPS of its own steps: at once when nothing larger is held, never while a held graph
-    pads it within the flat region, after 16 occurrences under a graph of half again as many rows, and never while
+    pads it within the flat region, after 16 occurrences under a graph that costs half a step more, and never while
     the holder is full."""
     monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 3)
     assert verify_graphs.CAPTURE_COST_STEPS == 8.0
-    held = {(128, 4, False, 8): None, (288, 4, False, 8): None}
+    held = {(128, 4, False, 8): None, (352, 4, False, 8): None}
     stand_ins = verify_graphs.StandIns()
-    assert stand_ins.pick((320, 4, False, 8), held, 100, 384) is None             # nothing larger held
+    assert stand_ins.pick((384, 4, False, 8), held, 100, 384) is None             # nothing larger held
     for _ in range(100):                                                          # 64 rows under 128: free
         assert stand_ins.pick((64, 4, False, 8), held, 100, 384) == (128, 4, False, 8)
-    picks = [stand_ins.pick((192, 4, False, 8), held, 100, 384) for _ in range(16)]
-    assert picks[:15] == [(288, 4, False, 8)] * 15 and picks[15] is None   # 16 x 0.5 steps: the price of a capture
-    assert stand_ins.replays == 115 and stand_ins.cost[(192, 4, False, 8)] == 8.0
+    picks = [stand_ins.pick((160, 4, False, 8), held, 100, 384) for _ in range(16)]
+    assert picks[:15] == [(352, 4, False, 8)] * 15 and picks[15] is None   # 16 x 0.5 steps: the price of a capture
+    assert stand_ins.replays == 115 and stand_ins.cost[(160, 4, False, 8)] == 8.0
     full = verify_graphs.StandIns()
-    assert all(full.pick((192, 4, False, 8), held, 100, 2) == (288, 4, False, 8) for _ in range(40))
+    assert all(full.pick((160, 4, False, 8), held, 100, 2) == (352, 4, False, 8) for _ in range(40))
     monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 1)   # stand-ins off, but for a full holder
-    assert verify_graphs.StandIns().pick((192, 4, False, 8), held, 100, 384) is None
-    assert verify_graphs.StandIns().pick((192, 4, False, 8), held, 100, 2) == (288, 4, False, 8)
+    assert verify_graphs.StandIns().pick((160, 4, False, 8), held, 100, 384) is None
+    assert verify_graphs.StandIns().pick((160, 4, False, 8), held, 100, 2) == (352, 4, False, 8)
 
 
 def test_capture_after_one_captures_every_new_key_at_once(monkeypatch):

@@ -67,19 +67,18 @@ CAPTURE_AFTER = capture_after_from_env()
 # (:func:`padding_cost`; rent until the rent paid equals the price): a capture costs an eager run, a synchronize
 # and the capture itself, 50-150 ms at 9B shapes on an H200, about 5-10 steps of 10-25 ms.
 CAPTURE_COST_STEPS = 8.0
-# Up to this many rows a forward costs about the same whatever its rows (it reads the weights once: the H200's
-# calibrated 9B target forward at batch 32 takes 6.6 ms at 8 nodes and 6.7 ms at 96), so padding below it is free.
+# A forward of n rows costs about c * (max(n, FLAT_ROWS) + FIXED_ROWS): up to FLAT_ROWS rows about the same whatever
+# its rows (it reads the weights once), then linear from a fixed part worth FIXED_ROWS rows. The H200's calibrated
+# 9B target forward at batch 32: 6.6 ms at 8 nodes, 6.7 at 96, 7.2 at 128, 9.0 at 256, 15.1 at 512.
 FLAT_ROWS = 128
+FIXED_ROWS = 224
 # A wider node bound tiles every tree by more rows in the GDN and tree-attention kernels: at 9B shapes and batch 16
 # the GDN verify of 16-node tiles takes 29 us per layer, of 32-node tiles 45 us (README, kernel table), about 0.4 ms
 # over 24 layers of a 10-20 ms step.
 WIDER_BOUND_COST = 0.05
-# How many rows a stand-in graph may carry: twice the step's up to DOUBLE_UP_TO rows (the calibrated target forward
-# grows by about 10% from 80 to 144 tokens at batch 16, against a capture of about 25 steps), half again as many
-# above; at least PAD_ROWS more. With power-of-two graph sizes (the tests') the next size up always fits to 128.
-DOUBLE_UP_TO = 128
-PAD_FRACTION = 0.5
-PAD_ROWS = 32
+# The most a stand-in may add to a step, in steps of its own (:func:`padding_cost`): e.g. 304 rows for a step of up
+# to 128, 880 for one of 512.
+MAX_PAD_COST = 0.5
 
 
 @dataclass
@@ -284,33 +283,32 @@ def node_bound(max_nodes: int, tokens: int, cap: int) -> int:
 
 
 def stand_in(key: tuple, held, max_seq_len: int, wider: bool = False) -> tuple | None:
-    """The held key whose graph can run a step of ``key`` (padded tokens, requests, long prefix, node bound):
-    the same request bucket and node bound, the fewest tokens above the step's within the padding allowance
-    (:data:`DOUBLE_UP_TO`, :data:`PAD_FRACTION`, :data:`PAD_ROWS`), and the attention route the step would take at
-    that token count. None when there is none. ``wider`` (verification graphs) also takes a held graph of up to
-    twice the request bucket or the node bound, at as many tokens or more: its extra requests are empty, as a
-    bucket's padding requests always are, and a bound only has to hold every tree of the step; of those, the
-    fewest tokens, then the smaller bound, then the smaller bucket."""
+    """The held key whose graph can run a step of ``key`` (padded tokens, requests, long prefix, node bound) at the
+    least :func:`padding_cost`, at most :data:`MAX_PAD_COST` (then the fewest tokens): more tokens than the step's,
+    the same request bucket and node bound, and the attention route the step would take at that token count. None
+    when there is none. ``wider`` (verification graphs) also takes a held graph of up to twice the request bucket or
+    the node bound, at as many tokens or more: its extra requests are empty, as a bucket's padding requests always
+    are, and a bound only has to hold every tree of the step; of equal cost and tokens, the smaller bucket."""
     rows, reqs, long_prefix, bound = key
-    most = max(rows + PAD_ROWS, 2 * rows if rows <= DOUBLE_UP_TO else int(rows * (1 + PAD_FRACTION)))
 
     def fits(k) -> bool:
-        if not (rows <= k[0] <= most and k[2] == long_prefix and k[2] == (not reads_prefix_itself(max_seq_len, k[0]))):
+        if not (rows <= k[0] and k[2] == long_prefix and k[2] == (not reads_prefix_itself(max_seq_len, k[0]))):
             return False
         if k[1] == reqs and k[3] == bound:
-            return rows < k[0]
-        return wider and reqs <= k[1] <= 2 * reqs and bound <= k[3] <= 2 * bound
+            same = rows < k[0]
+        else:
+            same = wider and reqs <= k[1] <= 2 * reqs and bound <= k[3] <= 2 * bound
+        return same and padding_cost(key, k) <= MAX_PAD_COST
 
-    return min((k for k in held if fits(k)), key=lambda k: (k[0], k[3], k[1]), default=None)
+    return min((k for k in held if fits(k)), key=lambda k: (padding_cost(key, k), k[0], k[3], k[1]), default=None)
 
 
 def padding_cost(key: tuple, held: tuple) -> float:
-    """What replaying the graph of ``held`` for a step of ``key`` adds, as a share of the step's own forward:
-    linear in the rows above :data:`FLAT_ROWS`, nothing below (an upper bound on the calibrated curves, whose cost
-    grows more slowly than the rows), plus :data:`WIDER_BOUND_COST` for a wider node bound. Empty requests of a
-    larger bucket cost nothing here (their kernel programs find no rows)."""
-    own = max(key[0], FLAT_ROWS)
-    return (max(held[0], FLAT_ROWS) - own) / own + (WIDER_BOUND_COST if held[3] > key[3] else 0.0)
+    """What replaying the graph of ``held`` for a step of ``key`` adds, as a share of the step's own forward (the
+    cost model of :data:`FLAT_ROWS` and :data:`FIXED_ROWS`), plus :data:`WIDER_BOUND_COST` for a wider node bound.
+    Empty requests of a larger bucket cost nothing here (their kernel programs find no rows)."""
+    own = max(key[0], FLAT_ROWS) + FIXED_ROWS
+    return (max(held[0], FLAT_ROWS) + FIXED_ROWS - own) / own + (WIDER_BOUND_COST if held[3] > key[3] else 0.0)
 
 
 class StandIns:
