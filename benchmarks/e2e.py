@@ -565,6 +565,10 @@ def run_worker(args) -> None:
             row["capture_ms_in_timed_run"] = [round(x, 1) for x in spent]
             row["capture_share_of_wall"] = round(sum(spent) / 1e3 / wall, 4) if wall else None
             row["settle_passes"] = settle
+            # what the throughput rule weighed at the end (per calibrated N: T_ver, rest, tokens, their rate)
+            estimates = getattr(runner, "bole_rule_estimates", None)
+            if estimates is not None and estimates(b) is not None:
+                row["rule_estimates"] = estimates(b)
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
         if b == args.batch_sizes[-1]:   # the rest of the last turn: the profile, the results

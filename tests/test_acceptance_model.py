@@ -104,6 +104,22 @@ def test_throughput_lookup_picks_the_most_tokens_per_millisecond():
     assert budgets.lookup_throughput(16, 256, lambda n: 45.0 + 0.1 * n, gain) == 128
 
 
+def test_throughput_estimates_list_what_the_lookup_weighs():
+    """The rule's view per calibrated N from B_ver (for e2e.py's rows): T_ver, the rest, the tokens and their rate;
+    the lookup's choice is the best rate."""
+    budgets = _budgets([(64, 10.5), (128, 11.0), (256, 14.0), (512, 20.0)], b_ver=128)
+    gain = {64: 60.0, 128: 80.0, 256: 90.0, 512: 95.0}.get
+    rows = budgets.throughput_estimates(16, 256, lambda n: 5.0 + 0.01 * n, gain)
+    assert [r["nodes"] for r in rows] == [128, 256, 512]
+    assert rows[0] == {"nodes": 128, "t_ver_ms": 11.0, "rest_ms": 6.28, "tokens": 80.0,
+                       "tokens_per_ms": round(80.0 / 17.28, 4)}
+    best = max(rows, key=lambda r: r["tokens_per_ms"])["nodes"]
+    assert best == budgets.lookup_throughput(16, 256, lambda n: 5.0 + 0.01 * n, gain) == 128
+    assert budgets.throughput_estimates(16, 256, 5.0, gain)[2]["rest_ms"] == 5.0   # a flat rest
+    assert ModelBudgets.from_entries([{"fingerprint": "m", "gpu": "g", "batch_size": 16, "kv_len": 256,
+                                       "b_ver": 64}]).throughput_estimates(16, 256, 5.0, gain) == []   # no curve
+
+
 def test_throughput_lookup_probes_the_neighbouring_sizes():
     budgets = _budgets([(64, 10.5), (128, 11.0), (256, 14.0), (512, 20.0)])
     gain = {64: 60.0, 128: 80.0, 256: 90.0, 512: 95.0}.get

@@ -191,6 +191,22 @@ class ModelBudgets:
 
         return min(best(k) for k in self._keys(batch_size, context_len))
 
+    def throughput_estimates(self, batch_size: int, context_len: int | None, rest_ms, tokens) -> list[dict]:
+        """What :meth:`lookup_throughput` weighs, per calibrated N from B_ver up, for the step's bucket (the first
+        when the context is unknown): nodes, T_ver, the rest, the expected tokens and their rate per ms (for
+        reports; empty without a curve)."""
+        key = self._keys(batch_size, context_len)[0]
+        if key not in self.curves:
+            return []
+        rest = rest_ms if callable(rest_ms) else (lambda n: rest_ms)
+        rows = []
+        for p in self.curves[key][2]:
+            if p["nodes"] >= self.b_ver[key]:
+                n, t = p["nodes"], p["t_ver_ms"]
+                rows.append({"nodes": n, "t_ver_ms": round(t, 3), "rest_ms": round(rest(n), 3),
+                             "tokens": round(tokens(n), 3), "tokens_per_ms": round(tokens(n) / (rest(n) + t), 4)})
+        return rows
+
     def t_ver_ms(self, batch_size: int, context_len: int | None, nodes: int) -> float | None:
         """The calibrated target forward of a step verifying ``nodes`` nodes: linear between the measured
         points (N = 0 is the plain decode step), along the last segment beyond them; None without a curve."""

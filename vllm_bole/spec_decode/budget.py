@@ -75,6 +75,12 @@ def _budgets(bole_config, model_config):
     return _auto_budgets(table_path(bole_config), fingerprint)
 
 
+def auto_budgets(bole_config, model_config=None):
+    """The calibration table's budgets (``ModelBudgets``) for this model and GPU under ``budget: "auto"``; None for a
+    fixed budget or without a table for them."""
+    return _budgets(bole_config, model_config) if bole_config.budget == "auto" else None
+
+
 def node_budget(bole_config, batch_size: int, context_len: int | None = None, model_config=None,
                 rest_ms: float | None = None, tokens=None, probe: int = 0, keep: int | None = None) -> int:
     """Nodes to verify this step. ``context_len``: the batch's mean context length, if known (picks the KV

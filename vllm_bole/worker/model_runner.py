@@ -26,7 +26,8 @@ from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel, DeviceWalks
-from ..spec_decode.budget import StepClock, node_budget, set_async_budget_source, verify_ms, with_applicable_rule
+from ..spec_decode.budget import (StepClock, auto_budgets, node_budget, set_async_budget_source, verify_ms,
+                                  with_applicable_rule)
 from ..spec_decode.device_beam import device_constant
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
@@ -273,6 +274,19 @@ class BoleModelRunnerMixin:
         budget = self._throughput_budget(batch_size, context_len, rest)
         self.bole_async_budgets[batch_size, budget] += 1
         return budget
+
+    def bole_rule_estimates(self, batch_size: int, context_len: int | None = None) -> list[dict] | None:
+        """What ``budget_rule "throughput"`` weighs now at ``batch_size`` (``ModelBudgets.throughput_estimates``:
+        per calibrated N, T_ver, the step clock's rest, the acceptance model's tokens and their rate), for reports;
+        None under another rule or before the clock and the acceptance model have measurements."""
+        rest = self._bole_clock.rest_model(batch_size)
+        budgets = auto_budgets(self.bole_config, self.model_config)
+        if (self.bole_config.budget_rule != "throughput" or rest is None or budgets is None
+                or not self._bole_acceptance.ready):
+            return None
+        tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=batch_size,
+                                   per_request=self.speculative_config.num_speculative_tokens)
+        return budgets.throughput_estimates(batch_size, context_len, rest, tokens)
 
     def _throughput_budget(self, batch_size: int, context_len: int | None, rest) -> int:
         """``budget_rule "throughput"`` once the acceptance model is ready: the table's choice from the expected
