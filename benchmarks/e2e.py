@@ -566,9 +566,9 @@ def run_worker(args) -> None:
             row["capture_share_of_wall"] = round(sum(spent) / 1e3 / wall, 4) if wall else None
             row["settle_passes"] = settle
             # what the throughput rule weighed at the end (per calibrated N: T_ver, rest, tokens, their rate)
-            estimates = getattr(runner, "bole_rule_estimates", None)
-            if estimates is not None and estimates(b) is not None:
-                row["rule_estimates"] = estimates(b)
+            estimates = getattr(runner, "bole_rule_estimates", lambda b: None)(b)
+            if estimates is not None:
+                row["rule_estimates"] = estimates
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
         if b == args.batch_sizes[-1]:   # the rest of the last turn: the profile, the results
@@ -587,32 +587,33 @@ def _bole_graph_counts(runner) -> tuple[int, int]:
     return counts() if counts is not None else (0, 0)
 
 
+def _bole_graph_holders(runner) -> dict:
+    """A Bole runner's holders of CUDA graphs by kind ("verify", "draft": drafter levels, "beam": whole drafter
+    levels), None where it has none (other engines: all)."""
+    drafter = getattr(runner, "bole_drafter", None)
+    return {"verify": getattr(runner, "_bole_graphs", None), "draft": getattr(drafter, "graphs", None),
+            "beam": getattr(getattr(drafter, "beam", None), "graphs", None)}
+
+
 def _bole_stand_ins(runner) -> tuple[int, int]:
     """(verification, drafter level) replays so far of a larger held graph standing in for a key not held yet
     (``worker/verify_graphs.stand_in``); zeros for other engines."""
-    drafter = getattr(runner, "bole_drafter", None)
-    holders = (getattr(runner, "_bole_graphs", None), getattr(drafter, "graphs", None))
-    return tuple(h.stand_ins.replays if hasattr(h, "stand_ins") else 0 for h in holders)
+    holders = _bole_graph_holders(runner)
+    return tuple(h.stand_ins.replays if hasattr(h, "stand_ins") else 0 for h in (holders["verify"], holders["draft"]))
 
 
 def _bole_capture_ms(runner) -> tuple[float, float, float]:
     """(verification, drafter level, drafter beam level) host milliseconds spent capturing CUDA graphs so far
     (eager warm-up, synchronize and capture: what a step that captures waits); zeros for other engines."""
-    drafter = getattr(runner, "bole_drafter", None)
-    holders = (getattr(runner, "_bole_graphs", None), getattr(drafter, "graphs", None),
-               getattr(getattr(drafter, "beam", None), "graphs", None))
-    return tuple(float(getattr(h, "capture_ms", 0.0)) for h in holders)
+    return tuple(float(getattr(h, "capture_ms", 0.0)) for h in _bole_graph_holders(runner).values())
 
 
 def _bole_graph_keys(runner) -> dict[str, set]:
     """The keys of every graph a Bole runner holds, by kind ("verify": (padded tokens, request bucket, long
     prefix); "draft": (padded tokens, request bucket, long prefix, rows per request); "beam": (request bucket,
     level, long prefix)) as lists; empty for other engines."""
-    drafter = getattr(runner, "bole_drafter", None)
-    holders = {"verify": getattr(runner, "_bole_graphs", None), "draft": getattr(drafter, "graphs", None),
-               "beam": getattr(getattr(drafter, "beam", None), "graphs", None)}
     return {kind: {tuple(int(x) if isinstance(x, (bool, int)) else x for x in key) for key in h.graphs}
-            for kind, h in holders.items() if h is not None}
+            for kind, h in _bole_graph_holders(runner).items() if h is not None}
 
 
 def profile_bole(llm, runner, args, run_dir: Path, rng, name: str = "bole") -> dict:
@@ -821,17 +822,14 @@ TARGETS = {1: 1.5, 8: 1.3, 16: 1.3, 32: 1.3, 64: 1.0}
 def plot_series(data: dict) -> dict:
     """What the plot draws from a results file: ``tok_s``, per configuration, [(B, tok/s)] in batch order;
     ``speedup_vs_best_mtp``, per Bole configuration, [(B, its tok/s over the best MTP chain's at that B)] where a
-    chain ran (asynchronous chains only, as the rows' ``mtp_best_*``)."""
+    chain ran (the rows' ``mtp_best_tok_s``, :func:`build_rows`)."""
+    configs = data.get("configs", {})
     tok_s = {}
-    for name, config in data.get("configs", {}).items():
+    for name, config in configs.items():
         points = sorted((int(b), r["tok_s"]) for b, r in config.get("batches", {}).items() if r.get("tok_s"))
         if points:
             tok_s[name] = points
-    best: dict[int, float] = {}
-    for name, points in tok_s.items():
-        if name.startswith("mtp") and not name.endswith("_sync"):
-            for b, v in points:
-                best[b] = max(best.get(b, 0.0), v)
+    best = {r["B"]: r["mtp_best_tok_s"] for r in build_rows(configs) if r["mtp_best_tok_s"]} if configs else {}
     speedup = {name: [(b, round(v / best[b], 3)) for b, v in points if b in best]
                for name, points in tok_s.items() if name.startswith("bole")}
     return {"tok_s": tok_s, "speedup_vs_best_mtp": {n: p for n, p in speedup.items() if p}}

@@ -268,7 +268,8 @@ def test_plot_series_by_batch_size_and_over_the_best_async_chain(tmp_path):
     import json
 
     e2e = _e2e()
-    batches = lambda **v: {"gpu": "G", "batches": {b: {"tok_s": t} for b, t in v.items()}}   # noqa: E731
+    batches = lambda **v: {"gpu": "G", "concurrency": 10.0,   # noqa: E731
+                           "batches": {b: {"tok_s": t} for b, t in v.items()}}
     data = {"configs": {"mtp3": batches(**{"8": 300.0, "1": 100.0}), "mtp4": batches(**{"1": 120.0, "8": 250.0}),
                         "mtp4_sync": batches(**{"1": 900.0}), "ar": batches(**{"1": 50.0, "8": 0.0}),
                         "bole": batches(**{"1": 180.0, "8": 390.0, "64": 1000.0})}}

@@ -176,13 +176,11 @@ class ModelBudgets:
         last, kept unless another is better by more than ``KEEP_MARGIN`` (estimates that wobble would otherwise
         switch sizes, and each new size is a new CUDA graph); ``probe``: take the calibrated N that many places
         above (below, if negative) the choice instead (within the curve from B_ver)."""
-        rest = rest_ms if callable(rest_ms) else (lambda n: rest_ms)
-
         def best(key):
-            points = [p for p in self.curves[key][2] if p["nodes"] >= self.b_ver[key]] if key in self.curves else []
+            points = self._rated_points(key, rest_ms, tokens)
             if not points:
                 return self.b_ver[key]
-            rate = [tokens(p["nodes"]) / (rest(p["nodes"]) + p["t_ver_ms"]) for p in points]
+            rate = [p["tokens_per_ms"] for p in points]
             i = max(range(len(points)), key=lambda j: (rate[j], -j))
             kept = next((j for j, p in enumerate(points) if p["nodes"] == keep), None)
             if kept is not None and rate[i] <= (1.0 + self.KEEP_MARGIN) * rate[kept]:
@@ -191,21 +189,25 @@ class ModelBudgets:
 
         return min(best(k) for k in self._keys(batch_size, context_len))
 
+    def _rated_points(self, key, rest_ms, tokens) -> list[dict]:
+        """The calibrated points of ``key`` from B_ver up, each with the rest, the expected tokens and their rate
+        ``tokens(N) / (rest(N) + T_ver(N))`` (``rest_ms``: ms, or N -> ms); empty without a curve."""
+        rest = rest_ms if callable(rest_ms) else (lambda n: rest_ms)
+        rated = []
+        for p in self.curves[key][2] if key in self.curves else []:
+            if p["nodes"] >= self.b_ver[key]:
+                r, t = rest(p["nodes"]), tokens(p["nodes"])
+                rated.append({"nodes": p["nodes"], "t_ver_ms": p["t_ver_ms"], "rest_ms": r, "tokens": t,
+                              "tokens_per_ms": t / (r + p["t_ver_ms"])})
+        return rated
+
     def throughput_estimates(self, batch_size: int, context_len: int | None, rest_ms, tokens) -> list[dict]:
         """What :meth:`lookup_throughput` weighs, per calibrated N from B_ver up, for the step's bucket (the first
         when the context is unknown): nodes, T_ver, the rest, the expected tokens and their rate per ms (for
         reports; empty without a curve)."""
-        key = self._keys(batch_size, context_len)[0]
-        if key not in self.curves:
-            return []
-        rest = rest_ms if callable(rest_ms) else (lambda n: rest_ms)
-        rows = []
-        for p in self.curves[key][2]:
-            if p["nodes"] >= self.b_ver[key]:
-                n, t = p["nodes"], p["t_ver_ms"]
-                rows.append({"nodes": n, "t_ver_ms": round(t, 3), "rest_ms": round(rest(n), 3),
-                             "tokens": round(tokens(n), 3), "tokens_per_ms": round(tokens(n) / (rest(n) + t), 4)})
-        return rows
+        digits = {"t_ver_ms": 3, "rest_ms": 3, "tokens": 3, "tokens_per_ms": 4}
+        return [{k: round(v, digits[k]) if k in digits else v for k, v in p.items()}
+                for p in self._rated_points(self._keys(batch_size, context_len)[0], rest_ms, tokens)]
 
     def t_ver_ms(self, batch_size: int, context_len: int | None, nodes: int) -> float | None:
         """The calibrated target forward of a step verifying ``nodes`` nodes: linear between the measured

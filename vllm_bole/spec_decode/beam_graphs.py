@@ -172,9 +172,9 @@ class BeamGraphs:
                            type(e).__name__, e)
             self.disabled = True
             return True
-        self.capture_ms += (time.perf_counter() - start) * 1e3
-        logger.debug("Bole captured the beam level graph (%d requests, level %d) in %.0f ms", bucket, d,
-                     (time.perf_counter() - start) * 1e3)
+        spent_ms = (time.perf_counter() - start) * 1e3
+        self.capture_ms += spent_ms
+        logger.debug("Bole captured the beam level graph (%d requests, level %d) in %.0f ms", bucket, d, spent_ms)
         if len(self.graphs) == 1:
             logger.info("Bole grows draft trees from full CUDA graphs of whole levels (captured per request "
                         "bucket, level and prefix route on first use)")

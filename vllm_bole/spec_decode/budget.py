@@ -132,7 +132,7 @@ def async_budget_source():
 def verify_ms(bole_config, batch_size: int, nodes: int, context_len: int | None = None,
               model_config=None) -> float | None:
     """The calibrated target forward of a step verifying ``nodes`` nodes (None without a table)."""
-    budgets = _budgets(bole_config, model_config) if bole_config.budget == "auto" else None
+    budgets = auto_budgets(bole_config, model_config)
     return None if budgets is None else budgets.t_ver_ms(batch_size, context_len, nodes)
 
 

@@ -150,9 +150,10 @@ class DraftGraphs:
         torch.cuda.synchronize()
         entry = capture(call, self.pool)
         self.graphs[key] = entry
-        self.capture_ms += (time.perf_counter() - start) * 1e3
+        spent_ms = (time.perf_counter() - start) * 1e3
+        self.capture_ms += spent_ms
         logger.debug("Bole captured the drafter level graph of %d tokens, %d requests in %.0f ms", key[0], key[1],
-                     (time.perf_counter() - start) * 1e3)
+                     spent_ms)
         if len(self.graphs) == 1:
             logger.info("Bole drafts tree levels from full CUDA graphs (captured per token count, request count "
                         "and prefix route on first use)")

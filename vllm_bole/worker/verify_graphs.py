@@ -17,8 +17,8 @@ replayed from a graph of the whole target forward that Bole captures itself, one
   harmless: it writes only this step's K/V slots and Bole's per-step scratch;
 - unless a held graph of the same route has a few more tokens, or as many for up to twice the requests or the
   tree-size bound (:func:`stand_in`): the step replays that one, its extra rows with KV slot -1 and past every
-  request's tree and its extra requests empty, so they cost compute and nothing else. The key is captured only once its stand-ins have cost about as much as a capture would
-  (:class:`StandIns`: an eager run, a synchronize and the capture, 50-150 ms at 9B shapes, several steps'
+  request's tree and its extra requests empty, so they cost compute and nothing else. The key is captured only
+  once its stand-ins have cost about as much as a capture would (:class:`StandIns`: an eager run, a synchronize and the capture, 50-150 ms at 9B shapes, several steps'
   worth), and not before its :data:`CAPTURE_AFTER`-th occurrence: a drained batch's one-off token counts and a
   budget rule's trial sizes then cost no capture each. ``VLLM_BOLE_CAPTURE_AFTER=1`` turns stand-ins off.
 """
@@ -263,10 +263,10 @@ class VerifyGraphs:
         entry = _Graph(graph=graph, output=output, scratch=scratch, gdn_layers=list(scratch.layers),
                        gdn_slots=list(scratch.slots), input_ptrs=_ptrs(inputs))
         self.graphs[key] = entry
-        self.capture_ms += (time.perf_counter() - start) * 1e3
+        spent_ms = (time.perf_counter() - start) * 1e3
+        self.capture_ms += spent_ms
         logger.debug("Bole captured the verification graph of %d tokens, %d requests (%s prefixes, trees of at most "
-                     "%d nodes) in %.0f ms", key[0], key[1], "long" if key[2] else "short", key[3],
-                     (time.perf_counter() - start) * 1e3)
+                     "%d nodes) in %.0f ms", key[0], key[1], "long" if key[2] else "short", key[3], spent_ms)
         if len(self.graphs) == 1:
             logger.info("Bole verifies tree-only steps from full CUDA graphs (captured per token count, "
                         "request count, prefix route and tree-size bound on first use)")
@@ -291,16 +291,15 @@ def stand_in(key: tuple, held, max_seq_len: int, wider: bool = False) -> tuple |
     are, and a bound only has to hold every tree of the step; of equal cost and tokens, the smaller bucket."""
     rows, reqs, long_prefix, bound = key
 
-    def fits(k) -> bool:
+    def runs(k) -> bool:
         if not (rows <= k[0] and k[2] == long_prefix and k[2] == (not reads_prefix_itself(max_seq_len, k[0]))):
             return False
         if k[1] == reqs and k[3] == bound:
-            same = rows < k[0]
-        else:
-            same = wider and reqs <= k[1] <= 2 * reqs and bound <= k[3] <= 2 * bound
-        return same and padding_cost(key, k) <= MAX_PAD_COST
+            return rows < k[0]
+        return wider and reqs <= k[1] <= 2 * reqs and bound <= k[3] <= 2 * bound
 
-    return min((k for k in held if fits(k)), key=lambda k: (padding_cost(key, k), k[0], k[3], k[1]), default=None)
+    priced = [(padding_cost(key, k), k[0], k[3], k[1], k) for k in held if runs(k)]
+    return min((p for p in priced if p[0] <= MAX_PAD_COST), default=(None,))[-1]
 
 
 def padding_cost(key: tuple, held: tuple) -> float:
