@@ -52,6 +52,11 @@ run (tokens per request per verification step, bonus token included). Concurrenc
 max_model_len tokens per request" of the engine's KV cache config (``get_kv_cache_capacity``, with
 ``--max-model-len``, default 2048), at the KV cache size recorded in the JSON.
 
+Each batch entry's ``engine_steps`` splits the timed runs into their phases (``benchmarks/engine_steps.py``,
+medians over the runs): the prefill, the steps with all B requests decoding (their median period and tok/s: what a
+server holding B requests in flight sees) and the draining tail after the first request finished; a table of
+them is printed after the results.
+
 Acceptance source, the same for both methods: ``--rates`` are per-position *unconditional* acceptance rates of
 the rank-1 chain, the convention of vLLM's ``synthetic_acceptance_rates`` and of Bole's ``synthetic_acceptance``
 (so a one-wide Bole tree accepts exactly like the MTP chain): MTP k gets the first k, Bole all of them (past the
@@ -449,11 +454,14 @@ def run_worker(args) -> None:
     from vllm_bole.calibration.table import device_name
     from vllm_bole.testing.greedy_check import spec_decode_counters
 
+    from engine_steps import EngineSteps, combine, summarize
+
     kwargs = engine_kwargs(args, name)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, **kwargs)
     startup_s = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    steps = EngineSteps(llm)   # each timed run's phases: prefill, full-batch steps, the draining tail
     _, concurrency = get_kv_cache_capacity(runner.vllm_config, runner.kv_cache_config)
     result = {"config": name, "gpu": device_name(), "startup_s": round(startup_s, 1),
               "concurrency": round(concurrency, 2), "concurrency_tokens_per_request": args.max_model_len,
@@ -516,7 +524,7 @@ def run_worker(args) -> None:
             graphs_before, keys_before = _bole_graph_counts(runner), _bole_graph_keys(runner)
             stand_ins_before, capture_ms_before = _bole_stand_ins(runner), _bole_capture_ms(runner)
             budgets_before = collections.Counter(getattr(runner, "bole_budgets", {}))
-            runs, wall, tokens, round_runs = [], 0.0, 0, []
+            runs, wall, tokens, round_runs, step_summaries = [], 0.0, 0, [], []
         # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second), at least
         # --min-timed-runs times, so that the median leaves out a run that captured a graph or compiled a kernel;
         # tok/s is their median, the acceptance counters cover them all. With --rounds, each round runs its share
@@ -524,8 +532,10 @@ def run_worker(args) -> None:
         mine, round_wall = [], 0.0
         while len(mine) < min_runs or round_wall < min_s and len(mine) < max_runs:
             t = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            with steps.run() as logged:
+                outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t
+            step_summaries.append(summarize(logged, b))
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             mine.append(n / elapsed)
             round_wall, wall, tokens = round_wall + elapsed, wall + elapsed, tokens + n
@@ -544,6 +554,7 @@ def run_worker(args) -> None:
                if drafts else None}
         if args.rounds > 1:
             row["tok_s_rounds"] = round_runs   # each round's median, in round order
+        row["engine_steps"] = combine(step_summaries)   # medians over the timed runs (engine_steps.summarize)
         if name.startswith("bole"):
             # the node budget the timed runs' steps of all B requests took most often (the rules "step" and
             # "throughput" move it with their measurements)
@@ -730,6 +741,9 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
     def ratio(a, b):
         return round(a / b, 3) if a and b else None
 
+    # Every Bole configuration holds the same KV cache; the default's figure, else the first variant's.
+    bole_names = sorted((n for n in configs if n.startswith("bole")), key=lambda n: n != "bole")
+    bole_concurrency = configs[bole_names[0]].get("concurrency") if bole_names else None
     rows = []
     for b in batch_sizes:
         chains = [n for n in configs if n.startswith("mtp") and not n.endswith("_sync")]
@@ -744,7 +758,7 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
             "speedup_vs_ar": ratio(bole.get("tok_s"), tok_s("ar", b)),
             "concurrency_ar": configs.get("ar", {}).get("concurrency"),
             "concurrency_mtp": configs[f"mtp{best_k}"]["concurrency"] if best_k else None,
-            "concurrency_bole": configs.get("bole", {}).get("concurrency"), "gpu": gpu,
+            "concurrency_bole": bole_concurrency, "gpu": gpu,
             "mtp_tok_s_by_k": {str(k): v for k, v in sorted(mtp.items())},
             "mtp_mean_accepted_by_k": {n[3:]: configs[n]["batches"].get(str(b), {}).get("mean_accepted")
                                        for n in sorted(chains)},
@@ -793,6 +807,25 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"Max concurrency (requests of the concurrency length): AR {r['concurrency_ar']}, "
                      f"MTP {r['concurrency_mtp']}, Bole {r['concurrency_bole']}")
     return "\n".join(lines)
+
+
+def steps_markdown(configs: dict[str, dict]) -> str:
+    """Per configuration and batch size, the timed runs' phases (``engine_steps`` in each batch entry, medians
+    over the runs): prefill, the steps with the whole batch decoding (count, median period, tok/s over them) and
+    the draining tail."""
+    def f(v, spec=".1f"):
+        return "–" if v is None else format(v, spec)
+
+    lines = ["| config | B | steps | prefill ms | full-batch steps | full-batch step ms | full-batch tok/s | "
+             "tail steps | tail ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in sorted(configs, key=lambda n: (not n.startswith("mtp"), n)):
+        for b, row in sorted(configs[name].get("batches", {}).items(), key=lambda kv: int(kv[0])):
+            s = row.get("engine_steps")
+            if s:
+                lines.append(f"| {name} | {b} | {f(s['steps'], '.0f')} | {f(s['prefill_ms'])} | "
+                             f"{f(s['full_steps'], '.0f')} | {f(s['full_step_ms'], '.2f')} | "
+                             f"{f(s['full_tok_s'], '.0f')} | {f(s['tail_steps'], '.0f')} | {f(s['tail_ms'])} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def merge_and_write(out: Path, results: dict[str, dict], args) -> dict:
@@ -918,6 +951,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_configs(args, forwarded, out)
     data = merge_and_write(out, {}, args)
     print(markdown(data["rows"]))
+    if table := steps_markdown(data["configs"]):
+        print("\nTimed runs by phase (medians over the runs):\n" + table)
     print(f"wrote {out} ({', '.join(sorted(data['configs']))})")
     _plot(out, data)
     return 0 if len(results) == len(args.configs) else 1

@@ -285,3 +285,57 @@ def test_plot_series_by_batch_size_and_over_the_best_async_chain(tmp_path):
         assert not (tmp_path / "e2e.png").exists()
     else:
         assert (tmp_path / "e2e.png").stat().st_size > 0
+
+
+def test_engine_steps_split_a_run_into_prefill_full_batch_steps_and_tail():
+    steps = load_benchmark("engine_steps")
+    # Two requests: two prefill steps (no token yet, then both hold one), three steps with both decoding (5, 3
+    # and 4 tokens), then one finishes and the other drains in two steps.
+    run = steps.RunSteps(start=10.0, end=10.100)
+    run.log = [(10.010, 2, 0, 0), (10.020, 2, 2, 2), (10.030, 2, 2, 7), (10.042, 2, 2, 10), (10.052, 2, 2, 14),
+               (10.060, 1, 1, 6), (10.090, 1, 1, 9)]
+    s = steps.summarize(run, 2)
+    assert s["steps"] == 7 and s["full_steps"] == 3 and s["tail_steps"] == 2
+    assert s["prefill_ms"] == pytest.approx(20.0)
+    assert s["full_step_ms"] == pytest.approx(10.0)   # the median of 10, 12 and 10 ms
+    assert s["full_tok_s"] == pytest.approx(12 / 0.032)
+    assert s["tail_ms"] == pytest.approx(48.0)
+    assert steps.summarize(steps.RunSteps(start=0.0, end=1.0, log=[(0.5, 1, 1, 1)]), 2) is None   # never whole
+    combined = steps.combine([s, None, dict(s, full_step_ms=14.0, tail_ms=None)])
+    assert combined["full_step_ms"] == 12.0 and combined["tail_ms"] == 48.0 and combined["steps"] == 7
+    assert steps.combine([None]) is None
+
+
+def test_engine_steps_log_each_step_of_a_call_only():
+    steps = load_benchmark("engine_steps")
+
+    class Req:
+        def __init__(self, n):
+            self.num_output_tokens = n
+
+    scheduler = type("S", (), {"running": [Req(0), Req(3)]})()
+    engine = type("E", (), {})()
+    engine.engine_core = type("C", (), {"engine_core": type("EC", (), {"scheduler": scheduler})()})()
+    engine.step = lambda: ["out"]
+    llm = type("L", (), {"llm_engine": engine})()
+    logger = steps.EngineSteps(llm)
+    assert engine.step() == ["out"]   # outside a run: passed through, not logged
+    with logger.run() as run:
+        assert engine.step() == ["out"]
+        scheduler.running = [Req(4)]
+        engine.step()
+    assert [entry[1:] for entry in run.log] == [(2, 1, 3), (1, 1, 4)] and run.end >= run.log[-1][0] >= run.start
+
+
+def test_steps_table_and_bole_concurrency_of_a_variant():
+    e2e = _e2e()
+    phases = {"steps": 60, "prefill_ms": 80.0, "full_steps": 39, "full_step_ms": 25.1, "full_tok_s": 13400.0,
+              "tail_steps": 20, "tail_ms": 400.0}
+    configs = {"mtp3": _config(300.0, 53.5, engine_steps=phases),
+               "bole_vocab32k": _config(330.0, 126.0, mean_accepted=5.3, engine_steps=phases)}
+    [row] = e2e.build_rows(configs)
+    assert row["concurrency_bole"] == 126.0   # no "bole" config: its variant's KV cache is the same
+    table = e2e.steps_markdown(configs)
+    assert table.splitlines()[2] == "| mtp3 | 4 | 60 | 80.0 | 39 | 25.10 | 13400 | 20 | 400.0 |"
+    assert "| bole_vocab32k | 4 |" in table.splitlines()[3]
+    assert e2e.steps_markdown({"ar": _config(100.0)}) == ""

@@ -37,6 +37,10 @@ def test_smoke_run_with_two_rounds_and_a_calibration(tmp_path):
         for row in config["batches"].values():
             assert len(row["tok_s_rounds"]) == 2 and len(row["tok_s_runs"]) == 2, row   # one run per round
             assert row["tok_s"] > 0 and row["mean_accepted"] >= 1.0, row
+            # the run's phases: 16 new tokens take at least 4 steps of at most 4 tokens after the prefill's one
+            phases = row["engine_steps"]
+            assert phases["steps"] > phases["full_steps"] >= 1 and phases["full_step_ms"] > 0, phases
+            assert phases["prefill_ms"] > 0 and phases["full_tok_s"] > 0 and phases["tail_ms"] >= 0, phases
     assert configs["bole"]["calibration"] and configs["bole"]["budget_rule"] == "throughput"
     assert configs["bole_sync"]["budget_rule"] == "throughput"
     for name in ("bole", "bole_sync"):   # what the rule weighed; no graphs on CPU, so no capture time
