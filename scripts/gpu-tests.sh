@@ -11,7 +11,8 @@
 #                 vocabulary served from a table, async scheduling, a request at max_model_len, a calibrated table
 #                 served under the default budget rule), with graph stand-ins forced wherever a larger graph fits
 #                 (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one was used);
-#                 about 10 minutes
+#                 a test per worker (LOSSLESS_WORKERS, 4): about 12 minutes, the calibration test's (at 23e612d 4
+#                 of the 7 passed in 660 s with a file per worker, the calibration test unfinished)
 #   lossless-all  every test of tests/test_e2e_lossless.py and tests/test_async_scheduling.py, the same way (25
 #                 items: more than 15 minutes with 3 workers)
 #   serving       logits processors, preemption, structured outputs, sampling
@@ -43,14 +44,17 @@ for group in "${GROUPS_RUN[@]}"; do
         tests/test_tree_attn_gpu_backend.py tests/test_top_children.py tests/test_kv_compaction.py \
         tests/test_beam_graphs.py ;;
     lossless)
-      VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless "${XDIST[@]}" \
+      # One worker per test (--dist load), the longest first: the calibration test alone starts four engines (over
+      # 660 s on the H200), the others two each (about 300 s).
+      LOSSLESS_XDIST=(); [ "$WORKERS" -gt 1 ] && LOSSLESS_XDIST=(-n "${LOSSLESS_WORKERS:-4}" --dist load)
+      VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless "${LOSSLESS_XDIST[@]}" \
+        "tests/test_calibration.py::test_calibrate_then_serve_auto_budget" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8]" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8_per_request_tokens48]" \
         "tests/test_e2e_lossless.py::test_mtp_tree_drafter_is_lossless_and_accepts[per_request-16-None]" \
         tests/test_e2e_lossless.py::test_mtp_drafter_with_a_draft_vocabulary_is_lossless \
         tests/test_async_scheduling.py::test_planted_trees_async_are_lossless_and_deep \
-        tests/test_async_scheduling.py::test_logprobs_and_a_request_at_max_model_len_async \
-        "tests/test_calibration.py::test_calibrate_then_serve_auto_budget" ;;
+        tests/test_async_scheduling.py::test_logprobs_and_a_request_at_max_model_len_async ;;
     lossless-all)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless-all "${XDIST[@]}" \
         tests/test_e2e_lossless.py tests/test_async_scheduling.py \
