@@ -339,3 +339,14 @@ def test_steps_table_and_bole_concurrency_of_a_variant():
     assert table.splitlines()[2] == "| mtp3 | 4 | 60 | 80.0 | 39 | 25.10 | 13400 | 20 | 400.0 |"
     assert "| bole_vocab32k | 4 |" in table.splitlines()[3]
     assert e2e.steps_markdown({"ar": _config(100.0)}) == ""
+
+
+def test_drain_counts_the_steps_until_the_first_and_the_last_request_finish():
+    drain = load_benchmark("drain")
+    from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
+
+    always = SyntheticAcceptance(rates=(1.0, 1.0, 1.0), sibling_rates=())
+    assert drain.drain(4, 17, 3, always) == (4, 4)     # 16 tokens after the prefill's, 4 per step
+    assert drain.drain(2, 10, 0, always) == (9, 9)     # no drafts: one token per step
+    first, last = drain.drain(64, 256, 8, SyntheticAcceptance(seed=1))
+    assert 20 < first < last < 256
