@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # The tests that mean more on a GPU: Triton kernels against their references, and tiny engines with Bole's CUDA
 # graphs against vLLM without speculation, several engines side by side.
-#   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless lossless-all serving
+#   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless calibration lossless-all
+#                                                      serving
 #                                                      (default: kernels lossless serving)
 # Each group writes LOG_DIR/<group>.log, one line per test as it ends (pytest -v: a run cut short still says which
 # passed), and a one-line summary to stdout. Engine tests start two to four engines one after another (100-170 s
 # each on an H200), and a file's tests share one worker (its reference runs once), so a group takes minutes.
 #   kernels       Triton kernels and graph helpers against the torch references (no engine)
 #   lossless      the core lossless engine tests (deep global and per-request trees, the MTP drafter, a draft
-#                 vocabulary served from a table, async scheduling, a request at max_model_len, a calibrated table
-#                 served under the default budget rule), with graph stand-ins forced wherever a larger graph fits
+#                 vocabulary served from a table under the default budget rule, async scheduling, a request at
+#                 max_model_len), with graph stand-ins forced wherever a larger graph fits
 #                 (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one was used);
-#                 a test per worker (LOSSLESS_WORKERS, 4): about 12 minutes, the calibration test's (at 23e612d 4
-#                 of the 7 passed in 660 s with a file per worker, the calibration test unfinished)
+#                 a test per worker (LOSSLESS_WORKERS, 6), each starting two engines (about 300 s a test on the H200
+#                 at 23e612d, when a file per worker and the calibration test in the group left 3 of 7 unfinished
+#                 after 660 s). The rule "throughput" is in charge in
+#                 the draft-vocabulary test (a made-up table with curves for the tiny model).
+#   calibration   tests/test_calibration.py::test_calibrate_then_serve_auto_budget alone: a calibration, then
+#                 seven engines in a row (the budget rules, and the planted drafter served from the table it
+#                 calibrated, synchronously and asynchronously); over 15 minutes
 #   lossless-all  every test of tests/test_e2e_lossless.py and tests/test_async_scheduling.py, the same way (25
 #                 items: more than 15 minutes with 3 workers)
 #   serving       logits processors, preemption, structured outputs, sampling
@@ -44,25 +50,24 @@ for group in "${GROUPS_RUN[@]}"; do
         tests/test_tree_attn_gpu_backend.py tests/test_top_children.py tests/test_kv_compaction.py \
         tests/test_beam_graphs.py ;;
     lossless)
-      # One worker per test (--dist load), the longest first: the calibration test alone starts four engines (over
-      # 660 s on the H200), the others two each (about 300 s).
-      LOSSLESS_XDIST=(); [ "$WORKERS" -gt 1 ] && LOSSLESS_XDIST=(-n "${LOSSLESS_WORKERS:-4}" --dist load)
+      # One worker per test (--dist load): each starts two engines (about 300 s on the H200).
+      LOSSLESS_XDIST=(); [ "$WORKERS" -gt 1 ] && LOSSLESS_XDIST=(-n "${LOSSLESS_WORKERS:-6}" --dist load)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless "${LOSSLESS_XDIST[@]}" \
-        "tests/test_calibration.py::test_calibrate_then_serve_auto_budget" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8]" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8_per_request_tokens48]" \
         "tests/test_e2e_lossless.py::test_mtp_tree_drafter_is_lossless_and_accepts[per_request-16-None]" \
         tests/test_e2e_lossless.py::test_mtp_drafter_with_a_draft_vocabulary_is_lossless \
         tests/test_async_scheduling.py::test_planted_trees_async_are_lossless_and_deep \
         tests/test_async_scheduling.py::test_logprobs_and_a_request_at_max_model_len_async ;;
+    calibration)
+      run_group calibration tests/test_calibration.py::test_calibrate_then_serve_auto_budget ;;
     lossless-all)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless-all "${XDIST[@]}" \
-        tests/test_e2e_lossless.py tests/test_async_scheduling.py \
-        "tests/test_calibration.py::test_calibrate_then_serve_auto_budget" ;;
+        tests/test_e2e_lossless.py tests/test_async_scheduling.py ;;
     serving)
       run_group serving "${XDIST[@]}" tests/test_logits_processors.py tests/test_preemption.py \
         tests/test_structured_outputs.py tests/test_e2e_sampling.py ;;
     *)
-      echo "unknown group $group (kernels, lossless, lossless-all, serving)" >&2; exit 2 ;;
+      echo "unknown group $group (kernels, lossless, calibration, lossless-all, serving)" >&2; exit 2 ;;
   esac
 done
