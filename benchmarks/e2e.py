@@ -817,14 +817,15 @@ def steps_markdown(configs: dict[str, dict]) -> str:
         return "–" if v is None else format(v, spec)
 
     lines = ["| config | B | steps | prefill ms | full-batch steps | full-batch step ms | full-batch tok/s | "
-             "tail steps | tail ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "tail steps | tail ms | tail step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in sorted(configs, key=lambda n: (not n.startswith("mtp"), n)):
         for b, row in sorted(configs[name].get("batches", {}).items(), key=lambda kv: int(kv[0])):
             s = row.get("engine_steps")
             if s:
                 lines.append(f"| {name} | {b} | {f(s['steps'], '.0f')} | {f(s['prefill_ms'])} | "
                              f"{f(s['full_steps'], '.0f')} | {f(s['full_step_ms'], '.2f')} | "
-                             f"{f(s['full_tok_s'], '.0f')} | {f(s['tail_steps'], '.0f')} | {f(s['tail_ms'])} |")
+                             f"{f(s['full_tok_s'], '.0f')} | {f(s['tail_steps'], '.0f')} | {f(s['tail_ms'])} | "
+                             f"{f(s.get('tail_step_ms'), '.2f')} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

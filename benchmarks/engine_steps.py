@@ -61,10 +61,11 @@ class EngineSteps:
 
 
 def summarize(run: RunSteps, batch_size: int) -> dict | None:
-    """One run: ``steps`` (engine steps), ``prefill_ms`` (from the call until every request holds a token),
-    ``full_steps`` and ``full_step_ms`` (the steps that began and ended with all ``batch_size`` requests
-    decoding: their count and median period), ``full_tok_s`` (their tokens over their time), ``tail_ms`` (after
-    the last full-batch step until the call returned) and ``tail_steps``. None when no step ran with the whole
+    """One run: ``steps`` (engine steps), ``prefill_ms`` and ``prefill_steps`` (from the call until every request
+    holds a token), ``full_steps`` and ``full_step_ms`` (the steps that began and ended with all ``batch_size``
+    requests decoding: their count and median period), ``full_tok_s`` (their tokens over their time), ``tail_ms``
+    (after the last full-batch step until the call returned), ``tail_steps`` and ``tail_step_ms`` (their median
+    period: whether a step of a draining batch costs less than a full one). None when no step ran with the whole
     batch decoding (a batch that never fit at once)."""
     log = run.log
     first = next((i for i, (_, n, started, _) in enumerate(log) if n == batch_size and started == batch_size), None)
@@ -78,10 +79,12 @@ def summarize(run: RunSteps, batch_size: int) -> dict | None:
             tokens += k1 - k0
             last = i
     full_s = sum(periods)
-    return {"steps": len(log), "prefill_ms": (log[first][0] - run.start) * 1e3, "full_steps": len(periods),
-            "full_step_ms": statistics.median(periods) * 1e3 if periods else None,
+    tail = [log[i][0] - log[i - 1][0] for i in range(last + 1, len(log))]
+    return {"steps": len(log), "prefill_ms": (log[first][0] - run.start) * 1e3, "prefill_steps": first + 1,
+            "full_steps": len(periods), "full_step_ms": statistics.median(periods) * 1e3 if periods else None,
             "full_tok_s": tokens / full_s if full_s > 0 else None,
-            "tail_ms": (run.end - log[last][0]) * 1e3, "tail_steps": len(log) - 1 - last}
+            "tail_ms": (run.end - log[last][0]) * 1e3, "tail_steps": len(tail),
+            "tail_step_ms": statistics.median(tail) * 1e3 if tail else None}
 
 
 def combine(summaries: list[dict | None]) -> dict | None:

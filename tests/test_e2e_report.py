@@ -299,9 +299,12 @@ def test_engine_steps_split_a_run_into_prefill_full_batch_steps_and_tail():
     assert s["prefill_ms"] == pytest.approx(20.0)
     assert s["full_step_ms"] == pytest.approx(10.0)   # the median of 10, 12 and 10 ms
     assert s["full_tok_s"] == pytest.approx(12 / 0.032)
-    assert s["tail_ms"] == pytest.approx(48.0)
+    assert s["tail_ms"] == pytest.approx(48.0) and s["prefill_steps"] == 2
+    assert s["tail_step_ms"] == pytest.approx(19.0)   # the median of 8 and 30 ms
     assert steps.summarize(steps.RunSteps(start=0.0, end=1.0, log=[(0.5, 1, 1, 1)]), 2) is None   # never whole
     combined = steps.combine([s, None, dict(s, full_step_ms=14.0, tail_ms=None)])
+    assert steps.summarize(steps.RunSteps(start=0.0, end=0.3, log=[(0.1, 1, 1, 1), (0.2, 0, 0, 0)]), 1)[
+        "tail_step_ms"] == pytest.approx(100.0)
     assert combined["full_step_ms"] == 12.0 and combined["tail_ms"] == 48.0 and combined["steps"] == 7
     assert steps.combine([None]) is None
 
@@ -329,14 +332,14 @@ def test_engine_steps_log_each_step_of_a_call_only():
 
 def test_steps_table_and_bole_concurrency_of_a_variant():
     e2e = _e2e()
-    phases = {"steps": 60, "prefill_ms": 80.0, "full_steps": 39, "full_step_ms": 25.1, "full_tok_s": 13400.0,
-              "tail_steps": 20, "tail_ms": 400.0}
+    phases = {"steps": 60, "prefill_ms": 80.0, "prefill_steps": 4, "full_steps": 39, "full_step_ms": 25.1,
+              "full_tok_s": 13400.0, "tail_steps": 20, "tail_ms": 400.0, "tail_step_ms": 20.0}
     configs = {"mtp3": _config(300.0, 53.5, engine_steps=phases),
                "bole_vocab32k": _config(330.0, 126.0, mean_accepted=5.3, engine_steps=phases)}
     [row] = e2e.build_rows(configs)
     assert row["concurrency_bole"] == 126.0   # no "bole" config: its variant's KV cache is the same
     table = e2e.steps_markdown(configs)
-    assert table.splitlines()[2] == "| mtp3 | 4 | 60 | 80.0 | 39 | 25.10 | 13400 | 20 | 400.0 |"
+    assert table.splitlines()[2] == "| mtp3 | 4 | 60 | 80.0 | 39 | 25.10 | 13400 | 20 | 400.0 | 20.00 |"
     assert "| bole_vocab32k | 4 |" in table.splitlines()[3]
     assert e2e.steps_markdown({"ar": _config(100.0)}) == ""
 
