@@ -812,20 +812,26 @@ def markdown(rows: list[dict]) -> str:
 def steps_markdown(configs: dict[str, dict]) -> str:
     """Per configuration and batch size, the timed runs' phases (``engine_steps`` in each batch entry, medians
     over the runs): prefill, the steps with the whole batch decoding (count, median period, tok/s over them) and
-    the draining tail."""
+    the draining tail; "vs MTP": the full-batch tok/s over the best async MTP chain's at that batch size."""
     def f(v, spec=".1f"):
         return "–" if v is None else format(v, spec)
 
-    lines = ["| config | B | steps | prefill ms | full-batch steps | full-batch step ms | full-batch tok/s | "
-             "tail steps | tail ms | tail step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    def full_tok_s(name, b):
+        return ((configs[name].get("batches", {}).get(b) or {}).get("engine_steps") or {}).get("full_tok_s")
+
+    chains = [n for n in configs if n.startswith("mtp") and not n.endswith("_sync")]
+    lines = ["| config | B | steps | prefill ms | full-batch steps | full-batch step ms | full-batch tok/s | vs MTP | "
+             "tail steps | tail ms | tail step ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in sorted(configs, key=lambda n: (not n.startswith("mtp"), n)):
         for b, row in sorted(configs[name].get("batches", {}).items(), key=lambda kv: int(kv[0])):
             s = row.get("engine_steps")
             if s:
+                best = max((v for v in (full_tok_s(n, b) for n in chains) if v), default=None)
+                ratio = s["full_tok_s"] / best if best and s["full_tok_s"] else None
                 lines.append(f"| {name} | {b} | {f(s['steps'], '.0f')} | {f(s['prefill_ms'])} | "
                              f"{f(s['full_steps'], '.0f')} | {f(s['full_step_ms'], '.2f')} | "
-                             f"{f(s['full_tok_s'], '.0f')} | {f(s['tail_steps'], '.0f')} | {f(s['tail_ms'])} | "
-                             f"{f(s.get('tail_step_ms'), '.2f')} |")
+                             f"{f(s['full_tok_s'], '.0f')} | {f(ratio, '.2f')}× | {f(s['tail_steps'], '.0f')} | "
+                             f"{f(s['tail_ms'])} | {f(s.get('tail_step_ms'), '.2f')} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

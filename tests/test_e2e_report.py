@@ -335,12 +335,15 @@ def test_steps_table_and_bole_concurrency_of_a_variant():
     phases = {"steps": 60, "prefill_ms": 80.0, "prefill_steps": 4, "full_steps": 39, "full_step_ms": 25.1,
               "full_tok_s": 13400.0, "tail_steps": 20, "tail_ms": 400.0, "tail_step_ms": 20.0}
     configs = {"mtp3": _config(300.0, 53.5, engine_steps=phases),
-               "bole_vocab32k": _config(330.0, 126.0, mean_accepted=5.3, engine_steps=phases)}
+               "mtp3_sync": _config(300.0, 53.5, engine_steps=dict(phases, full_tok_s=26800.0)),
+               "bole_vocab32k": _config(330.0, 126.0, mean_accepted=5.3,
+                                        engine_steps=dict(phases, full_tok_s=20100.0))}
     [row] = e2e.build_rows(configs)
     assert row["concurrency_bole"] == 126.0   # no "bole" config: its variant's KV cache is the same
-    table = e2e.steps_markdown(configs)
-    assert table.splitlines()[2] == "| mtp3 | 4 | 60 | 80.0 | 39 | 25.10 | 13400 | 20 | 400.0 | 20.00 |"
-    assert "| bole_vocab32k | 4 |" in table.splitlines()[3]
+    table = e2e.steps_markdown(configs).splitlines()
+    assert table[2] == "| mtp3 | 4 | 60 | 80.0 | 39 | 25.10 | 13400 | 1.00× | 20 | 400.0 | 20.00 |"
+    assert table[3].startswith("| mtp3_sync | 4 |") and "| 26800 | 2.00× |" in table[3]   # not the best chain
+    assert table[4].startswith("| bole_vocab32k | 4 |") and "| 20100 | 1.50× |" in table[4]
     assert e2e.steps_markdown({"ar": _config(100.0)}) == ""
 
 
