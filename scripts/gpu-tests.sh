@@ -4,7 +4,7 @@
 #   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless calibration lossless-all
 #                                                      serving
 #                                                      (default: kernels lossless serving)
-# Each group writes LOG_DIR/<group>.log, one line per test as it ends (pytest -v: a run cut short still says which
+# GROUP_TIMEOUT=SECONDS limits each group. Each group writes LOG_DIR/<group>.log, one line per test as it ends (pytest -v: a run cut short still says which
 # passed), and a one-line summary to stdout. Engine tests start two to four engines one after another (100-170 s
 # each on an H200), and a file's tests share one worker (its reference runs once), so a group takes minutes.
 #   kernels       Triton kernels and graph helpers against the torch references (no engine)
@@ -37,8 +37,11 @@ XDIST=()
 
 run_group() {
   local name=$1; shift
-  local start=$SECONDS
-  "$PYTHON" -m pytest -p no:cacheprovider -v -rA --tb=short "$@" > "$LOG/$name.log" 2>&1
+  local start=$SECONDS limit=()
+  # GROUP_TIMEOUT: seconds per group; pytest and its workers are stopped there (rc 124), and the group's log
+  # still names the tests that ended (-v), so the next group gets its turn.
+  [ -n "${GROUP_TIMEOUT:-}" ] && limit=(timeout --kill-after=20 "$GROUP_TIMEOUT")
+  "${limit[@]}" "$PYTHON" -m pytest -p no:cacheprovider -v -rA --tb=short "$@" > "$LOG/$name.log" 2>&1
   local rc=$?
   echo "$name: rc=$rc in $((SECONDS - start)) s: $(tail -n 1 "$LOG/$name.log")"
 }
