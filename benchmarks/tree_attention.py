@@ -7,7 +7,10 @@ For every batch B, committed prefix P and nodes per request T (a random tree per
              configuration the rule picks for each, "configs" every candidate configuration of each route:
              split:  FlashAttention's non-causal prefix pass + the Triton tree kernel merging it in place
              single: the Triton tree kernel alone, reading prefix and region
-  prefix_us  FlashAttention's prefix pass alone (the split route's first part)
+  prefix_us  FlashAttention's prefix pass alone (the split route's first part), with FA3's own split heuristic
+             (num_splits 0, as the backend runs it outside CUDA graphs); with --prefix-splits N.., also
+             prefix_us_by_splits: the pass with num_splits N (FA3 splits each sequence's keys over that many
+             programs and merges them), to see whether the split route's first part has time to give
   fa3_us     vLLM's FlashAttention forward on the same B*T query tokens with the plain causal mask (the chain
              case), with the ahead-of-time schedule vLLM's metadata builder gives it
   flex_us    torch FlexAttention (compiled per shape; with --flex-dynamic, shapes dynamic after the first: one
@@ -26,12 +29,13 @@ one run; --rederive re-applies the current rules to the rows of --out (no GPU ne
 
 Usage: python benchmarks/tree_attention.py [--quick] [--batch ..] [--prefix ..] [--nodes ..] [--append]
        [--shapes B,P,T ..] [--configs ..] [--block-size N] [--reps N] [--sets N] [--flex-dynamic] [--rederive]
-       [--no-flex] [--no-check] [--commit C] [--kernels]
+       [--no-flex] [--no-check] [--commit C] [--kernels] [--prefix-splits N ..]
        (--append merges the rows into an existing --out file, so a sweep can run in parts)
 Needs a CUDA build of vLLM 0.26 (FlashAttention 3 on Hopper).
 """
 
 import argparse
+import dataclasses
 import json
 import random
 import re
@@ -247,6 +251,11 @@ def bench_point(batch, prefix, nodes, args, timer, impl, flex):
                     route, lambda: timer([lambda s=s: s.tree(impl) for s in steps]), cfg)
     row["prefix_us"] = timer([lambda s=s: tree_attn_gpu.prefix_pass(
         impl, s.query, s.kv_cache, s.meta, s.rows.prefix_lens(s.meta.seq_lens), s.output) for s in steps])
+    if args.prefix_splits:
+        row["prefix_us_by_splits"] = {
+            str(n): timer([lambda s=s, meta=dataclasses.replace(s.meta, max_num_splits=n): tree_attn_gpu.prefix_pass(
+                impl, s.query, s.kv_cache, meta, s.rows.prefix_lens(s.meta.seq_lens), s.output) for s in steps])
+            for n in args.prefix_splits}
     row["fa3_us"] = timer([lambda s=s: s.chain(impl) for s in steps])
     try:
         row["flex_us"] = None
@@ -283,6 +292,8 @@ def main():
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--sets", type=int, default=4, help="rotated input sets per timing")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--prefix-splits", type=int, nargs="*", default=[], metavar="N",
+                    help="also time the prefix pass alone with FA3's num_splits N (prefix_us_by_splits)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tree_attention.json"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -349,6 +360,12 @@ def print_table(rows):
         print(f"| {r['B']} | {r['prefix']} | {r['nodes']} | {us(r['tree_us'])} | {us(r['fa3_us'])} | "
               f"{us(r['flex_us'])} | {ratio} | {r['route']} | {us(r['split_us'])} | {us(r['single_us'])} | "
               f"{us(r['prefix_us'])} | {r['split_config']} | {r['single_config']} |")
+    split_rows = [r for r in rows if r.get("prefix_us_by_splits")]
+    if split_rows:
+        print("\nPrefix pass alone by FA3 num_splits (µs; 0: its heuristic):")
+        for r in split_rows:
+            times = ", ".join(f"{n}: {us(t)}" for n, t in r["prefix_us_by_splits"].items())
+            print(f"B={r['B']} prefix={r['prefix']} nodes={r['nodes']}: 0: {us(r['prefix_us'])}, {times}")
 
 
 if __name__ == "__main__":
