@@ -9,7 +9,8 @@ import pytest
 
 from forest_shapes import full_tree
 from vllm_bole.calibration.table import ModelBudgets
-from vllm_bole.spec_decode.acceptance_model import AcceptanceModel, best_first_curve, child_probability
+from vllm_bole.spec_decode.acceptance_model import (DECAY, WALKS_PER_DECAY, AcceptanceModel, best_first_curve,
+                                                    child_probability)
 from vllm_bole.spec_decode.queued_drafts import quotas_of
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
 
@@ -57,6 +58,26 @@ def test_rates_recovered_from_synthetic_walks_with_censored_ranks():
     c_first, c_sib = chains.rates()
     assert c_first == pytest.approx(want, abs=0.04) and c_sib == [0.0, 0.0]
     assert model.accepted(0) == 1.0
+
+
+def test_memory_counts_walks_not_steps():
+    """The counts fade per walk seen: one walk a step (batch 1) keeps hundreds of walks behind the rates, 32 a
+    step keep about as many (not 32 times more), and a step without walks forgets nothing."""
+    synthetic = SyntheticAcceptance(seed=3)
+    chain = full_tree(1, 8)
+    one, many = AcceptanceModel(topk=4, max_depth=8), AcceptanceModel(topk=4, max_depth=8)
+    for _ in range(1200):
+        one.observe([chain], [synthetic.walk(chain)])
+    for _ in range(150):
+        many.observe([chain] * 32, [synthetic.walk(chain) for _ in range(32)])
+    memory = WALKS_PER_DECAY / (1 - DECAY)   # 400 walks
+    assert one.first_trials[1] == pytest.approx(memory, rel=0.15)   # 50 with a decay per step
+    assert many.first_trials[1] == pytest.approx(memory, rel=0.15)  # 1600 with a decay per step
+    trials = one.first_trials.copy()
+    one.observe([], [])
+    assert (one.first_trials == trials).all()
+    first, _ = one.rates()
+    assert first[:4] == pytest.approx([synthetic.rank1_rate(d) for d in range(1, 5)], abs=0.06)
 
 
 def test_deep_rates_extend_the_last_measured_one():

@@ -5,8 +5,10 @@ token is the rank-1 child with a conditional rate ``a_d``, else rank r with ``s_
 (a child's rank is its order among its siblings, the drafter's probability order). Each walk shows, at every
 node of its accepted path that has children in the tree, which rank the target took or that it took none of
 those present; ranks past the children present go unseen (censored, so they count as no trial). Counts decay
-by ``DECAY`` per walked step, so the rates follow the traffic. Depths with fewer than ``MIN_TRIALS`` trials take
-the deepest well-measured rate above them.
+by ``DECAY`` per ``WALKS_PER_DECAY`` walks seen (a memory of about 400 walks), so the rates follow the traffic,
+and as many walks stand behind them at batch 1 (one walk a step) as at batch 32 (a decay per step instead would
+keep 50 walks at batch 1, whose deeper rates then wobble by several points). Depths with fewer than
+``MIN_TRIALS`` trials take the deepest well-measured rate above them.
 
 ``accepted(q)``: 1 + the sum of the q best nodes' path probabilities in the best-first tree those rates give
 (the bonus token, then each kept node's chance to be on the accepted path), which is what a drafter whose
@@ -24,6 +26,7 @@ from ..worker.host_copy import HostCopy
 from .tree import children_of
 
 DECAY = 0.98
+WALKS_PER_DECAY = 8   # walks per DECAY step: 1 / (1 - DECAY) * WALKS_PER_DECAY = 400 walks of memory
 MIN_TRIALS = 8.0
 TREES_PER_STEP = 32   # walks a step contributes at most (the host time stays small at large batches)
 REFRESH_STEPS = 8     # the curve is recomputed after this many observed steps (the rates move slowly)
@@ -42,8 +45,9 @@ class AcceptanceModel:
 
     def observe(self, parents: list[list[int]], paths: list[list[int]]) -> None:
         """One step's walks: per tree, its verification parents (node 0 the root) and accepted path."""
+        decay = DECAY ** (min(len(paths), TREES_PER_STEP) / WALKS_PER_DECAY)
         for arr in (self.first_trials, self.first_hits, self.sib_trials, self.sib_hits):
-            arr *= DECAY
+            arr *= decay
         for vp, path in zip(parents[:TREES_PER_STEP], paths[:TREES_PER_STEP]):
             children = children_of(vp)
             for j, node in enumerate(path):
