@@ -7,7 +7,8 @@ node of its accepted path that has children in the tree, which rank the target t
 those present; ranks past the children present go unseen (censored, so they count as no trial). Counts decay
 by ``DECAY`` per ``WALKS_PER_DECAY`` walks seen (a memory of about 400 walks), so the rates follow the traffic,
 and as many walks stand behind them at batch 1 (one walk a step) as at batch 32 (a decay per step instead would
-keep 50 walks at batch 1, whose deeper rates then wobble by several points). Depths with fewer than
+keep 50 walks at batch 1: few trials for the deeper rates, and so a noisy curve where the rule weighs its
+largest trees). Depths with fewer than
 ``MIN_TRIALS`` trials take the deepest well-measured rate above them.
 
 ``accepted(q)``: 1 + the sum of the q best nodes' path probabilities in the best-first tree those rates give
