@@ -8,8 +8,7 @@ those present; ranks past the children present go unseen (censored, so they coun
 by ``DECAY`` per ``WALKS_PER_DECAY`` walks seen (a memory of about 400 walks), so the rates follow the traffic,
 and as many walks stand behind them at batch 1 (one walk a step) as at batch 32 (a decay per step instead would
 keep 50 walks at batch 1: few trials for the deeper rates, and so a noisy curve where the rule weighs its
-largest trees). Depths with fewer than
-``MIN_TRIALS`` trials take the deepest well-measured rate above them.
+largest trees). Depths with fewer than ``MIN_TRIALS`` trials take the deepest well-measured rate above them.
 
 ``accepted(q)``: 1 + the sum of the q best nodes' path probabilities in the best-first tree those rates give
 (the bonus token, then each kept node's chance to be on the accepted path), which is what a drafter whose
