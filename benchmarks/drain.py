@@ -22,16 +22,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance  # noqa: E402
 
 
+def chain(depth: int) -> list[int]:
+    """Parents of a chain of ``depth`` nodes below its root."""
+    return [-1] + list(range(depth))
+
+
 def drain(batch_size: int, new_tokens: int, depth: int, acceptance: SyntheticAcceptance) -> tuple[int, int]:
     """One batch: (the step at which its first request finishes, the step at which its last does)."""
-    chain = [-1] + list(range(depth))
+    tree = chain(depth)
     left = [new_tokens - 1] * batch_size   # the prefill gave each its first token
     step, first = 0, None
     while any(n > 0 for n in left):
         step += 1
         for i, n in enumerate(left):
             if n > 0:
-                left[i] = n - len(acceptance.walk(chain))
+                left[i] = n - len(acceptance.walk(tree))
                 if left[i] <= 0 and first is None:
                     first = step
     return first, step
@@ -49,8 +54,8 @@ def main(argv=None) -> int:
     print("| chain depth | B | tokens/step | mean steps | first finish | last step | whole run / full-batch tok/s |")
     print("|---|---|---|---|---|---|---|")
     for depth in args.depths:
-        chain = [-1] + list(range(depth))
-        per_step = statistics.mean(len(acceptance.walk(chain)) for _ in range(100_000))
+        tree = chain(depth)
+        per_step = statistics.mean(len(acceptance.walk(tree)) for _ in range(100_000))
         mean_steps = (args.new_tokens - 1) / per_step
         for b in args.batch_sizes:
             runs = [drain(b, args.new_tokens, depth, acceptance) for _ in range(args.batches)]

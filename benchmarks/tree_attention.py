@@ -249,12 +249,15 @@ def bench_point(batch, prefix, nodes, args, timer, impl, flex):
             if name not in row["configs"][route]:
                 row["configs"][route][name] = with_route(
                     route, lambda: timer([lambda s=s: s.tree(impl) for s in steps]), cfg)
-    row["prefix_us"] = timer([lambda s=s: tree_attn_gpu.prefix_pass(
-        impl, s.query, s.kv_cache, s.meta, s.rows.prefix_lens(s.meta.seq_lens), s.output) for s in steps])
+    def prefix_pass(s, meta):
+        return tree_attn_gpu.prefix_pass(impl, s.query, s.kv_cache, meta, s.rows.prefix_lens(s.meta.seq_lens),
+                                         s.output)
+
+    row["prefix_us"] = timer([lambda s=s: prefix_pass(s, s.meta) for s in steps])
     if args.prefix_splits:
         row["prefix_us_by_splits"] = {
-            str(n): timer([lambda s=s, meta=dataclasses.replace(s.meta, max_num_splits=n): tree_attn_gpu.prefix_pass(
-                impl, s.query, s.kv_cache, meta, s.rows.prefix_lens(s.meta.seq_lens), s.output) for s in steps])
+            str(n): timer([lambda s=s, meta=dataclasses.replace(s.meta, max_num_splits=n): prefix_pass(s, meta)
+                           for s in steps])
             for n in args.prefix_splits}
     row["fa3_us"] = timer([lambda s=s: s.chain(impl) for s in steps])
     try:

@@ -4,8 +4,8 @@
 #   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless calibration lossless-all
 #                                                      serving
 #                                                      (default: kernels lossless serving)
-# GROUP_TIMEOUT=SECONDS limits each group. Each group writes LOG_DIR/<group>.log, one line per test as it ends (pytest -v: a run cut short still says which
-# passed), and a one-line summary to stdout. Engine tests start two to four engines one after another (100-170 s
+# GROUP_TIMEOUT=SECONDS limits each group. Each group writes LOG_DIR/<group>.log, one line per test as it ends
+# (pytest -v: a run cut short still says which passed), and a one-line summary to stdout. Engine tests start two to four engines one after another (100-170 s
 # each on an H200), and a file's tests share one worker (its reference runs once), so a group takes minutes.
 #   kernels       Triton kernels and graph helpers against the torch references (no engine)
 #   lossless      the core lossless engine tests (deep global and per-request trees, the MTP drafter, a draft
@@ -14,8 +14,8 @@
 #                 (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one was used);
 #                 a test per worker (LOSSLESS_WORKERS, 6), each starting two engines (about 300 s a test on the H200
 #                 at 23e612d, when a file per worker and the calibration test in the group left 3 of 7 unfinished
-#                 after 660 s). The rule "throughput" is in charge in
-#                 the draft-vocabulary test (a made-up table with curves for the tiny model).
+#                 after 660 s). The rule "throughput" is in charge in the draft-vocabulary test (a made-up
+#                 table with curves for the tiny model).
 #   calibration   tests/test_calibration.py::test_calibrate_then_serve_auto_budget alone: a calibration, then
 #                 seven engines in a row (the budget rules, and the planted drafter served from the table it
 #                 calibrated, synchronously and asynchronously); over 15 minutes
