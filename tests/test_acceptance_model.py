@@ -172,36 +172,41 @@ def test_throughput_lookup_never_goes_below_b_ver():
     assert short.lookup_throughput(16, 256, 5.0, lambda n: float(n)) == 48
 
 
-def test_probes_find_a_rest_that_grows_with_the_trees():
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_probes_find_a_rest_that_grows_with_the_trees(lag):
     """A closed loop of the throughput rule against steps whose rest grows steeply with the nodes per request
     (drafter levels): measured at one size only, the fit is flat and charges smaller trees the rest of larger
     ones, so the choice never moves; the probes spread the sizes, the slope appears, and the choice settles on
-    the best size."""
+    the best size. ``lag``: each measured period is that of the step ``lag`` budgets before the one recorded with
+    it (under async scheduling the host runs ahead of the device): the fit's steady periods and the probe runs
+    find the slope all the same."""
     from vllm_bole.spec_decode.budget import StepClock
 
-    budgets = _budgets([(64, 10.5), (128, 11.0), (256, 14.0), (512, 20.0)])
+    t_ver = {64: 10.5, 128: 11.0, 256: 14.0, 512: 20.0}
+    budgets = _budgets(list(t_ver.items()))
     gain = {64: 60.0, 128: 80.0, 256: 90.0, 512: 95.0}.get
 
     def rest_of(nodes):   # 2 ms plus 0.05 ms per node: 64 -> 5.2, 128 -> 8.4, 256 -> 14.8, 512 -> 27.6
         return 2.0 + 0.05 * nodes
 
     def rate(nodes):      # tokens per ms at the true rest: 128 is best (80 / 19.4 against 60 / 15.7, 90 / 28.8)
-        return gain(nodes) / (rest_of(nodes) + {64: 10.5, 128: 11.0, 256: 14.0, 512: 20.0}[nodes])
+        return gain(nodes) / (rest_of(nodes) + t_ver[nodes])
 
-    assert max((64, 128, 256, 512), key=rate) == 128
+    assert max(t_ver, key=rate) == 128
 
-    def run(probing: bool) -> list[int]:   # as the model runner does (_throughput_budget)
-        clock, t, chosen, nodes, keep = StepClock(), 0.0, [], 256, None
-        clock.tick(t, 16, True, 14.0, nodes=nodes)
+    def run(probing: bool) -> list[int]:   # as the model runner does (_throughput_budget; B_ver before a fit)
+        clock, t, chosen, keep = StepClock(), 0.0, [256] * (lag + 1), None
+        clock.tick(t, 16, True, t_ver[256], nodes=256)
         for _ in range(400):
-            t_ver = {64: 10.5, 128: 11.0, 256: 14.0, 512: 20.0}[nodes]
-            t += (t_ver + rest_of(nodes)) / 1e3
-            clock.tick(t, 16, True, t_ver, nodes=nodes)
+            ran = chosen[-1 - lag]
+            t += (t_ver[ran] + rest_of(ran)) / 1e3
+            clock.tick(t, 16, True, t_ver[chosen[-1]], nodes=chosen[-1])
             probe = clock.probe(16) if probing else 0
-            nodes = budgets.lookup_throughput(16, 256, clock.rest_model(16), gain, probe, keep)
+            rest = clock.rest_model(16)
+            nodes = 256 if rest is None else budgets.lookup_throughput(16, 256, rest, gain, probe, keep)
             keep = keep if probe else nodes
             chosen.append(nodes)
-        return chosen
+        return chosen[lag + 1:]
 
     # Flat at 256's rest (14.8 ms): 256 looks best (90 / 28.8 against 80 / 25.8) and stays chosen, forever.
     assert set(run(probing=False)) == {256}

@@ -188,7 +188,7 @@ def test_step_clock_fits_the_rest_against_the_tree_size():
     falling = budget_mod.StepClock()          # more nodes, less rest (noise): no negative slope
     t = 0.0
     falling.tick(t, 4, True, 5.0, nodes=8)
-    for nodes, rest in [(8, 10.0), (32, 6.0)] * 20:
+    for nodes, rest in ([(8, 10.0)] * 5 + [(32, 6.0)] * 5) * 4:
         t += (5.0 + rest) / 1e3
         falling.tick(t, 4, True, 5.0, nodes=nodes)
     model = falling.rest_model(4)
@@ -240,8 +240,8 @@ def test_runner_clock_ticks_see_graph_captures():
 
 
 def test_step_clock_probes_while_the_slope_is_unknown():
-    """Every PROBE_EVERY-th budget of a bucket whose sizes hardly differ is one size smaller, then one larger;
-    none before the first measurement or once the sizes spread."""
+    """While a bucket's sizes hardly differ, a run of PROBE_RUN budgets every PROBE_EVERY is one size smaller,
+    then one larger; none before the first measurement or once the sizes spread, and a run once started ends."""
     clock = budget_mod.StepClock()
     assert clock.probe(16) == 0                     # nothing measured yet
     t = 0.0
@@ -249,14 +249,51 @@ def test_step_clock_probes_while_the_slope_is_unknown():
     for _ in range(5):
         t += 0.015
         clock.tick(t, 16, True, 5.0, nodes=64)
-    every = budget_mod.StepClock.PROBE_EVERY
+    every, run = budget_mod.StepClock.PROBE_EVERY, budget_mod.StepClock.PROBE_RUN
     probes = [clock.probe(16) for _ in range(4 * every)]
-    assert [i for i, p in enumerate(probes) if p] == [every - 1, 2 * every - 1, 3 * every - 1, 4 * every - 1]
-    assert [p for p in probes if p] == [-1, 1, -1, 1]
-    for nodes in [64, 192] * 10:                    # 4 and 12 nodes per request: spread
+    starts = [i for i, p in enumerate(probes) if p and (i == 0 or not probes[i - 1])]
+    assert starts == [every - run + k * every for k in range(4)]
+    assert [probes[i:i + run] for i in starts] == [[-1] * run, [1] * run, [-1] * run, [1] * run]
+    assert sum(1 for p in probes if p) == 4 * run
+    assert clock.probe(16) == 0
+    clock.probe(16)
+    while not clock.probe(16):                      # into the next run
+        pass
+    for nodes in [64] * 10 + [192] * 10:            # 4 and 12 nodes per request: spread
         t += 0.015
         clock.tick(t, 16, True, 5.0, nodes=nodes)
+    assert [clock.probe(16) for _ in range(run - 1)] == [-1] * (run - 1)   # the run started ends
     assert not any(clock.probe(16) for _ in range(4 * every))
+
+
+def test_step_clock_fits_only_steady_periods():
+    """A period enters the fit only when the last STEADY ticks recorded one batch size and one size of trees
+    (the host may measure a neighbour's step); a step with a prefill or a capture breaks the run too."""
+    clock = budget_mod.StepClock()
+    steady = budget_mod.StepClock.STEADY
+    t = 0.0
+    clock.tick(t, 16, True, 5.0, nodes=64)
+    for _ in range(steady - 2):
+        t += 0.015
+        clock.tick(t, 16, True, 5.0, nodes=64)
+    assert clock.rest_model(16) is None and clock.rest_ms(16) == pytest.approx(10.0)   # the average counts
+    t += 0.015
+    clock.tick(t, 16, True, 5.0, nodes=64)
+    assert clock.rest_model(16)(64) == pytest.approx(10.0)
+    # sizes that change every tick (a lone probe, or a lag that mixes sizes and periods) never reach the fit
+    for nodes in [128, 64] * 10:
+        t += 0.050
+        clock.tick(t, 16, True, 5.0, nodes=nodes)
+    assert clock.rest_model(16)(64) == pytest.approx(10.0) and clock.rest_model(16)(128) == pytest.approx(10.0)
+    for tree_only, captured in ((False, False), (True, True)):
+        t += 0.015
+        clock.tick(t, 16, True, 5.0, nodes=64)
+        clock.tick(t + 0.1, 16, tree_only, 5.0, nodes=64, captured=captured)
+        t += 0.1
+        for _ in range(steady - 1):                 # still inside the broken window: left out
+            t += 0.050
+            clock.tick(t, 16, True, 5.0, nodes=64)
+        assert clock.rest_model(16)(64) == pytest.approx(10.0)
 
 
 def test_missing_table_uses_the_default_with_one_warning(tmp_path, fresh_tables, caplog):

@@ -24,6 +24,7 @@ tensor_parallel_size 1 vLLM runs the worker inside the engine core), which holds
 model.
 """
 
+import collections
 import dataclasses
 import functools
 import weakref
@@ -146,19 +147,29 @@ class StepClock:
     rest = a + b * nodes/request over the recent steps (least squares, exponentially weighted); while those
     steps hardly differ in size the slope is unknown and the model is flat (their weighted mean). A flat model
     favours the largest trees, whose rest was never measured, and the rule would keep choosing them: so while the
-    slope is unknown, :meth:`probe` has every ``PROBE_EVERY``-th budget of a bucket taken one calibrated size
-    smaller or larger (in turn), which spreads the sizes the fit sees."""
+    slope is unknown, :meth:`probe` has a run of ``PROBE_RUN`` budgets of a bucket, every ``PROBE_EVERY``
+    budgets, taken one calibrated size smaller or larger (in turn), which spreads the sizes the fit sees.
+
+    The host measures a period that may belong to a step or two before or after the one whose size it records
+    with it: under async scheduling it runs ahead of the device and paces itself on waits for earlier steps. A
+    lone step of another size would then lend its size to a neighbour's period (and its period to a neighbour's
+    size) and the slope would vanish in the noise. So a period enters the fit only when the last ``STEADY``
+    ticks saw one batch size and one size of trees, and the probes come in runs that hold such periods."""
 
     ALPHA = 0.2         # the average's step
     FIT_ALPHA = 0.05    # the fit's: a longer memory, so that it spans the sizes the rule has tried
     MIN_SPREAD = 0.5    # nodes per request: a smaller standard deviation of the sizes leaves the slope unknown
-    PROBE_EVERY = 8     # budgets per probe while the slope is unknown
+    STEADY = 3          # ticks of one size in a row for a period to enter the fit (sizes up to 2 steps off)
+    PROBE_RUN = 5       # budgets per probe: STEADY - 1 of them settle, the rest are measured
+    PROBE_EVERY = 20    # budgets from the start of one probe to the next while the slope is unknown
 
     def __init__(self):
         self._rest: dict[int, float] = {}
         self._fit: dict[int, list[float]] = {}   # bucket -> weighted sums [w, x, y, xx, xy]
         self._last: tuple[float, int] | None = None   # (time, batch size) of the last tick
+        self._sizes: collections.deque = collections.deque(maxlen=self.STEADY)   # (batch size, nodes) per tick
         self._probes: dict[int, int] = {}   # bucket -> budgets chosen while the slope was unknown
+        self._runs: dict[int, tuple[int, int]] = {}   # bucket -> (offset, budgets left) of a probe run
 
     def rest_ms(self, batch_size: int) -> float | None:
         return self._rest.get(next_power_of_2(batch_size))
@@ -182,15 +193,26 @@ class StepClock:
 
     def probe(self, batch_size: int) -> int:
         """Once per budget the rule chooses: -1 or +1 (the next smaller or larger calibrated size than the best)
-        on every ``PROBE_EVERY``-th choice of a bucket whose slope is unknown, else 0."""
+        for ``PROBE_RUN`` choices in a row, starting every ``PROBE_EVERY``-th choice of a bucket whose slope is
+        unknown, else 0. A run once started is finished."""
         key = next_power_of_2(batch_size)
+        run = self._runs.pop(key, None)
+        if run is not None:
+            offset, left = run
+            if left > 1:
+                self._runs[key] = (offset, left - 1)
+            return offset
         sums = self._fit.get(key)
         if sums is None or self._spread(sums) >= self.MIN_SPREAD ** 2:
             return 0
+        gap = self.PROBE_EVERY - self.PROBE_RUN + 1   # choices counted here from one run's start to the next
         n = self._probes[key] = self._probes.get(key, 0) + 1
-        if n % self.PROBE_EVERY:
+        if n % gap:
             return 0
-        return -1 if (n // self.PROBE_EVERY) % 2 else 1
+        offset = -1 if (n // gap) % 2 else 1
+        if self.PROBE_RUN > 1:
+            self._runs[key] = (offset, self.PROBE_RUN - 1)
+        return offset
 
     def tick(self, now: float, batch_size: int, tree_only: bool, t_ver_ms: float | None,
              nodes: int | None = None, captured: bool = False) -> None:
@@ -201,13 +223,15 @@ class StepClock:
         a capture, tens of ms each, once per new step shape): not counted, or every new tree size would look
         slow, and the rule would keep to the sizes it has seen."""
         last, self._last = self._last, (now, batch_size)
+        # A step with a prefill or a capture in it also keeps its neighbours' periods out of the fit.
+        self._sizes.append((batch_size, nodes) if tree_only and not captured else None)
         if last is None or last[1] != batch_size or not tree_only or t_ver_ms is None or captured:
             return
         rest = max((now - last[0]) * 1e3 - t_ver_ms, 0.0)
         key = next_power_of_2(batch_size)
         old = self._rest.get(key)
         self._rest[key] = rest if old is None else old + self.ALPHA * (rest - old)
-        if nodes is not None:
+        if nodes is not None and len(self._sizes) == self.STEADY and len(set(self._sizes)) == 1:
             x = nodes / batch_size
             sums = self._fit.setdefault(key, [0.0] * 5)
             for i, v in enumerate((1.0, x, rest, x * x, x * rest)):
