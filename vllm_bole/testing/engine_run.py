@@ -6,9 +6,11 @@ SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "requests": [{"p
 "max_tokens": n, "ignore_eos": bool, "temperature": t, "seed": s, "stop_token_ids": [ids], "top_k": k,
 "top_p": p, "min_p": m, "presence_penalty", "frequency_penalty", "repetition_penalty", "allowed_token_ids",
 "min_tokens", "bad_words": [strings], "logit_bias": {"id": bias}, "structured": {vLLM StructuredOutputsParams
-fields, e.g. "regex": "..."}}],
+fields, e.g. "regex": "..."}, "images": [{"height": h, "width": w, "seed": s}]}],
 "logprobs": 2, "cpu_async_scheduling": bool}; request keys other than "prompt" and "max_tokens" are optional
-(vLLM's defaults, except ``ignore_eos`` true and ``temperature`` 0).
+(vLLM's defaults, except ``ignore_eos`` true and ``temperature`` 0). ``images``: random-pixel images for the
+prompt's image placeholders (a vision checkpoint, ``tiny_models`` kind ``qwen3_5_vision``). Each output also
+carries the prompt's token ids as the engine saw them (``prompt_ids``: image placeholders expanded).
 ``cpu_async_scheduling``: run vLLM's async scheduling on CPU (:func:`force_cpu_async_scheduling`). Each
 configuration runs in its own process (tests start one per engine), so registries and caches never leak between
 engines.
@@ -86,6 +88,21 @@ def _sampling_params(sampling_params_cls, r: dict, logprobs):
                                stop_token_ids=r.get("stop_token_ids"), logprobs=logprobs, **extra)
 
 
+def _image(height: int, width: int, seed: int):
+    """An RGB image of uniformly random pixels, the same for the same arguments."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _prompt(r: dict) -> dict:
+    prompt = {"prompt_token_ids": r["prompt"]}
+    if r.get("images"):
+        prompt["multi_modal_data"] = {"image": [_image(**i) for i in r["images"]]}
+    return prompt
+
+
 def force_cpu_async_scheduling() -> None:
     """Keep ``async_scheduling`` on for CPU engines built after this call (in this process). vLLM 0.26's CPU
     platform turns it off unconditionally (``CpuPlatform.check_and_update_config``), yet the engine's batch
@@ -131,12 +148,13 @@ def run(spec: dict) -> dict:
     llm = LLM(model=spec["model"], disable_log_stats=False,
               **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
     params = [_sampling_params(SamplingParams, r, spec.get("logprobs")) for r in spec["requests"]]
-    outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in spec["requests"]], params, use_tqdm=False)
+    outs = llm.generate([_prompt(r) for r in spec["requests"]], params, use_tqdm=False)
     results = []
     for o in outs:
         c = o.outputs[0]
         top = [{int(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
-        results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top})
+        results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top,
+                        "prompt_ids": list(o.prompt_token_ids)})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("qwen3_5", "qwen3_next")
+KINDS = ("qwen3_5", "qwen3_5_vision", "qwen3_next")
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 
@@ -635,7 +635,36 @@ def build_tiny_qwen3_next(
     return _build(path, "qwen3_next", shape or TinyShape(), WeightRecipe(seed=seed, **recipe_overrides))
 
 
-BUILDERS = {"qwen3_5": build_tiny_qwen3_5, "qwen3_next": build_tiny_qwen3_next}
+def build_tiny_qwen3_5_vision(path: str | os.PathLike, *, seed: int = 0) -> str:
+    """:func:`build_tiny_qwen3_5` plus a one-block vision tower of random weights (``vision.safetensors``, HF's
+    ``Qwen3_5VisionModel`` initialisation) and the image and video processor configs, so that vLLM serves image
+    prompts (M-RoPE positions that run behind the token index after each image); load it without
+    ``language_model_only`` (:func:`engine_kwargs` of ``"qwen3_5_vision"``)."""
+    from safetensors.torch import save_file
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    out = Path(build_tiny_qwen3_5(path, seed=seed))
+    vision = json.loads((out / "config.json").read_text())["vision_config"]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 1)
+        tower = Qwen3_5VisionModel._from_config(
+            Qwen3_5VisionConfig(**{k: v for k, v in vision.items() if k != "model_type"}))
+    tensors = {f"model.visual.{name}": t.to(torch.bfloat16).contiguous() for name, t in tower.state_dict().items()}
+    save_file(tensors, str(out / "vision.safetensors"), metadata={"format": "pt"})
+    (out / "vision.safetensors").chmod(0o644)
+    pixels = {"patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
+              "merge_size": vision["spatial_merge_size"], "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+              "size": {"shortest_edge": 4096, "longest_edge": 65536}, "processor_class": "Qwen3VLProcessor"}
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"image_processor_type": "Qwen2VLImageProcessorFast", **pixels}, indent=1) + "\n")
+    (out / "video_preprocessor_config.json").write_text(
+        json.dumps({"video_processor_type": "Qwen3VLVideoProcessor", **pixels}, indent=1) + "\n")
+    return str(out)
+
+
+BUILDERS = {"qwen3_5": build_tiny_qwen3_5, "qwen3_5_vision": build_tiny_qwen3_5_vision,
+            "qwen3_next": build_tiny_qwen3_next}
 
 
 def engine_kwargs(kind: str = "qwen3_5") -> dict:
@@ -662,6 +691,10 @@ def engine_kwargs(kind: str = "qwen3_5") -> dict:
             kwargs["kv_cache_memory_bytes"] = 1 << 30
     if kind == "qwen3_5":
         kwargs["language_model_only"] = True
+    elif kind == "qwen3_5_vision":
+        # vLLM's processor cache applies the HF processor to the prompt text alone, which this transformers
+        # refuses for a prompt with image placeholders: process text and images together instead.
+        kwargs |= {"limit_mm_per_prompt": {"image": 2, "video": 0}, "mm_processor_cache_gb": 0}
     else:
         # Qwen3-Next has no config hook that applies the config's mamba_ssm_dtype.
         kwargs["mamba_ssm_cache_dtype"] = "float32"
