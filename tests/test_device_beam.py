@@ -37,7 +37,8 @@ def _stand_in(k, depth, synthetic=None):
             rows.append(np.concatenate([p, tok]))
         return torch.tensor(np.array(rows), dtype=torch.float32)
 
-    def write_arrays(tokens, positions, slots, hidden):
+    def write_arrays(tokens, positions, slots, hidden, rope=None):
+        assert rope is None                         # text only: every section takes the token position
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         drafter._written = (tokens, np.asarray(positions).tolist(), np.asarray(slots).tolist(), hidden[:, 0].tolist())
         return len(tokens), len(tokens), None
@@ -53,6 +54,7 @@ def _stand_in(k, depth, synthetic=None):
 
     drafter._top_rows, drafter._write_arrays, drafter._forward_written = top_rows, write_arrays, forward_written
     drafter._slots = lambda r, positions: np.asarray(positions, dtype=np.int64) + 10000 * (r + 1)
+    drafter.text_offsets = lambda reqs: None        # no M-RoPE offsets (text only)
     drafter._device_slots = lambda r, positions: positions + 10000 * (r + 1)
     return drafter
 

@@ -79,9 +79,10 @@ def test_catch_up_runs_short_chunks_as_causal_tree_rows():
     drafter.bole_config, drafter.graphs = SimpleNamespace(topk=k, max_depth=depth), graphs
     graphs.drafter = SimpleNamespace(runner=graphs.drafter.runner, bole_config=drafter.bole_config,
                                      _request_tensors=MTPTreeDrafter._request_tensors, _metadata=lambda *a: None)
-    drafter._write_arrays = lambda tokens, positions, slots, hidden: (hidden.shape[0], 8, CUDAGraphMode.PIECEWISE)
+    drafter._write_arrays = lambda tokens, positions, slots, hidden, rope=None: (hidden.shape[0], 8,
+                                                                                   CUDAGraphMode.PIECEWISE)
     vllm_path = []
-    drafter._forward = lambda cm, chunks, hidden: vllm_path.append(chunks) or hidden
+    drafter._forward = lambda cm, chunks, hidden, rope=None: vllm_path.append(chunks) or hidden
     cm = SimpleNamespace(block_table_tensor=torch.arange(8 * 4, dtype=torch.int32).view(8, 4))
     lens = [4, 1, 3]
     chunks = [(r, list(range(n)), list(range(30, 30 + n)), 30 + n, list(range(n))) for r, n in zip([1, 6, 3], lens)]

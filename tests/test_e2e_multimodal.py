@@ -96,3 +96,39 @@ def test_mtp_tree_drafter_with_images_is_lossless(tmp, model, requests_, referen
     print(f"mtp: near-tie divergences {len(divs)}; counters {out['counters']}; "
           f"largest logprob gap {assert_same_logprobs(reference, out):.2e}")
     assert out["counters"]["num_drafts"] > 0, out["counters"]
+
+
+@pytest.mark.parametrize("variant", ["early", "late", "host_levels"])
+def test_mtp_drafter_rows_take_the_targets_positions(tmp, model, requests_, reference, variant, monkeypatch):
+    """Every MTP row of a request with images carries the target's M-RoPE positions: over the prompt the
+    target's own (an image's rows a grid's, so its three sections differ), past it the token position plus the
+    request's offset in all three sections, for the committed tokens and the draft nodes alike (drafting
+    before the walk, after it, and with the levels grown on the host). One request at a time, so that every
+    logged forward belongs to the one request of its batch."""
+    if variant == "host_levels":
+        monkeypatch.setenv("VLLM_BOLE_HOST_DRAFT_LEVELS", "1")
+    log = tmp / f"rope_{variant}.jsonl"
+    engine = bole_engine(tmp, f"rope_{variant}", depth=3, topk=2, budget="auto", drafter="mtp", max_num_seqs=1)
+    engine["speculative_config"] |= {"drafter": "vllm_bole.testing.rope_recorder:RopeRecordingDrafter",
+                                     "drafter_args": {"log": str(log)}, "early_drafting": variant == "early"}
+    out = run_engine(tmp, f"rope_{variant}", {"model": model, "kind": KIND, "requests": requests_, "logprobs": 2,
+                                              "engine": engine})
+    assert_lossless(reference, out, max_near_ties=1)
+    forwards = [json.loads(line) for line in log.read_text().splitlines()]
+    offsets, prompt_rows, drafted_rows, grid_rows = {}, 0, 0, 0
+    for fw in forwards:
+        assert len(fw["batch"]) == 1, fw["batch"]
+        req, prompt_len, offset = fw["batch"][0]
+        offsets[req] = offset
+        for i, p in enumerate(fw["positions"]):
+            sections = [fw["rope"][s][i] for s in range(3)]
+            if p >= prompt_len:
+                assert sections == [p + offset] * 3, (req, p, offset, sections)
+                drafted_rows += offset != 0
+            else:
+                prompt_rows += offset != 0
+                grid_rows += len(set(sections)) > 1
+            if p == prompt_len - 1:   # the prompt's last token is text: its target position has the offset
+                assert sections == [p + offset] * 3, (req, p, offset, sections)
+    assert sum(o != 0 for o in offsets.values()) == 3, offsets   # the three requests with images
+    assert prompt_rows and drafted_rows and grid_rows, (prompt_rows, drafted_rows, grid_rows)

@@ -31,7 +31,7 @@ def _drafter(graph_out, tree_rows=17):
     drafter = MTPTreeDrafter.__new__(MTPTreeDrafter)
     calls = {}
 
-    def write_arrays(tokens, positions, slots, hidden):
+    def write_arrays(tokens, positions, slots, hidden, rope=None):
         calls["written"] = (tokens.tolist(), positions.tolist(), slots.tolist(), hidden[:, 0].tolist())
         return hidden.shape[0], hidden.shape[0] + 3, "mode"
 

@@ -104,14 +104,14 @@ class BeamGraphs:
                 self.positions[:levels, rows:bucket * k].zero_()
                 self.slots[:levels, rows:bucket * k].fill_(PADDING_SLOT_ID)
             self.seq_lens[:levels, :g].copy_(plan.seq_lens)
-            self.positions[:levels, :rows].copy_(plan.positions)
+            self.positions[:levels, :rows].copy_(plan.rope_positions)
             self.slots[:levels, :rows].copy_(plan.slots)
         else:
             seq_lens = np.zeros((levels, bucket), dtype=np.int32)
             seq_lens[:, :g] = plan.seq_lens
             pos_slots = np.zeros((2, levels, bucket * k), dtype=np.int64)
             pos_slots[1] = PADDING_SLOT_ID
-            pos_slots[0, :, :rows], pos_slots[1, :, :rows] = plan.positions, plan.slots
+            pos_slots[0, :, :rows], pos_slots[1, :, :rows] = plan.rope_positions, plan.slots
             self.seq_lens[:levels, :bucket].copy_(torch.from_numpy(seq_lens), non_blocking=True)
             pos_slots = torch.from_numpy(pos_slots).to(hidden.device, non_blocking=True)
             self.positions[:levels, :bucket * k].copy_(pos_slots[0])

@@ -244,11 +244,19 @@ class LevelPlan:
     seq_lens: "np.ndarray | torch.Tensor"    # [L, G] int64
     meta: np.ndarray                         # [L, G, 5] int32 tree-row metadata (DeviceTreeRows.meta)
     seq_max: list[int]                       # per level: the longest sequence (or a bound on it)
+    rope: "np.ndarray | torch.Tensor | None" = None   # [L, G*k] RoPE positions where they differ (images)
+
+    @property
+    def rope_positions(self) -> "np.ndarray | torch.Tensor":
+        """``[L, G*k]``: the positions the rows' RoPE takes: ``positions`` plus each request's M-RoPE text offset
+        (``MTPTreeDrafter.text_offsets``), the same in all three sections."""
+        return self.positions if self.rope is None else self.rope
 
     @classmethod
     def of(cls, drafter, reqs: list[int], roots, levels: int, k: int, root_bound: int | None = None) -> "LevelPlan":
         """``roots``: ``[G]`` root positions, numpy or a device tensor (then ``root_bound`` bounds them)."""
         g = len(reqs)
+        offsets = drafter.text_offsets(reqs)
         c = np.arange(g, dtype=np.int32)
         meta = np.zeros((levels, g, 5), dtype=np.int32)
         meta[:, :, 0], meta[:, :, 1], meta[:, :, 2], meta[:, :, 4] = c, c * k, k, c * k
@@ -262,15 +270,18 @@ class LevelPlan:
                       + device_constant(tuple(range(k)), dev)).reshape(levels, g * k)
             r = device_constant(tuple(x for x in reqs for _ in range(k)), dev)
             slots = drafter._device_slots(r[None, :], kv_pos)
+            rope = None if offsets is None else positions + device_constant(
+                tuple(o for o in offsets for _ in range(k)), dev)
             return cls(positions=positions, slots=slots, seq_lens=roots[None, :] + d * k, meta=meta,
-                       seq_max=[root_bound + (i + 1) * k for i in range(levels)])
+                       seq_max=[root_bound + (i + 1) * k for i in range(levels)], rope=rope)
         d = np.arange(1, levels + 1)[:, None]                                        # [L, 1]
         positions = np.repeat(roots[None, :] + d - 1, k, axis=1)                     # [L, G*k]
         kv_pos = (roots[None, :, None] + (d[:, :, None] - 1) * k + np.arange(k)).reshape(levels, g * k)
         slots = drafter._slots(np.repeat(np.asarray(reqs, dtype=np.int64), k)[None, :], kv_pos)
         seq_lens = roots[None, :] + d * k
+        rope = None if offsets is None else positions + np.repeat(np.asarray(offsets, dtype=np.int64), k)[None, :]
         return cls(positions=positions, slots=np.asarray(slots, dtype=np.int64).reshape(levels, g * k),
-                   seq_lens=seq_lens, meta=meta, seq_max=[int(x) for x in seq_lens.max(axis=1)])
+                   seq_lens=seq_lens, meta=meta, seq_max=[int(x) for x in seq_lens.max(axis=1)], rope=rope)
 
     def host_seq_lens(self, d: int) -> list[int]:
         """Level ``d``'s sequence lengths on the host (from device roots: a copy that waits for them)."""
@@ -549,7 +560,11 @@ class DeviceBeam:
         rows = g * k
         # What the metadata reads of a chunk: batch request, query count, sequence length.
         chunks = [(r, range(k), None, s, None) for r, s in zip(reqs, plan.host_seq_lens(d))]
-        written = drafter._write_arrays(tokens, plan.positions[d - 1], plan.slots[d - 1], hidden)
+        rope = None
+        if plan.rope is not None:   # images: each request's M-RoPE text offset, in all three sections
+            rope = plan.rope[d - 1]
+            rope = torch.as_tensor(rope).to(hidden.device, non_blocking=True).unsqueeze(0).expand(3, -1)
+        written = drafter._write_arrays(tokens, plan.positions[d - 1], plan.slots[d - 1], hidden, rope)
         if self.host_rows(hidden):   # the CPU backend recomputes tree rows from host masks
             tree_rows = [TreeRows(req_index=i, row_start=i * k, region_mask=visible[i]) for i in range(g)]
             out = drafter._forward_written(cm, chunks, tree_rows, *written)

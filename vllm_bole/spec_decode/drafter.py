@@ -59,6 +59,8 @@ class DraftStep:
     before the drafter ran), so a drafter grows at least enough candidates for it.
     all_rows: the drafter's first pass already ran over every verified node (MTP: (hidden states, top children)
     per row of the step, ``MTPTreeDrafter.first_pass_all_rows``), so it skips its catch-up.
+    rope: under M-RoPE, when some request's positions run behind its token index (images), the ``[3, rows]``
+    positions of the step's rows as the target ran them (first_pass rows index it as they index hidden_states).
     """
 
     req_ids: list[str]
@@ -72,6 +74,7 @@ class DraftStep:
     queued: object = None   # QueuedDrafts, set by a drafter whose trees stay on the device
     fill_quotas: bool = False
     all_rows: tuple | None = None
+    rope: "torch.Tensor | None" = None
 
 
 class TreeDrafter:

@@ -115,22 +115,26 @@ class MTPTreeDrafter(TreeDrafter):
         return self._synthetic_scores[depth][:len(probs)]
 
     # ---- one MTP forward over a packed batch of per-request query chunks ----
-    def _write_inputs(self, chunks, hidden: torch.Tensor):
+    def _write_inputs(self, chunks, hidden: torch.Tensor, rope: torch.Tensor | None = None):
         """Token ids, positions, hidden states and KV slots of ``chunks`` into the proposer's persistent
         buffers, padded to a size vLLM captured. Returns (tokens, padded tokens, vLLM's graph mode)."""
         return self._write_arrays([t for c in chunks for t in c[1]], [p for c in chunks for p in c[2]],
-                                  [s for c in chunks for s in c[4]], hidden)
+                                  [s for c in chunks for s in c[4]], hidden, rope)
 
-    def _write_arrays(self, tokens, positions, slots, hidden: torch.Tensor):
+    def _write_arrays(self, tokens, positions, slots, hidden: torch.Tensor, rope: torch.Tensor | None = None):
         """:meth:`_write_inputs` of flat rows: ``tokens``, ``positions`` and ``slots`` host sequences or device
-        tensors, ``hidden`` ``[rows, H]``."""
+        tensors, ``hidden`` ``[rows, H]``. ``rope``: the rows' ``[3, rows]`` M-RoPE positions where they differ
+        from the token positions (:meth:`text_offsets`); otherwise every section takes the token position."""
         device, proposer = hidden.device, self.proposer
         n = hidden.shape[0]
         mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
         proposer.input_ids[:n].copy_(tokens if isinstance(tokens, torch.Tensor) else _to_device(tokens, device),
                                      non_blocking=True)
         positions = _to_device(positions, device)
-        proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if self.runner.uses_mrope else positions)
+        if self.runner.uses_mrope:
+            proposer._set_positions(n, rope if rope is not None else positions.unsqueeze(0).expand(3, -1))
+        else:
+            proposer._set_positions(n, positions)
         proposer.hidden_states[:n].copy_(hidden)
         proposer._get_slot_mapping(padded, _to_device(slots, device))
         return n, padded, mode
@@ -172,14 +176,14 @@ class MTPTreeDrafter(TreeDrafter):
             return proposer.model(input_ids=proposer.input_ids[:padded], positions=proposer._get_positions(padded),
                                   hidden_states=proposer.hidden_states[:padded])
 
-    def _forward(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows=None):
+    def _forward(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows=None, rope=None):
         """chunks: per request (req_index, tokens, positions [n], seq_len, slots [n]); hidden: the target or
         MTP hidden state each row's token follows, ``[rows, H]`` in chunk order.
 
         Returns the MTP hidden states of all rows, in chunk order. The inputs go through the proposer's
         persistent buffers, padded to a captured size, so the MTP layer replays vLLM's piecewise CUDA graphs
         (the attention between the pieces runs eagerly with the tree mask)."""
-        return self._forward_written(cm, chunks, tree_rows, *self._write_inputs(chunks, hidden))
+        return self._forward_written(cm, chunks, tree_rows, *self._write_inputs(chunks, hidden, rope))
 
     def _forward_written(self, cm: CommonAttentionMetadata, chunks, tree_rows, n: int, padded: int, mode,
                          device_rows=None):
@@ -193,10 +197,11 @@ class MTPTreeDrafter(TreeDrafter):
         # A replayed graph writes its output buffer again on the next forward.
         return out[:n].clone()
 
-    def _tree_level(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows, max_rows=None):
+    def _tree_level(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows, max_rows=None,
+                    rope=None):
         """One tree level: (MTP hidden states ``[n, H]``, top children ``[n, 2k]`` as :meth:`_top_rows`),
         replayed from a full CUDA graph of the level when there is one (``spec_decode/draft_graphs.py``)."""
-        written = self._write_inputs(chunks, hidden)
+        written = self._write_inputs(chunks, hidden, rope)
         if self.graphs is not None:
             packed = DeviceTreeRows.pack(tree_rows, "cpu", words=self.graphs.words)
             out = self.graphs.level(cm, chunks, (packed.meta, packed.bits), *written, tree_rows=tree_rows,
@@ -215,22 +220,22 @@ class MTPTreeDrafter(TreeDrafter):
         logits = self.proposer.model.compute_logits(hidden_rows) if vocab is None else vocab.logits(hidden_rows)
         return top_children(logits, self.bole_config.topk, None if vocab is None else vocab.ids)
 
-    def _catch_up(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor):
+    def _catch_up(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, rope=None):
         """The MTP forward over the tokens the step committed: (hidden states ``[rows, H]``, their top children
         ``[rows, 2k]`` or None). With drafter graphs, when every chunk is short (an accepted path and its bonus
         token, or a decode) it runs as a tree level whose rows are causal, from a graph; otherwise (prefill
         chunks, no graphs) on vLLM's path, with the top children left to the caller."""
         graphs = self.graphs
         if graphs is None or graphs.disabled or max(len(c[1]) for c in chunks) > graphs.catch_up_rows:
-            return self._forward(cm, chunks, hidden), None
+            return self._forward(cm, chunks, hidden, rope=rope), None
         starts = np.cumsum([0] + [len(c[1]) for c in chunks[:-1]]).tolist()
         tree_rows = [TreeRows(req_index=i, row_start=start, region_mask=_causal(len(c[1])))
                      for i, (start, c) in enumerate(zip(starts, chunks))]
-        return self._tree_level(cm, chunks, hidden, tree_rows, max_rows=graphs.catch_up_rows)
+        return self._tree_level(cm, chunks, hidden, tree_rows, max_rows=graphs.catch_up_rows, rope=rope)
 
     def first_pass_all_rows(self, cm: CommonAttentionMetadata, forest: StepForest, next_tokens: torch.Tensor,
                             positions: torch.Tensor, slots: torch.Tensor, seq_lens: list[int],
-                            hidden: torch.Tensor):
+                            hidden: torch.Tensor, rope: torch.Tensor | None = None):
         """The MTP forward over every node of a verified forest whose trees are all the step's requests, in batch
         order: (MTP hidden states ``[N, H]``, top children ``[N, 2k]``). It needs no accepted path, so the runner
         queues it right behind the target forward, before the walk: row i reads the target's hidden state at
@@ -238,7 +243,8 @@ class MTPTreeDrafter(TreeDrafter):
         and writes node i's MTP K/V at node i's slot and RoPE position (prefix + depth), seeing its prefix and its
         ancestors. On the accepted path that is exactly the catch-up's input; once the runner has moved the path's
         MTP K/V to contiguous slots, the root rows of the next trees are the path ends' rows. ``positions``,
-        ``slots``: the verification's ``[N]`` device tensors; ``seq_lens``: each tree's prefix + size (host)."""
+        ``slots``: the verification's ``[N]`` device tensors; ``seq_lens``: each tree's prefix + size (host);
+        ``rope``: its ``[3, N]`` M-RoPE positions where they differ from ``positions`` (images)."""
         if len(seq_lens) != len(forest.tree_req_indices):
             raise ValueError(f"first pass: {len(seq_lens)} sequence lengths for {len(forest.tree_req_indices)} trees")
         sizes = [forest.query_starts[i + 1] - forest.query_starts[i] for i in range(len(forest.query_starts) - 1)]
@@ -246,7 +252,8 @@ class MTPTreeDrafter(TreeDrafter):
         sizes.append(n - forest.query_starts[-1])
         chunks = [(r, range(size), None, int(seq_len), None)
                   for r, size, seq_len in zip(forest.tree_req_indices, sizes, seq_lens)]
-        written = self._write_arrays(next_tokens[:n], positions[:n], slots[:n], hidden)
+        written = self._write_arrays(next_tokens[:n], positions[:n], slots[:n], hidden,
+                                     None if rope is None else rope[:, :n])
         if self._host_tree_rows(hidden):
             tree_rows = [TreeRows(req_index=i, row_start=row.row_start, region_mask=row.region_mask)
                          for i, row in enumerate(forest.rows())]
@@ -292,6 +299,18 @@ class MTPTreeDrafter(TreeDrafter):
         blocks = table.block_table.gpu.to(positions.device)
         return blocks[r.expand_as(positions), positions // size].long() * size + positions % size
 
+    def text_offsets(self, reqs) -> list[int] | None:
+        """Under M-RoPE, for each of batch requests ``reqs``, how far its text positions run behind the token
+        index (vLLM's ``mrope_position_delta``: an image advances the positions by its grid's larger side, not by
+        its tokens). A draft node's three positions are its token position plus that offset, as the target's
+        and vLLM's own MTP proposer's are. None without M-RoPE or when every offset is 0 (text only)."""
+        runner = self.runner
+        if not runner.uses_mrope:
+            return None
+        ids = runner.input_batch.req_ids
+        offsets = [runner.requests[ids[r]].mrope_position_delta or 0 for r in reqs]
+        return offsets if any(offsets) else None
+
     def own_kv_layers(self) -> tuple[str, ...]:
         # The catch-up writes the MTP layer's K/V at every committed position of every request that ran.
         return tuple(getattr(self.proposer, "_draft_attn_layer_names", ()))
@@ -327,8 +346,10 @@ class MTPTreeDrafter(TreeDrafter):
         if all_rows:
             mtp_hidden, top = step.all_rows
         else:
+            # Under M-RoPE after an image, the committed tokens' positions are the target's (step.rope).
+            rope = None if step.rope is None else rows_of(hidden_rows, step.rope.T).T
             with record_function_or_nullcontext("bole: catch_up"):
-                mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states))
+                mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states), rope)
         if not growing:
             return lambda: out
         # 2. Grow the trees from the hidden state that predicts each root's children.
@@ -388,6 +409,8 @@ class MTPTreeDrafter(TreeDrafter):
         could still be kept by the runner's selection (their scores are at most its own): beyond the budget,
         levels cost nothing. ``top``: the roots' top children (:meth:`_top_rows` of ``prev``), if known."""
         trees = {}
+        offsets = self.text_offsets(reqs)
+        offset_of = dict(zip(reqs, offsets)) if offsets is not None else None
         probs, toks = _children_lists(top if top is not None else self._top_rows(prev), self.bole_config.topk)
         for k, (r, root, p_row, t_row) in enumerate(zip(reqs, roots, probs, toks)):
             g = _Growing(req_index=r, next_pos=root)
@@ -421,7 +444,11 @@ class MTPTreeDrafter(TreeDrafter):
                          for c, (start, mask, (g, best)) in enumerate(
                              zip(row_starts, ancestor_masks(query_parents), expanded))]
             hidden = prev[torch.tensor(hidden_rows, dtype=torch.long).to(prev.device, non_blocking=True)]
-            prev, top = self._tree_level(cm, chunks, hidden, tree_rows)
+            rope = None
+            if offset_of is not None:
+                rope = _to_device([p + offset_of[c[0]] for c in chunks for p in c[2]], prev.device)
+                rope = rope.unsqueeze(0).expand(3, -1)
+            prev, top = self._tree_level(cm, chunks, hidden, tree_rows, rope=rope)
             probs, toks = _children_lists(top, self.bole_config.topk)
             i = 0
             for g, best in expanded:

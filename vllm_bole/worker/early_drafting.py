@@ -112,7 +112,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
         computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].tolist()
         seq_lens = [c + scheduler_output.num_scheduled_tokens[r] for c, r in zip(computed, runner.input_batch.req_ids)]
         rows = drafter.first_pass_all_rows(cm, forest, after, runner.positions[:n], slots, seq_lens,
-                                           state.hidden_states[:n])
+                                           state.hidden_states[:n], runner.bole_rope(n))
     runner.bole_first_pass_steps += 1
     first = FirstPass(host=host, rows=rows, walk=walk, next_tokens=next_tokens)
     if walk is not None:

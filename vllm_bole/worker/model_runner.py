@@ -850,7 +850,17 @@ class BoleModelRunnerMixin:
                             if drafting else None)
         self._bole_host_emitted = emitted
         return DraftStep(req_ids=req_ids, contexts=RequestContexts(contexts), hidden_states=hidden_states,
-                         first_pass=first_pass, common_attn_metadata=common_attn_metadata)
+                         first_pass=first_pass, common_attn_metadata=common_attn_metadata, rope=self.bole_rope(row))
+
+    def bole_rope(self, rows: int) -> torch.Tensor | None:
+        """The ``[3, rows]`` M-RoPE positions of the step's first ``rows`` rows as the target ran them (a copy: the
+        next step rewrites the buffer) when a request of the batch has images (its positions inside an image are
+        a grid's, and run behind the token index after it), for the drafter's rows over the same tokens; None
+        otherwise (the drafter's rows then take their token positions in every section, which is the same)."""
+        if not self.uses_mrope or not any(self.requests[r].mm_features or self.requests[r].mrope_position_delta
+                                          for r in self.input_batch.req_ids):
+            return None
+        return self.mrope_positions.gpu[:, :rows].clone()
 
 
 _RUNNER_CLASSES: dict[type, type] = {}
