@@ -98,22 +98,30 @@ def test_mtp_tree_drafter_with_images_is_lossless(tmp, model, requests_, referen
     assert out["counters"]["num_drafts"] > 0, out["counters"]
 
 
-@pytest.mark.parametrize("variant", ["early", "late", "host_levels"])
+@pytest.mark.parametrize("variant", ["early", "late", "host_levels", "async"])
 def test_mtp_drafter_rows_take_the_targets_positions(tmp, model, requests_, reference, variant, monkeypatch):
     """Every MTP row of a request with images carries the target's M-RoPE positions: over the prompt the
     target's own (an image's rows a grid's, so its three sections differ), past it the token position plus the
     request's offset in all three sections, for the committed tokens and the draft nodes alike (drafting
     before the walk, after it, and with the levels grown on the host). One request at a time, so that every
-    logged forward belongs to the one request of its batch."""
+    logged forward belongs to the one request of its batch. ``async``: drafting before the walk under async
+    scheduling (the default on a GPU)."""
     if variant == "host_levels":
         monkeypatch.setenv("VLLM_BOLE_HOST_DRAFT_LEVELS", "1")
     log = tmp / f"rope_{variant}.jsonl"
     engine = bole_engine(tmp, f"rope_{variant}", depth=3, topk=2, budget="auto", drafter="mtp", max_num_seqs=1)
     engine["speculative_config"] |= {"drafter": "vllm_bole.testing.rope_recorder:RopeRecordingDrafter",
-                                     "drafter_args": {"log": str(log)}, "early_drafting": variant == "early"}
-    out = run_engine(tmp, f"rope_{variant}", {"model": model, "kind": KIND, "requests": requests_, "logprobs": 2,
-                                              "engine": engine})
-    assert_lossless(reference, out, max_near_ties=1)
+                                     "drafter_args": {"log": str(log)},
+                                     "early_drafting": variant in ("early", "async")}
+    # No logprobs: with them the levels would wait for the host walk, and the device-rooted plans go untested.
+    spec = {"model": model, "kind": KIND, "requests": requests_, "engine": engine}
+    if variant == "async":
+        engine["async_scheduling"] = spec["cpu_async_scheduling"] = True
+    out = run_engine(tmp, f"rope_{variant}", spec)
+    assert out["scheduling"]["async_scheduling"] == (variant == "async"), out["scheduling"]
+    assert_lossless(reference, out, max_near_ties=0)
+    assert (out["early_draft_steps"] > 0) == (variant in ("early", "async")), out["early_draft_steps"]
+    assert (out["device_levels"] is None) == (variant == "host_levels"), out["device_levels"]
     forwards = [json.loads(line) for line in log.read_text().splitlines()]
     offsets, prompt_rows, drafted_rows, grid_rows = {}, 0, 0, 0
     for fw in forwards:
