@@ -285,6 +285,16 @@ def test_step_clock_fits_only_steady_periods():
         t += 0.050
         clock.tick(t, 16, True, 5.0, nodes=nodes)
     assert clock.rest_model(16)(64) == pytest.approx(10.0) and clock.rest_model(16)(128) == pytest.approx(10.0)
+    # a tree short of its quota now and then (64 or 63 nodes: within STEADY_TOL per request) stays one size
+    for nodes in [64, 63, 64] * 2:
+        t += 0.015
+        clock.tick(t, 16, True, 5.0, nodes=nodes)
+    model = clock.rest_model(16)
+    assert model(64) == pytest.approx(10.0, abs=0.01) and model(128) == pytest.approx(10.0, abs=0.5)
+    fitted = clock._fit[16][0]
+    t += 0.015
+    clock.tick(t, 16, True, 5.0, nodes=64)
+    assert clock._fit[16][0] > fitted                 # counted
     for tree_only, captured in ((False, False), (True, True)):
         t += 0.015
         clock.tick(t, 16, True, 5.0, nodes=64)

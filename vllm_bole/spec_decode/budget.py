@@ -154,12 +154,14 @@ class StepClock:
     with it: under async scheduling it runs ahead of the device and paces itself on waits for earlier steps. A
     lone step of another size would then lend its size to a neighbour's period (and its period to a neighbour's
     size) and the slope would vanish in the noise. So a period enters the fit only when the last ``STEADY``
-    ticks saw one batch size and one size of trees, and the probes come in runs that hold such periods."""
+    ticks saw one batch size and one size of trees (within ``STEADY_TOL`` nodes per request), and the probes come
+    in runs that hold such periods."""
 
     ALPHA = 0.2         # the average's step
     FIT_ALPHA = 0.05    # the fit's: a longer memory, so that it spans the sizes the rule has tried
     MIN_SPREAD = 0.5    # nodes per request: a smaller standard deviation of the sizes leaves the slope unknown
     STEADY = 3          # ticks of one size in a row for a period to enter the fit (sizes up to 2 steps off)
+    STEADY_TOL = 0.1    # nodes per request: sizes this close count as one (a tree short of its quota now and then)
     PROBE_RUN = 5       # budgets per probe: STEADY - 1 of them settle, the rest are measured
     PROBE_EVERY = 20    # budgets from the start of one probe to the next while the slope is unknown
 
@@ -167,7 +169,7 @@ class StepClock:
         self._rest: dict[int, float] = {}
         self._fit: dict[int, list[float]] = {}   # bucket -> weighted sums [w, x, y, xx, xy]
         self._last: tuple[float, int] | None = None   # (time, batch size) of the last tick
-        self._sizes: collections.deque = collections.deque(maxlen=self.STEADY)   # (batch size, nodes) per tick
+        self._sizes: collections.deque = collections.deque(maxlen=self.STEADY)   # (batch size, x) per tick
         self._probes: dict[int, int] = {}   # bucket -> budgets chosen while the slope was unknown
         self._runs: dict[int, tuple[int, int]] = {}   # bucket -> (offset, budgets left) of a probe run
 
@@ -178,6 +180,14 @@ class StepClock:
         """The weighted variance of the fit's sizes (nodes per request)."""
         w, sx, _, sxx, _ = sums
         return sxx / w - (sx / w) ** 2
+
+    def _steady(self) -> bool:
+        """Whether the last ``STEADY`` ticks saw one batch size and tree sizes within ``STEADY_TOL`` per request."""
+        sizes = self._sizes
+        if len(sizes) < self.STEADY or None in sizes or len({b for b, _ in sizes}) > 1:
+            return False
+        xs = [x for _, x in sizes]
+        return max(xs) - min(xs) <= self.STEADY_TOL
 
     def rest_model(self, batch_size: int):
         """nodes -> the rest of a step of ``batch_size`` requests verifying that many nodes, in ms (never below
@@ -224,14 +234,15 @@ class StepClock:
         slow, and the rule would keep to the sizes it has seen."""
         last, self._last = self._last, (now, batch_size)
         # A step with a prefill or a capture in it also keeps its neighbours' periods out of the fit.
-        self._sizes.append((batch_size, nodes) if tree_only and not captured else None)
+        steady = tree_only and not captured and nodes is not None
+        self._sizes.append((batch_size, nodes / batch_size) if steady else None)
         if last is None or last[1] != batch_size or not tree_only or t_ver_ms is None or captured:
             return
         rest = max((now - last[0]) * 1e3 - t_ver_ms, 0.0)
         key = next_power_of_2(batch_size)
         old = self._rest.get(key)
         self._rest[key] = rest if old is None else old + self.ALPHA * (rest - old)
-        if nodes is not None and len(self._sizes) == self.STEADY and len(set(self._sizes)) == 1:
+        if nodes is not None and self._steady():
             x = nodes / batch_size
             sums = self._fit.setdefault(key, [0.0] * 5)
             for i, v in enumerate((1.0, x, rest, x * x, x * rest)):
