@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from e2e_support import (assert_graphs_used, assert_lossless, bole_engine, random_requests, run_engine, vocab_size,
-                          write_oracle)
+from e2e_support import (assert_graphs_used, assert_lossless, assert_same_logprobs, bole_engine, random_requests,
+                          run_engine, vocab_size, write_oracle)
 
 pytestmark = pytest.mark.vllm
 
@@ -115,6 +115,9 @@ def test_planted_trees_async_are_lossless_and_deep(tmp, model, requests_, refere
     out = _run(tmp, model, requests_, "planted_async", engine, True)
     _assert_async(out)
     assert_lossless(reference, out, max_near_ties=2)
+    # The placeholder rows' positions: 1e-4 here; the depth-4 trees' rows left at the token index moved it to 9e-4
+    # only, under the tolerance (the depth-8 planted tests of test_e2e_lossless.py catch that, at 2e-2).
+    print(f"planted_async: largest logprob gap {assert_same_logprobs(reference, out):.2e}")
     assert out["stale_placeholders"] == 0, out["stale_placeholders"]
     per_pos = out["counters"]["accepted_per_pos"]
     assert per_pos[depth - 1] > 0, f"no request accepted a full depth-{depth} path: {per_pos}"
