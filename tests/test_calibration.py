@@ -171,11 +171,14 @@ def test_step_clock_fits_the_rest_against_the_tree_size():
         clock.tick(t, 16, True, 5.0, nodes=64)
     flat = clock.rest_model(16)
     assert flat(64) == pytest.approx(10.0) and flat(256) == pytest.approx(10.0)   # no spread: no slope
+    assert clock.fit_summary(16)["slope_ms"] is None and clock.fit_summary(32) is None
     for _ in range(30):                       # 8 nodes per request: rest 14 ms (1 ms per node per request)
         t += 0.019
         clock.tick(t, 16, True, 5.0, nodes=128)
     fit = clock.rest_model(16)
     assert fit(64) == pytest.approx(10.0, abs=1e-6) and fit(128) == pytest.approx(14.0, abs=1e-6)
+    summary = clock.fit_summary(16)
+    assert summary["slope_ms"] == pytest.approx(1.0, abs=1e-3) and 4 < summary["nodes_per_request"] < 8, summary
     assert fit(256) == pytest.approx(22.0, abs=1e-6)          # extrapolated along the line
     # batch 9 shares the bucket of 16; the fit is per request: 72 / 9 = 8 nodes
     assert clock.rest_model(9)(72) == pytest.approx(14.0, abs=1e-6)

@@ -201,6 +201,19 @@ class StepClock:
         slope = max((sxy / w - mx * my) / var, 0.0) if var >= self.MIN_SPREAD ** 2 else 0.0
         return lambda nodes: max(my + slope * (nodes / max(batch_size, 1) - mx), 0.0)
 
+    def fit_summary(self, batch_size: int) -> dict | None:
+        """The rest fit of ``batch_size``'s bucket, for reports: its weight (steady periods, faded), the sizes'
+        mean and standard deviation (nodes per request), the mean rest and the slope (ms per node per request; None
+        while the sizes have not spread enough to show it)."""
+        sums = self._fit.get(next_power_of_2(batch_size))
+        if sums is None:
+            return None
+        w, sx, sy, sxx, sxy = sums
+        mx, my, var = sx / w, sy / w, self._spread(sums)
+        slope = (sxy / w - mx * my) / var if var >= self.MIN_SPREAD ** 2 else None
+        return {"weight": round(w, 2), "nodes_per_request": round(mx, 2), "spread": round(max(var, 0.0) ** 0.5, 2),
+                "rest_ms": round(my, 3), "slope_ms": None if slope is None else round(slope, 3)}
+
     def probe(self, batch_size: int) -> int:
         """Once per budget the rule chooses: -1 or +1 (the next smaller or larger calibrated size than the best)
         for ``PROBE_RUN`` choices in a row, starting every ``PROBE_EVERY``-th choice of a bucket whose slope is
