@@ -248,7 +248,7 @@ class StepClock:
         last, self._last = self._last, (now, batch_size)
         # A step with a prefill or a capture in it also keeps its neighbours' periods out of the fit.
         steady = tree_only and not captured and nodes is not None
-        self._sizes.append((batch_size, nodes / batch_size) if steady else None)
+        self._sizes.append((batch_size, nodes / max(batch_size, 1)) if steady else None)
         if last is None or last[1] != batch_size or not tree_only or t_ver_ms is None or captured:
             return
         rest = max((now - last[0]) * 1e3 - t_ver_ms, 0.0)
