@@ -582,8 +582,9 @@ def run_worker(args) -> None:
                 row["rule_estimates"] = estimates
             # the step clock's fit of the rest against the tree size (its slope: None while unknown)
             clock = getattr(runner, "_bole_clock", None)
-            if clock is not None and clock.fit_summary(b) is not None:
-                row["rest_fit"] = clock.fit_summary(b)
+            fit = clock.fit_summary(b) if clock is not None else None
+            if fit is not None:
+                row["rest_fit"] = fit
         per_batch[str(b)] = row
         print(f"[{name}] B={b}: {row}", flush=True)
         if b == args.batch_sizes[-1]:   # the rest of the last turn: the profile, the results

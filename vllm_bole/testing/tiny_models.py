@@ -481,12 +481,12 @@ def _text_weights(
     return model, lm_head, mtp
 
 
-def _save_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _save_weights(path: Path, tensors: dict[str, torch.Tensor], name: str = "model.safetensors") -> None:
     from safetensors.torch import save_file
 
-    tensors = {name: t.to(torch.bfloat16).contiguous() for name, t in sorted(tensors.items())}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "model.safetensors").chmod(0o644)
+    tensors = {key: t.to(torch.bfloat16).contiguous() for key, t in sorted(tensors.items())}
+    save_file(tensors, str(path / name), metadata={"format": "pt"})
+    (path / name).chmod(0o644)
 
 
 # ---------------------------------------------------------------------------
@@ -640,7 +640,6 @@ def build_tiny_qwen3_5_vision(path: str | os.PathLike, *, seed: int = 0) -> str:
     ``Qwen3_5VisionModel`` initialisation) and the image and video processor configs, so that vLLM serves image
     prompts (M-RoPE positions that run behind the token index after each image); load it without
     ``language_model_only`` (:func:`engine_kwargs` of ``"qwen3_5_vision"``)."""
-    from safetensors.torch import save_file
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
@@ -650,9 +649,7 @@ def build_tiny_qwen3_5_vision(path: str | os.PathLike, *, seed: int = 0) -> str:
         torch.manual_seed(seed + 1)
         tower = Qwen3_5VisionModel._from_config(
             Qwen3_5VisionConfig(**{k: v for k, v in vision.items() if k != "model_type"}))
-    tensors = {f"model.visual.{name}": t.to(torch.bfloat16).contiguous() for name, t in tower.state_dict().items()}
-    save_file(tensors, str(out / "vision.safetensors"), metadata={"format": "pt"})
-    (out / "vision.safetensors").chmod(0o644)
+    _save_weights(out, {f"model.visual.{name}": t for name, t in tower.state_dict().items()}, "vision.safetensors")
     pixels = {"patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
               "merge_size": vision["spatial_merge_size"], "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
               "size": {"shortest_edge": 4096, "longest_edge": 65536}, "processor_class": "Qwen3VLProcessor"}

@@ -850,7 +850,9 @@ class BoleModelRunnerMixin:
                             if drafting else None)
         self._bole_host_emitted = emitted
         return DraftStep(req_ids=req_ids, contexts=RequestContexts(contexts), hidden_states=hidden_states,
-                         first_pass=first_pass, common_attn_metadata=common_attn_metadata, rope=self.bole_rope(row))
+                         first_pass=first_pass, common_attn_metadata=common_attn_metadata,
+                         # the catch-up reads it; none runs after a first pass over every verified node
+                         rope=self.bole_rope(row) if getattr(self._bole_first_pass, "rows", None) is None else None)
 
     def bole_rope(self, rows: int) -> torch.Tensor | None:
         """The ``[3, rows]`` M-RoPE positions of the step's first ``rows`` rows as the target ran them (a copy: the
