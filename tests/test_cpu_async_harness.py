@@ -1,7 +1,7 @@
 """vLLM's async scheduling on CPU (``engine_run``'s ``cpu_async_scheduling``): vLLM 0.26 turns it off for CPU
 engines, the harness keeps it on. Pinned here with vLLM's own MTP chain: the engine really schedules with its
 batch queue and AsyncScheduler, and its greedy tokens are those of the synchronous engine, so that async work on
-Bole's path can be checked on CPU against the same harness (docs/async_scheduling.md)."""
+Bole's path can be checked on CPU against the same harness (docs/design.md, "Async scheduling")."""
 
 import pytest
 

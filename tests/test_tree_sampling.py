@@ -13,8 +13,11 @@ from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_bole.spec_decode.tree_sampler import (is_plain_greedy, is_plain_random, pad_outputs, sample_tree_rows,
-                                                tree_row_probs, tree_rows_supported, walk_tree, walks_tree)
+from vllm.v1.sample.ops.topk_topp_sampler import random_sample
+
+from vllm_bole.spec_decode.tree_sampler import (SeededDraws, is_plain_greedy, is_plain_random, pad_outputs,
+                                                row_depths, sample_tree_rows, tree_row_probs, tree_rows_supported,
+                                                walk_tree, walks_tree)
 
 VOCAB = 64
 
@@ -128,14 +131,53 @@ def test_seeded_rows_use_the_request_generator():
     metadata = _metadata([1.5, 1.5], top_k=[20, 20], generators={1: torch.Generator().manual_seed(5)})
     rows = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
     row_req = [0, 0, 1, 1, 1, 0]
-    first = sample_tree_rows(rows, row_req, metadata)
+    depth = [0, 1, 0, 1, 1, 2]
+    first = sample_tree_rows(rows, row_req, metadata, row_depth=depth)
     metadata.generators[1] = torch.Generator().manual_seed(5)
     torch.manual_seed(123)  # the unseeded request's rows draw from the default generator
-    second = sample_tree_rows(rows, row_req, metadata)
+    second = sample_tree_rows(rows, row_req, metadata, row_depth=depth)
     assert [first[i] for i in (2, 3, 4)] == [second[i] for i in (2, 3, 4)]
     # Every draw is in its row's support.
     probs = tree_row_probs(rows, torch.tensor(row_req), metadata)
     assert all(probs[i, t] > 0 for i, t in enumerate(second))
+
+
+def test_seeded_rows_read_the_noise_stream_of_their_output_position():
+    """A seeded request's tree rows draw one noise vector per depth from its generator, and after the walk the
+    generator goes back to just after the vectors the emitted tokens used: the emitted tokens are then exactly
+    what vLLM's sampler emits one token per step from the same seed (each step's row being the path's node), and
+    the generator ends in the same state, whatever the tree's shape and whatever else the step drew."""
+    metadata = _metadata([1.5], top_k=[20])
+    # root 0; 0 -> 1, 2; 1 -> 3, 4; 3 -> 5, 6; 2 -> 7; 5 -> 8 (depths 0, 1, 1, 2, 2, 3, 3, 2, 4)
+    parents = [-1, 0, 0, 1, 1, 3, 3, 2, 5]
+    rows = torch.randn(len(parents), VOCAB, generator=torch.Generator().manual_seed(2)) * 2
+    for stop_depth in (0, 1, 3, 4):
+        metadata.generators = {0: torch.Generator().manual_seed(11)}
+        seeded = SeededDraws()
+        draws = sample_tree_rows(rows, [0] * len(parents), metadata, row_depth=row_depths(parents), seeded=seeded)
+        # The first child of each node on the main path (0, 1, 3, 5, 8) holds the parent's draw down to
+        # ``stop_depth``; every other node a token that differs from its parent's draw.
+        main = [0, 1, 3, 5, 8]
+        tokens = [-1] + [(draws[p] + 1) % VOCAB for p in parents[1:]]
+        for d in range(stop_depth):
+            tokens[main[d + 1]] = draws[main[d]]
+        path = walk_tree(parents, tokens, draws)
+        assert path == main[:stop_depth + 1]
+        emitted = [tokens[j] for j in path[1:]] + [draws[path[-1]]]
+        metadata.generators[0].manual_seed(99)   # e.g. vLLM's sampler at the bonus row: undone by the rewind
+        seeded.rewind(metadata.generators, {0: len(path)})
+        reference = torch.Generator().manual_seed(11)
+        probs = tree_row_probs(rows, torch.zeros(len(parents), dtype=torch.long), metadata)
+        want = [random_sample(probs[j:j + 1].clone(), {0: reference}).item() for j in path]
+        assert emitted == want
+        assert torch.equal(metadata.generators[0].get_state(), reference.get_state())
+
+
+def test_seeded_rows_need_their_depths():
+    metadata = _metadata([1.0], generators={0: torch.Generator().manual_seed(1)})
+    with pytest.raises(ValueError, match="row_depth"):
+        sample_tree_rows(torch.zeros(2, VOCAB), [0, 0], metadata)
+    assert row_depths([-1, 0, 0, 1, 3]) == [0, 1, 1, 2, 3]
 
 
 def test_sample_tree_rows_matches_row_distribution():

@@ -20,11 +20,17 @@ Patches:
 4. ``InputProcessor._validate_params`` is wrapped so that, for a Bole engine, ``SamplingParams.verify`` sees no
    speculative config: vLLM rejects ``min_p`` and ``logit_bias`` with speculative decoding (its rejection sampler
    does not apply them), and Bole's tree walk does (see 2).
+5. Seeded prompt chunks on CPU (:func:`save_discarded_cpu_generators`, :func:`discarded_cpu_draws_undone`):
+   vLLM samples a token for a request whose prompt chunk is not its last, discards it and moves the request's
+   generator back by the Philox offset that one draw took (``GPUModelRunner._bookkeeping_sync``, also the CPU
+   runner's); a CPU generator has no offset and raises, which kills the engine. For CPU generators Bole saves
+   their state before the step samples and restores it instead, so the discarded draw leaves no trace.
 """
 
 import contextlib
 import importlib
 
+import numpy as np
 import vllm
 
 SUPPORTED_VLLM_VERSION = "0.26.0"
@@ -118,3 +124,25 @@ def wrap_validate_params(is_bole) -> None:
     setattr(_validate_params, _PATCHED_ATTR, True)
     _validate_params.__doc__ = original.__doc__
     InputProcessor._validate_params = _validate_params
+
+
+def save_discarded_cpu_generators(runner) -> dict:
+    """Batch index -> generator state, for the CPU generators of the requests whose token this step discards
+    (a prompt chunk that is not the last; ``discard_request_mask``), taken before the step samples."""
+    gens = runner.input_batch.generators
+    discarded = np.nonzero(runner.discard_request_mask.np[:runner.input_batch.num_reqs])[0].tolist()
+    return {i: gens[i].get_state() for i in discarded if i in gens and gens[i].device.type == "cpu"}
+
+
+@contextlib.contextmanager
+def discarded_cpu_draws_undone(runner, saved: dict):
+    """Around ``GPUModelRunner._bookkeeping_sync``: the generators in ``saved`` (from
+    :func:`save_discarded_cpu_generators`) get their state back, and vLLM's offset rewind does not see them."""
+    gens = runner.input_batch.generators
+    for i, state in saved.items():
+        gens[i].set_state(state)
+    hidden = {i: gens.pop(i) for i in saved}
+    try:
+        yield
+    finally:
+        gens.update(hidden)

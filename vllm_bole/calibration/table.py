@@ -171,7 +171,7 @@ class ModelBudgets:
         """The "throughput" rule: the calibrated N, at least B_ver, with the most expected tokens per millisecond,
         ``tokens(N) / (rest(N) + T_ver(N))`` (the smaller N on a tie; B_ver for a bucket without its curve).
         Never below B_ver: up to it a node costs next to nothing by the calibration's own measure, and on the H200
-        the sizes the rule chose below it ran slower than B_ver at batch 1 and 8 (README, "End-to-end status").
+        the sizes the rule chose below it ran slower than B_ver at batch 1 and 8 (benchmarks/e2e.py on an H200).
         ``rest_ms``: the step's time besides its target forward, in ms, or N -> that time; ``keep``: the N chosen
         last, kept unless another is better by more than ``KEEP_MARGIN`` (estimates that wobble would otherwise
         switch sizes, and each new size is a new CUDA graph); ``probe``: take the calibrated N that many places

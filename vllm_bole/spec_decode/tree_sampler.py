@@ -8,7 +8,8 @@ import torch
 from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
                                                      MinTokensLogitsProcessor)
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
+from vllm.v1.sample.ops.topk_topp_sampler import (apply_top_k_top_p, empty_exponential_noise_like,
+                                                 sample_with_exponential_noise)
 from vllm.v1.sample.sampler import _SAMPLING_EPS, Sampler
 
 from .tree import children_of
@@ -160,22 +161,80 @@ def tree_row_probs(logits: torch.Tensor, row_req: torch.Tensor, sampling_metadat
 
 
 def sample_tree_rows(logits: torch.Tensor, row_req: list[int], sampling_metadata: SamplingMetadata,
-                     use_fp64_gumbel: bool = False) -> list[int]:
-    """One independent draw per tree row from :func:`tree_row_probs`; rows of seeded requests draw from the
-    request's own ``torch.Generator`` (``sampling_metadata.generators``, by batch index), the rest from the
-    default generator."""
-    return draw_tree_rows(logits, row_req, sampling_metadata, use_fp64_gumbel).tolist()
+                     use_fp64_gumbel: bool = False, row_depth: list[int] | None = None,
+                     seeded: "SeededDraws | None" = None) -> list[int]:
+    """One draw per tree row from :func:`tree_row_probs` (:func:`draw_tree_rows`), on the host."""
+    return draw_tree_rows(logits, row_req, sampling_metadata, use_fp64_gumbel, row_depth, seeded).tolist()
 
 
 def draw_tree_rows(logits: torch.Tensor, row_req: list[int], sampling_metadata: SamplingMetadata,
-                   use_fp64_gumbel: bool = False) -> torch.Tensor:
-    """:func:`sample_tree_rows` on the logits' device (no copy to the host)."""
+                   use_fp64_gumbel: bool = False, row_depth: list[int] | None = None,
+                   seeded: "SeededDraws | None" = None) -> torch.Tensor:
+    """One draw per tree row from :func:`tree_row_probs`, on the logits' device (no copy to the host): the argmax
+    of the row's probabilities over exponential noise, as vLLM's ``random_sample``.
+
+    Rows of unseeded requests take independent noise from the default generator. Rows of a seeded request
+    (``sampling_metadata.generators``, by batch index) take the noise of their depth (``row_depth``, the root 0):
+    one noise vector per depth, drawn from the request's own generator in depth order, shared by the nodes of
+    that depth. A walk visits one node per depth, so the emitted tokens stay exact samples, and the token at
+    output position p reads the p-th noise vector of the request's stream, as it does without speculation, once
+    ``seeded`` (:class:`SeededDraws`) has moved the generator back to just after the vectors the emitted tokens
+    used: the output then depends on the seed alone, not on the trees (their size follows the batch)."""
     # (a non-blocking copy: a blocking one would wait for the work queued before it)
     req = torch.tensor(row_req, dtype=torch.long).to(logits.device, non_blocking=True)
     probs = tree_row_probs(logits, req, sampling_metadata)
+    q = empty_exponential_noise_like(probs, use_fp64_gumbel)
     gens = sampling_metadata.generators
-    row_generators = {i: gens[r] for i, r in enumerate(row_req) if r in gens}
-    return random_sample(probs, row_generators, use_fp64_gumbel)
+    rows_of: dict[int, list[int]] = {}
+    for i, r in enumerate(row_req):
+        if r in gens:
+            rows_of.setdefault(r, []).append(i)
+    if sum(len(rows) for rows in rows_of.values()) != len(row_req):
+        q.exponential_()
+    for r, rows in rows_of.items():
+        if row_depth is None:
+            raise ValueError("draw_tree_rows: rows of seeded requests need their depths (row_depth)")
+        depths = [row_depth[i] for i in rows]
+        noise = seeded_noise(gens[r], max(depths) + 1, q, r, seeded)
+        index = torch.tensor(rows, dtype=torch.long).to(q.device, non_blocking=True)
+        q[index] = noise[torch.tensor(depths, dtype=torch.long).to(q.device, non_blocking=True)]
+    return sample_with_exponential_noise(probs, q)
+
+
+def seeded_noise(generator: torch.Generator, depths: int, like: torch.Tensor, req: int,
+                 seeded: "SeededDraws | None") -> torch.Tensor:
+    """``[depths, V]`` exponential noise from ``generator``, one vector per depth in order (each as vLLM's
+    sampler draws a row's), remembering the generator's state after each vector in ``seeded``."""
+    noise = torch.empty((depths, like.shape[1]), dtype=like.dtype, device=like.device)
+    states = [generator.get_state()]
+    for d in range(depths):
+        noise[d].exponential_(generator=generator)
+        states.append(generator.get_state())
+    if seeded is not None:
+        seeded.states[req] = states
+    return noise
+
+
+class SeededDraws:
+    """The generator states of the seeded requests whose tree rows a step drew (:func:`draw_tree_rows`): after
+    the walk each generator goes back to just after the noise vectors its emitted tokens used (one per token),
+    whatever else the step drew from it (deeper depths, vLLM's sampler at the bonus row)."""
+
+    def __init__(self):
+        self.states: dict[int, list[torch.Tensor]] = {}   # batch index -> state after 0, 1, ... vectors
+
+    def rewind(self, generators: dict[int, torch.Generator], emitted: dict[int, int]) -> None:
+        """``emitted``: tokens the step emitted per batch index (accepted drafts + the bonus)."""
+        for r, states in self.states.items():
+            generators[r].set_state(states[emitted[r]])
+
+
+def row_depths(parents: list[int]) -> list[int]:
+    """Depth of every node of a verification tree (``parents[0] = -1``, the root, depth 0)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
 
 
 def walk_tree(parents: list[int], tokens: list[int], targets: list[int]) -> list[int]:

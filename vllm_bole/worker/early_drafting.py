@@ -65,6 +65,10 @@ def launch(runner, scheduler_output) -> FirstPass | None:
     sampled = [b for b, p in enumerate(params) if not is_plain_greedy(p)]
     if not tree_rows_supported(metadata) or not all(is_plain_random(params[b]) for b in sampled):
         return None
+    if any(b in metadata.generators for b in sampled):
+        # A seeded request's generator goes back to the vectors its emitted tokens used, which the host learns
+        # from the walk (tree_sampler.SeededDraws): its steps walk on the host.
+        return None
     cm = state.spec_decode_common_attn_metadata
     early = (runner._bole_early_on and getattr(drafter, "beam", None) is not None and runner._bole_profiler is None
              and runner.bole_config.selection == "per_request" and runner._input_fits_in_drafter(cm)

@@ -21,7 +21,7 @@ from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.utils import record_function_or_nullcontext
 
-from .._vllm_compat import module_attr_override
+from .._vllm_compat import discarded_cpu_draws_undone, module_attr_override, save_discarded_cpu_generators
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
@@ -33,9 +33,9 @@ from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_dra
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
-from ..spec_decode.tree_sampler import (builtin_logitsprocs, draw_tree_rows, is_plain_greedy, is_plain_random,
-                                        pad_outputs, processed_tree_rows, sample_tree_rows, tree_rows_supported,
-                                        walk_tree, walks_tree)
+from ..spec_decode.tree_sampler import (SeededDraws, builtin_logitsprocs, draw_tree_rows, is_plain_greedy,
+                                        is_plain_random, pad_outputs, processed_tree_rows, row_depths,
+                                        sample_tree_rows, tree_rows_supported, walk_tree, walks_tree)
 from . import early_drafting
 from .forest_context import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
@@ -89,6 +89,8 @@ class BoleModelRunnerMixin:
         self._bole_early_on = True   # off after a failure of the drafting before the walk
         # Under async scheduling: per request, the tokens the last host-walked step emitted (_fill_placeholders)
         self._bole_host_emitted: dict[str, list[int]] = {}
+        # CPU: this step's seeded prompt chunks, their generator states before the step sampled (_bookkeeping_sync)
+        self._bole_discarded_generators: dict[int, torch.Tensor] = {}
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -168,7 +170,7 @@ class BoleModelRunnerMixin:
     @property
     def bole_async(self) -> bool:
         """Whether vLLM schedules asynchronously: the next step is scheduled, with placeholder drafts, before
-        this one's drafts exist, and this step's tokens stay on the device (docs/async_scheduling.md)."""
+        this one's drafts exist, and this step's tokens stay on the device (docs/design.md, "Async scheduling")."""
         return bool(getattr(self, "use_async_spec_decode", False))
 
     def _plan_quotas(self, step: DraftStep, placeholders: Placeholders, queued: bool) -> None:
@@ -466,8 +468,14 @@ class BoleModelRunnerMixin:
 
     # ---- verification -------------------------------------------------------------------------------------
     def _sample(self, logits, spec_decode_metadata):
+        self._bole_discarded_generators = save_discarded_cpu_generators(self)
         with profiled(self._bole_profiler, "walk"):
             return self._walk_trees(logits, spec_decode_metadata)
+
+    def _bookkeeping_sync(self, scheduler_output, *args, **kwargs):
+        saved, self._bole_discarded_generators = self._bole_discarded_generators, {}
+        with discarded_cpu_draws_undone(self, saved):
+            return super()._bookkeeping_sync(scheduler_output, *args, **kwargs)
 
     def _walk_trees(self, logits, spec_decode_metadata):
         forest = self._bole_forest
@@ -510,8 +518,9 @@ class BoleModelRunnerMixin:
             elif rows_supported and self._walks_tree(req_id):
                 processed.append(r)
         targets = {}  # batch index -> the target's token after each of its tree rows
+        seeded = SeededDraws()   # seeded requests' generators, rewound to the tokens emitted (after the walk)
         if processed:
-            targets |= self._processed_targets(logits, processed, row_start, num_rows, tree_of, metadata)
+            targets |= self._processed_targets(logits, processed, row_start, num_rows, tree_of, metadata, seeded)
         if greedy:
             first = self._bole_first_pass
             if first is not None:   # already on its way to the host (the drafter's first pass runs behind it)
@@ -521,9 +530,10 @@ class BoleModelRunnerMixin:
             targets |= {r: argmax[row_start[r]:row_start[r] + num_rows[r]] for r in greedy}
         if drawn:  # one draw per tree row of every sampled request, in one call
             rows = [row_start[r] + j for r in drawn for j in range(num_rows[r])]
+            depths = [d for r in drawn for d in row_depths(forest.parents_of(tree_of[r]))]
             draws = sample_tree_rows(logits[torch.tensor(rows, device=logits.device)],
                                      [r for r in drawn for _ in range(num_rows[r])], metadata,
-                                     self.sampler.use_fp64_gumbel)
+                                     self.sampler.use_fp64_gumbel, depths, seeded)
             offsets = np.concatenate([[0], np.cumsum([num_rows[r] for r in drawn])]).tolist()
             targets |= {r: draws[offsets[k]:offsets[k + 1]] for k, r in enumerate(drawn)}
         if self._bole_synthetic is not None:  # benchmarks: accepted paths from given rates, not the target
@@ -544,6 +554,7 @@ class BoleModelRunnerMixin:
             bonus = final.sampled_token_ids[:, 0].tolist()
         for r in drawn + processed:  # the target at the walk's last node is the bonus token
             bonus[r] = targets[r][paths[r][-1]]
+        seeded.rewind(metadata.generators, {r: len(paths[r]) for r in seeded.states})
         outputs = []
         for r, path in enumerate(paths):
             i = tree_of.get(r)
@@ -561,7 +572,7 @@ class BoleModelRunnerMixin:
                              logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
 
     def _processed_targets(self, logits, reqs: list[int], row_start: list[int], num_rows: list[int], tree_of,
-                           metadata) -> dict[int, list[int]]:
+                           metadata, seeded: SeededDraws) -> dict[int, list[int]]:
         """The target's token after each tree row of requests with penalties, bad words, allowed token ids, a
         logit bias or min_tokens (batch indices ``reqs``): each row processed as vLLM would process the request
         with the row's path appended to its output (``tree_sampler.processed_tree_rows``), then its argmax
@@ -585,7 +596,8 @@ class BoleModelRunnerMixin:
         if drawn:
             index = torch.tensor(drawn, dtype=torch.long).to(values.device, non_blocking=True)
             out[index] = draw_tree_rows(values[index], [row_req[i] for i in drawn], metadata,
-                                        self.sampler.use_fp64_gumbel).to(out.dtype)
+                                        self.sampler.use_fp64_gumbel, [len(row_path[i]) for i in drawn],
+                                        seeded).to(out.dtype)
         out = out.tolist()
         targets, start = {}, 0
         for r in reqs:
