@@ -73,8 +73,8 @@ CAPTURE_COST_STEPS = 8.0
 FLAT_ROWS = 128
 FIXED_ROWS = 224
 # A wider node bound tiles every tree by more rows in the GDN and tree-attention kernels: at 9B shapes and batch 16
-# the GDN verify of 16-node tiles takes 29 us per layer, of 32-node tiles 45 us (docs/results.md, "GDN tree kernels"), about 0.4 ms
-# over 24 layers of a 10-20 ms step.
+# the GDN verify of 16-node tiles takes 29 us per layer, of 32-node tiles 45 us (docs/results.md, "GDN tree
+# kernels"), about 0.4 ms over 24 layers of a 10-20 ms step.
 WIDER_BOUND_COST = 0.05
 # The most a stand-in may add to a step, in steps of its own (:func:`padding_cost`): e.g. 304 rows for a step of up
 # to 128, 880 for one of 512.
