@@ -43,11 +43,12 @@ def assert_graphs_used(out: dict, drafter: bool = False, stand_ins: bool = False
             assert used > 0, f"no step ran from a larger shape's graph: {graphs}"
 
 
-def run_engine(tmp_path, name: str, spec: dict, timeout: int = 900) -> dict:
+def run_engine(tmp_path, name: str, spec: dict, timeout: int = 900, runner: str = "engine_run") -> dict:
+    """Run ``vllm_bole.testing.<runner>`` on ``spec`` in a subprocess and return its JSON output."""
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-m", "vllm_bole.testing.engine_run", "--spec", str(spec_path),
+    proc = subprocess.run([sys.executable, "-m", f"vllm_bole.testing.{runner}", "--spec", str(spec_path),
                            "--out", str(out_path)], env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"engine {name} failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")

@@ -1,0 +1,100 @@
+"""Abort requests between engine steps and report what every other request emitted and what the engine still holds.
+
+    python -m vllm_bole.testing.abort_run --spec SPEC.json --out OUT.json
+
+SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "cpu_async_scheduling": bool,
+"requests": [engine_run request dicts], "abort": [indices into requests], "after_steps": [k, ...],
+"after": [engine_run request dicts]}. For each k of ``after_steps`` one round adds every request, runs k engine
+steps, aborts the requests of ``abort`` and runs the rest to completion; then the ``after`` requests run alone, in
+the slots the aborted ones left. Under async scheduling an engine step returns while the next one is queued, so an
+abort lands while the aborted request's next tree is drafted or queued. OUT: per round the outputs of the requests
+not aborted (in request order), the ``after`` outputs, and what the scheduler, the model runner and Bole's runner
+state hold at the end (``held``: the aborted requests must appear nowhere, and nothing must be held at all).
+"""
+
+import argparse
+import json
+import os
+
+from .engine_run import _prompt, _runner, _sampling_params, force_cpu_async_scheduling
+
+
+def _drain(engine, wanted: set[str], outputs: dict, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return
+        for out in engine.step():
+            if out.finished and out.request_id in wanted:
+                c = out.outputs[0]
+                outputs[out.request_id] = {"tokens": list(c.token_ids), "finish_reason": c.finish_reason}
+    raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+
+
+def held_state(llm) -> dict:
+    """What the engine holds once every request is done: the scheduler's requests and KV cache usage, the model
+    runner's requests and batch, and Bole's per-request state (draft trees, queued and pending drafts)."""
+    core = llm.llm_engine.engine_core.engine_core
+    runner = _runner(llm)
+    queued = getattr(runner, "_bole_queued", None)
+    return {"scheduler_requests": sorted(core.scheduler.requests),
+            "kv_cache_usage": core.scheduler.kv_cache_manager.usage,
+            "runner_requests": sorted(runner.requests),
+            "batch_requests": [r for r in runner.input_batch.req_ids if r is not None],
+            "draft_trees": sorted(runner._bole_trees),
+            "host_emitted": sorted(runner._bole_host_emitted),
+            "queued_drafts": None if queued is None else sorted(queued[2]),
+            "pending_drafts": runner._bole_pending is not None}
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from vllm_bole.testing.tiny_models import engine_kwargs
+
+    if spec.get("cpu_async_scheduling"):
+        force_cpu_async_scheduling()
+    llm = LLM(model=spec["model"], **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
+    engine = llm.llm_engine
+    rounds = []
+    for k in spec["after_steps"]:
+        ids = [f"round{k}-{i}" for i in range(len(spec["requests"]))]
+        for rid, r in zip(ids, spec["requests"]):
+            engine.add_request(rid, _prompt(r), _sampling_params(SamplingParams, r, None))
+        outputs = {}
+        for _ in range(k):
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = {"tokens": list(out.outputs[0].token_ids),
+                                               "finish_reason": out.outputs[0].finish_reason}
+        aborted = [ids[i] for i in spec["abort"]]
+        engine.abort_request(aborted)
+        kept = [rid for rid in ids if rid not in aborted]
+        _drain(engine, set(kept), outputs)
+        rounds.append({"after_steps": k, "aborted": aborted, "outputs": [outputs.get(rid) for rid in kept]})
+    after_ids = [f"after-{i}" for i in range(len(spec.get("after", [])))]
+    for rid, r in zip(after_ids, spec.get("after", [])):
+        engine.add_request(rid, _prompt(r), _sampling_params(SamplingParams, r, None))
+    after = {}
+    _drain(engine, set(after_ids), after)
+    _drain(engine, set(), {})
+    return {"rounds": rounds, "after": [after.get(rid) for rid in after_ids], "held": held_state(llm),
+            "scheduling": {"async_scheduling": bool(engine.vllm_config.scheduler_config.async_scheduling)},
+            "queued_trees": getattr(_runner(llm), "bole_queued_trees", None)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with open(args.spec) as f:
+        spec = json.load(f)
+    with open(args.out, "w") as f:
+        json.dump(run(spec), f)
+
+
+if __name__ == "__main__":
+    main()
