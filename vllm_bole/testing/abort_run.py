@@ -4,8 +4,8 @@
 
 SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "cpu_async_scheduling": bool,
 "requests": [engine_run request dicts], "abort": [indices into requests], "after_steps": [k, ...],
-"after": [engine_run request dicts]}. For each k of ``after_steps`` one round adds every request, runs k engine
-steps, aborts the requests of ``abort`` and runs the rest to completion; then the ``after`` requests run alone, in
+"after": [engine_run request dicts], "logprobs": n}. For each k of ``after_steps`` one round adds every request,
+runs k engine steps, aborts the requests of ``abort`` and runs the rest to completion; then the ``after`` requests run alone, in
 the slots the aborted ones left. Under async scheduling an engine step returns while the next one is queued, so an
 abort lands while the aborted request's next tree is drafted or queued. OUT: per round the outputs of the requests
 not aborted (in request order), the ``after`` outputs, and what the scheduler, the model runner and Bole's runner
@@ -25,9 +25,14 @@ def _drain(engine, wanted: set[str], outputs: dict, max_steps: int = 10_000) -> 
             return
         for out in engine.step():
             if out.finished and out.request_id in wanted:
-                c = out.outputs[0]
-                outputs[out.request_id] = {"tokens": list(c.token_ids), "finish_reason": c.finish_reason}
+                outputs[out.request_id] = _output(out)
     raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+
+
+def _output(out) -> dict:
+    c = out.outputs[0]
+    top = [{int(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
+    return {"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top}
 
 
 def held_state(llm) -> dict:
@@ -59,13 +64,12 @@ def run(spec: dict) -> dict:
     for k in spec["after_steps"]:
         ids = [f"round{k}-{i}" for i in range(len(spec["requests"]))]
         for rid, r in zip(ids, spec["requests"]):
-            engine.add_request(rid, _prompt(r), _sampling_params(SamplingParams, r, None))
+            engine.add_request(rid, _prompt(r), _sampling_params(SamplingParams, r, spec.get("logprobs")))
         outputs = {}
         for _ in range(k):
             for out in engine.step():
                 if out.finished:
-                    outputs[out.request_id] = {"tokens": list(out.outputs[0].token_ids),
-                                               "finish_reason": out.outputs[0].finish_reason}
+                    outputs[out.request_id] = _output(out)
         aborted = [ids[i] for i in spec["abort"]]
         engine.abort_request(aborted)
         kept = [rid for rid in ids if rid not in aborted]
@@ -73,7 +77,7 @@ def run(spec: dict) -> dict:
         rounds.append({"after_steps": k, "aborted": aborted, "outputs": [outputs.get(rid) for rid in kept]})
     after_ids = [f"after-{i}" for i in range(len(spec.get("after", [])))]
     for rid, r in zip(after_ids, spec.get("after", [])):
-        engine.add_request(rid, _prompt(r), _sampling_params(SamplingParams, r, None))
+        engine.add_request(rid, _prompt(r), _sampling_params(SamplingParams, r, spec.get("logprobs")))
     after = {}
     _drain(engine, set(after_ids), after)
     _drain(engine, set(), {})
