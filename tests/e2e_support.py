@@ -6,6 +6,7 @@ import os
 import random
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 def load_benchmark(name: str):
@@ -185,3 +186,20 @@ def sync_and_async_runs(tmp_path) -> dict[str, dict]:
                                             max_num_seqs=8) | {"async_scheduling": True},
                       "cpu_async_scheduling": True},
     }
+
+
+def chi_square_two_sample(a: list, b: list, min_count: int = 10) -> tuple[float, float, int]:
+    """Chi-square test of homogeneity of two samples of categories; categories with fewer than ``min_count``
+    observations in both samples together are pooled. Returns (statistic, p-value, degrees of freedom)."""
+    from scipy.stats import chi2_contingency
+
+    ca, cb = Counter(a), Counter(b)
+    keys = sorted(set(ca) | set(cb), key=str)
+    big = [k for k in keys if ca[k] + cb[k] >= min_count]
+    small = [k for k in keys if ca[k] + cb[k] < min_count]
+    table = [[ca[k] for k in big], [cb[k] for k in big]]
+    if sum(ca[k] + cb[k] for k in small) >= min_count:
+        table[0].append(sum(ca[k] for k in small))
+        table[1].append(sum(cb[k] for k in small))
+    stat, p, dof, _ = chi2_contingency(table)
+    return float(stat), float(p), int(dof)

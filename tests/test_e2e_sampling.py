@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from e2e_support import bole_engine, run_engine, write_oracle
+from e2e_support import bole_engine, chi_square_two_sample, run_engine, write_oracle
 
 pytestmark = pytest.mark.vllm
 
@@ -38,23 +38,6 @@ def _sampled_requests(prompt: list[int]) -> list[dict]:
             req["seed"] = 1000 + i
         reqs.append(req)
     return reqs
-
-
-def chi_square_two_sample(a: list, b: list, min_count: int = 10) -> tuple[float, float, int]:
-    """Chi-square test of homogeneity of two samples of categories; categories with fewer than ``min_count``
-    observations in both samples together are pooled. Returns (statistic, p-value, degrees of freedom)."""
-    from scipy.stats import chi2_contingency
-
-    ca, cb = Counter(a), Counter(b)
-    keys = sorted(set(ca) | set(cb), key=str)
-    big = [k for k in keys if ca[k] + cb[k] >= min_count]
-    small = [k for k in keys if ca[k] + cb[k] < min_count]
-    table = [[ca[k] for k in big], [cb[k] for k in big]]
-    if sum(ca[k] + cb[k] for k in small) >= min_count:
-        table[0].append(sum(ca[k] for k in small))
-        table[1].append(sum(cb[k] for k in small))
-    stat, p, dof, _ = chi2_contingency(table)
-    return float(stat), float(p), int(dof)
 
 
 @pytest.fixture(scope="module")

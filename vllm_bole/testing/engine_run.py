@@ -5,12 +5,14 @@
 SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "requests": [{"prompt": [ids],
 "max_tokens": n, "ignore_eos": bool, "temperature": t, "seed": s, "stop_token_ids": [ids], "top_k": k,
 "top_p": p, "min_p": m, "presence_penalty", "frequency_penalty", "repetition_penalty", "allowed_token_ids",
-"min_tokens", "bad_words": [strings], "logit_bias": {"id": bias}, "structured": {vLLM StructuredOutputsParams
-fields, e.g. "regex": "..."}, "images": [{"height": h, "width": w, "seed": s}]}],
+"min_tokens", "bad_words": [strings], "logit_bias": {"id": bias}, "n", "prompt_logprobs", "structured": {vLLM
+StructuredOutputsParams fields, e.g. "regex": "..."}, "images": [{"height": h, "width": w, "seed": s}]}],
 "logprobs": 2, "cpu_async_scheduling": bool}; request keys other than "prompt" and "max_tokens" are optional
 (vLLM's defaults, except ``ignore_eos`` true and ``temperature`` 0). ``images``: random-pixel images for the
 prompt's image placeholders (a vision checkpoint, ``tiny_models`` kind ``qwen3_5_vision``). Each output also
-carries the prompt's token ids as the engine saw them (``prompt_ids``: image placeholders expanded).
+carries the prompt's token ids as the engine saw them (``prompt_ids``: image placeholders expanded), every
+choice's tokens (``choices``, for ``n`` > 1) and the prompt logprobs (``prompt_logprobs``: per prompt position
+after the first, token id -> logprob).
 ``cpu_async_scheduling``: run vLLM's async scheduling on CPU (:func:`force_cpu_async_scheduling`). Each
 configuration runs in its own process (tests start one per engine), so registries and caches never leak between
 engines.
@@ -72,7 +74,7 @@ def _mamba_state_summary(llm) -> list[dict]:
 
 
 _OPTIONAL_SAMPLING = ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                      "allowed_token_ids", "min_tokens", "bad_words")
+                      "allowed_token_ids", "min_tokens", "bad_words", "n", "prompt_logprobs")
 
 
 def _sampling_params(sampling_params_cls, r: dict, logprobs):
@@ -153,8 +155,10 @@ def run(spec: dict) -> dict:
     for o in outs:
         c = o.outputs[0]
         top = [{int(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
+        prompt_top = [{int(t): lp.logprob for t, lp in step.items()} for step in (o.prompt_logprobs or [])[1:]]
         results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top,
-                        "prompt_ids": list(o.prompt_token_ids)})
+                        "prompt_ids": list(o.prompt_token_ids), "choices": [list(x.token_ids) for x in o.outputs],
+                        "prompt_logprobs": prompt_top})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
