@@ -451,7 +451,7 @@ def run_worker(args) -> None:
     from vllm import LLM, SamplingParams
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 
-    from vllm_bole.calibration.table import device_name
+    from vllm_bole.spec_decode.budget_table import device_name
     from vllm_bole.testing.greedy_check import spec_decode_counters
 
     from engine_steps import EngineSteps, combine, summarize
@@ -613,7 +613,7 @@ def _bole_graph_holders(runner) -> dict:
 
 def _bole_stand_ins(runner) -> tuple[int, int]:
     """(verification, drafter level) replays so far of a larger held graph standing in for a key not held yet
-    (``worker/verify_graphs.stand_in``); zeros for other engines."""
+    (``attention/graph_mode.stand_in``); zeros for other engines."""
     holders = _bole_graph_holders(runner)
     return tuple(h.stand_ins.replays if hasattr(h, "stand_ins") else 0 for h in (holders["verify"], holders["draft"]))
 

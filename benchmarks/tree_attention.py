@@ -59,7 +59,7 @@ from vllm_bole.attention import tree_attn_gpu  # noqa: E402
 from vllm_bole.kernels.forest import ancestor_mask  # noqa: E402
 from vllm_bole.kernels.tree_attention import triton_tree_attn  # noqa: E402
 from vllm_bole.kernels.tree_attention.triton_tree_attn import tree_attention_paged_reference  # noqa: E402
-from vllm_bole.worker.forest_context import StepForest, TreeRows, forest_scope  # noqa: E402
+from vllm_bole.step.forest import StepForest, TreeRows, forest_scope  # noqa: E402
 
 HQ, HKV, D, DTYPE = 16, 4, 256, torch.bfloat16
 SCALE = D ** -0.5

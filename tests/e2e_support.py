@@ -160,7 +160,7 @@ def tiny_budget_table(path, model_dir: str, batch_sizes=(1, 2, 4, 8, 16), nodes=
     rule must be in charge (without T_ver curves it runs as "decode"). Returns ``path``."""
     from types import SimpleNamespace
 
-    from vllm_bole.calibration.table import device_name, make_entry, model_fingerprint, write_table
+    from vllm_bole.spec_decode.budget_table import device_name, make_entry, model_fingerprint, write_table
 
     config = json.load(open(f"{model_dir}/config.json"))
     text = config.get("text_config", config)

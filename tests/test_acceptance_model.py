@@ -8,7 +8,7 @@ import random
 import pytest
 
 from forest_shapes import full_tree
-from vllm_bole.calibration.table import ModelBudgets
+from vllm_bole.spec_decode.budget_table import ModelBudgets
 from vllm_bole.spec_decode.acceptance_model import (DECAY, WALKS_PER_DECAY, AcceptanceModel, best_first_curve,
                                                     child_probability)
 from vllm_bole.spec_decode.queued_drafts import quotas_of
@@ -216,7 +216,7 @@ def test_probes_find_a_rest_that_grows_with_the_trees(lag):
 
 
 def test_throughput_rule_in_node_budget(tmp_path, monkeypatch):
-    from vllm_bole.calibration.table import write_table
+    from vllm_bole.spec_decode.budget_table import write_table
     from vllm_bole.config import parse_bole_config
     from vllm_bole.spec_decode import budget as budget_mod
 

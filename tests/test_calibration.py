@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_bole.calibration.drafter import max_shape_nodes, shape_parents
-from vllm_bole.calibration.table import (ModelBudgets, budget_from_curve, device_name, make_entry,
+from vllm_bole.spec_decode.budget_table import (ModelBudgets, budget_from_curve, device_name, make_entry,
                                          model_fingerprint, read_table, select_model, write_table)
 from vllm_bole.config import parse_bole_config
 from vllm_bole.spec_decode import budget as budget_mod
@@ -328,7 +328,7 @@ def test_table_for_another_model_uses_the_default(tmp_path, fresh_tables, caplog
 
 
 def test_env_names_the_default_table(tmp_path, monkeypatch):
-    from vllm_bole.calibration.table import default_table_path
+    from vllm_bole.spec_decode.budget_table import default_table_path
 
     monkeypatch.setenv("VLLM_BOLE_BUDGET_TABLE", str(tmp_path / "x.json"))
     cfg, _ = parse_bole_config({"method": "bole"})

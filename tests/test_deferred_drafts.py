@@ -146,7 +146,7 @@ def test_contexts_are_built_when_read_and_frozen_at_the_step():
 def test_queued_trees_map_to_the_drafting_steps_requests():
     """The drafter's trees come per request of its step, the queued rows only for the requests that drafted."""
     from vllm_bole.spec_decode.queued_drafts import QueuedDrafts
-    from vllm_bole.worker.forest_context import StepForest
+    from vllm_bole.step.forest import StepForest
 
     runner = _runner()
     runner.input_batch = SimpleNamespace(req_ids=["b", "c"])

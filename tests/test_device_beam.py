@@ -15,7 +15,7 @@ from vllm_bole.spec_decode.drafter import DraftStep
 from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
 from vllm_bole.spec_decode.tree import DraftTree, select_step, selection_floors
-from vllm_bole.worker.forest_context import DeviceTreeRows
+from vllm_bole.step.forest import DeviceTreeRows
 
 PROBS = np.array([0.5, 0.25, 0.125, 0.0625])
 
@@ -138,7 +138,7 @@ def test_selection_alive_matches_host_floors(seed):
 
 @pytest.mark.parametrize("cols,words", [(1, 1), (5, 1), (31, 1), (32, 1), (33, 2), (64, 3)])
 def test_pack_bits_is_the_host_layout(cols, words):
-    from vllm_bole.worker.forest_context import TreeRows
+    from vllm_bole.step.forest import TreeRows
 
     mask = torch.rand(7, cols) < 0.5
     host = DeviceTreeRows.pack([TreeRows(req_index=0, row_start=0, region_mask=mask)], "cpu", words=words)

@@ -7,7 +7,7 @@ import torch
 from forest_shapes import SHAPES, make_tree
 from sequential_gdn import seed_of
 from vllm_bole.kernels.forest import ancestor_mask
-from vllm_bole.worker.forest_context import DeviceTreeRows, StepForest, TreeRows, ancestor_masks
+from vllm_bole.step.forest import DeviceTreeRows, StepForest, TreeRows, ancestor_masks
 
 
 def test_forest_masks_match_per_tree_masks():

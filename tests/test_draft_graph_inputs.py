@@ -13,7 +13,7 @@ from vllm.config import CUDAGraphMode
 from vllm_bole.spec_decode.device_beam import pack_bits
 from vllm_bole.spec_decode.draft_graphs import DraftGraphs
 from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
-from vllm_bole.worker.forest_context import DeviceTreeRows, TreeRows
+from vllm_bole.step.forest import DeviceTreeRows, TreeRows
 
 
 def _graphs(k=2, depth=3, max_reqs=8):
@@ -106,11 +106,11 @@ def test_a_new_level_size_replays_a_held_larger_graph_until_it_recurs(monkeypatc
     request with a few more tokens (its extra rows with KV slot -1), and gets its own at the CAPTURE_AFTER-th
     occurrence once the stand-ins' padding has cost CAPTURE_COST_STEPS (here: one step, every row counted and
     nothing else)."""
-    from vllm_bole.worker import verify_graphs
+    from vllm_bole.attention import graph_mode
 
-    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 2)
+    monkeypatch.setattr(graph_mode, "CAPTURE_AFTER", 2)
     for name, value in (("FLAT_ROWS", 0), ("FIXED_ROWS", 0), ("MAX_PAD_COST", 2.0), ("CAPTURE_COST_STEPS", 1.0)):
-        monkeypatch.setattr(verify_graphs, name, value)
+        monkeypatch.setattr(graph_mode, name, value)
     k = 2
     graphs, snapshots, captures = _graphs(k)
     slots = graphs.drafter.proposer._slot_mapping_buffer

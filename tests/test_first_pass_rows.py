@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
-from vllm_bole.worker.forest_context import DeviceTreeRows, StepForest, flat_forest
+from vllm_bole.step.forest import DeviceTreeRows, StepForest, flat_forest
 
 TREES = [[-1, 0, 0], [-1], [-1, 0, 1, 1, 0]]     # verification trees: node 0 the root
 SEQ_LENS = [40, 7, 300]                          # prefix + tree size, per tree

@@ -16,7 +16,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm_bole.attention.tree_attn_cpu import CPUPagedKV  # noqa: E402
 from vllm_bole.kernels.tree_attention.reference import FlashPagedKV, compact_kv, tree_attention  # noqa: E402
 from vllm_bole.worker import kv_compaction  # noqa: E402
-from vllm_bole.worker.forest_context import StepForest  # noqa: E402
+from vllm_bole.step.forest import StepForest  # noqa: E402
 from vllm_bole.worker.kv_compaction import accepted_slot_moves  # noqa: E402
 
 

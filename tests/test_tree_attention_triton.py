@@ -17,7 +17,7 @@ from sequential_gdn import build_forest, rel_err, seed_of
 from triton_modes import DEV, GPU, import_kernel_modules
 from vllm_bole.kernels.forest import ancestor_mask, path_to_root
 from vllm_bole.kernels.tree_attention.reference import FlashPagedKV, paged_prefix_attention
-from vllm_bole.worker.forest_context import DeviceTreeRows, TreeRows
+from vllm_bole.step.forest import DeviceTreeRows, TreeRows
 
 FP32_TOL = 1e-4
 BF16_TOL = 2e-2

@@ -27,7 +27,7 @@ from sequential_gdn import rel_err, seed_of  # noqa: E402
 from vllm_bole.attention import tree_attn_gpu  # noqa: E402
 from vllm_bole.kernels.forest import ancestor_mask  # noqa: E402
 from vllm_bole.kernels.tree_attention.reference import FlashPagedKV, paged_tree_attention  # noqa: E402
-from vllm_bole.worker.forest_context import StepForest, TreeRows, forest_scope  # noqa: E402
+from vllm_bole.step.forest import StepForest, TreeRows, forest_scope  # noqa: E402
 
 HQ, HKV, D, DTYPE, TOL = (16, 4, 256, torch.bfloat16, 2e-2) if GPU else (4, 2, 16, torch.float32, 1e-4)
 

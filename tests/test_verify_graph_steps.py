@@ -9,8 +9,9 @@ import pytest
 import torch
 from vllm.config import CUDAGraphMode
 
+from vllm_bole.attention import graph_mode
 from vllm_bole.worker import verify_graphs
-from vllm_bole.worker.forest_context import StepForest
+from vllm_bole.step.forest import StepForest
 
 
 class _Scratch:
@@ -205,9 +206,9 @@ def test_a_new_token_count_replays_a_held_larger_graph_until_it_recurs(monkeypat
     24-row graph), it gets its own graph; a held graph that would cost more than MAX_PAD_COST (here 2) stands in
     for nothing."""
     graphs, runner, context, seen, current = _setup(monkeypatch)
-    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 3)
+    monkeypatch.setattr(graph_mode, "CAPTURE_AFTER", 3)
     for name, value in (("FLAT_ROWS", 0), ("FIXED_ROWS", 0), ("MAX_PAD_COST", 2.0), ("CAPTURE_COST_STEPS", 1.0)):
-        monkeypatch.setattr(verify_graphs, name, value)
+        monkeypatch.setattr(graph_mode, name, value)
     runner.bole_config.max_nodes_per_request = 32
     ids = torch.zeros(64, dtype=torch.long)
     slots = runner.input_batch.block_table[0].slot_mapping.gpu
@@ -262,7 +263,7 @@ def test_stand_in_keeps_requests_bound_and_route():
     MAX_PAD_COST: any size up to 304 rows for a step of at most 128 (a forward that reads the weights once costs the
     same), about half again as many rows above (a fixed part of the forward worth 224 rows)."""
     held = [(32, 4, False, 8), (40, 4, False, 16), (40, 8, False, 8), (48, 4, True, 8), (64, 4, False, 8)]
-    stand_in = verify_graphs.stand_in
+    stand_in = graph_mode.stand_in
     assert stand_in((24, 4, False, 8), held, 100) == (32, 4, False, 8)
     assert stand_in((32, 4, False, 8), [(32, 4, False, 8), (16, 4, False, 8)], 100) is None   # larger keys only
     assert stand_in((40, 4, False, 8), held, 100) == (64, 4, False, 8)
@@ -282,7 +283,7 @@ def test_wider_stand_ins_take_larger_buckets_and_bounds():
     costs kernel work, empty requests and rows below 128 do not), then the fewest tokens, the smaller bound, the
     smaller bucket; never a smaller bucket or bound, never more than twice, never the key itself."""
     held = [(32, 8, False, 8), (32, 4, False, 16), (40, 4, False, 8), (32, 16, False, 8), (32, 4, False, 32)]
-    stand_in = verify_graphs.stand_in
+    stand_in = graph_mode.stand_in
     assert stand_in((32, 4, False, 8), held, 100) == (40, 4, False, 8)               # same bucket and bound only
     assert stand_in((32, 4, False, 8), held, 100, wider=True) == (32, 8, False, 8)   # as many rows, the same bound
     assert stand_in((32, 4, False, 8), held[1:], 100, wider=True) == (40, 4, False, 8)   # more rows cost nothing here
@@ -295,8 +296,8 @@ def test_wider_stand_ins_take_larger_buckets_and_bounds():
 
 
 def test_padding_cost_counts_rows_above_the_flat_region():
-    cost = verify_graphs.padding_cost
-    assert (verify_graphs.FLAT_ROWS, verify_graphs.FIXED_ROWS) == (128, 224)
+    cost = graph_mode.padding_cost
+    assert (graph_mode.FLAT_ROWS, graph_mode.FIXED_ROWS) == (128, 224)
 
     def rows(a, b):
         return cost((a, 4, False, 8), (b, 4, False, 8))
@@ -305,7 +306,7 @@ def test_padding_cost_counts_rows_above_the_flat_region():
     assert rows(96, 192) == pytest.approx(64 / 352) and rows(192, 288) == pytest.approx(96 / 416)
     assert rows(160, 352) == 0.5 and rows(512, 768) == pytest.approx(256 / 736)
     assert cost((64, 4, False, 8), (64, 8, False, 8)) == 0.0    # empty requests
-    assert cost((64, 4, False, 8), (64, 4, False, 16)) == verify_graphs.WIDER_BOUND_COST == 0.05
+    assert cost((64, 4, False, 8), (64, 4, False, 16)) == graph_mode.WIDER_BOUND_COST == 0.05
 
 
 def test_stand_ins_capture_once_their_padding_costs_a_capture(monkeypatch):
@@ -313,29 +314,29 @@ def test_stand_ins_capture_once_their_padding_costs_a_capture(monkeypatch):
     adds up to CAPTURE_COST_STEPS of its own steps: at once when nothing larger is held, never while a held graph
     pads it within the flat region, after 16 occurrences under a graph that costs half a step more, and never while
     the holder is full."""
-    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 3)
-    assert verify_graphs.CAPTURE_COST_STEPS == 8.0
+    monkeypatch.setattr(graph_mode, "CAPTURE_AFTER", 3)
+    assert graph_mode.CAPTURE_COST_STEPS == 8.0
     held = {(128, 4, False, 8): None, (352, 4, False, 8): None}
-    stand_ins = verify_graphs.StandIns()
+    stand_ins = graph_mode.StandIns()
     assert stand_ins.pick((384, 4, False, 8), held, 100, 384) is None             # nothing larger held
     for _ in range(100):                                                          # 64 rows under 128: free
         assert stand_ins.pick((64, 4, False, 8), held, 100, 384) == (128, 4, False, 8)
     picks = [stand_ins.pick((160, 4, False, 8), held, 100, 384) for _ in range(16)]
     assert picks[:15] == [(352, 4, False, 8)] * 15 and picks[15] is None   # 16 x 0.5 steps: the price of a capture
     assert stand_ins.replays == 115 and stand_ins.cost[(160, 4, False, 8)] == 8.0
-    full = verify_graphs.StandIns()
+    full = graph_mode.StandIns()
     assert all(full.pick((160, 4, False, 8), held, 100, 2) == (352, 4, False, 8) for _ in range(40))
-    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 1)   # stand-ins off, but for a full holder
-    assert verify_graphs.StandIns().pick((160, 4, False, 8), held, 100, 384) is None
-    assert verify_graphs.StandIns().pick((160, 4, False, 8), held, 100, 2) == (352, 4, False, 8)
+    monkeypatch.setattr(graph_mode, "CAPTURE_AFTER", 1)   # stand-ins off, but for a full holder
+    assert graph_mode.StandIns().pick((160, 4, False, 8), held, 100, 384) is None
+    assert graph_mode.StandIns().pick((160, 4, False, 8), held, 100, 2) == (352, 4, False, 8)
 
 
 def test_capture_after_one_captures_every_new_key_at_once(monkeypatch):
     """With VLLM_BOLE_CAPTURE_AFTER=1 the stand-ins are off: a step of fewer tokens gets its own graph even where
     a larger held one would fit (without the variable a key waits for its third occurrence)."""
     if "VLLM_BOLE_CAPTURE_AFTER" not in os.environ:
-        assert verify_graphs.CAPTURE_AFTER == 3
-    monkeypatch.setattr(verify_graphs, "CAPTURE_AFTER", 1)
+        assert graph_mode.CAPTURE_AFTER == 3
+    monkeypatch.setattr(graph_mode, "CAPTURE_AFTER", 1)
     graphs, runner, context, seen, current = _setup(monkeypatch)
     runner.bole_config.max_nodes_per_request = 32
     for rows in (24, 16):
@@ -355,9 +356,9 @@ def test_capture_after_one_captures_every_new_key_at_once(monkeypatch):
 def test_a_bad_capture_after_is_a_one_line_error(monkeypatch, value):
     monkeypatch.setenv("VLLM_BOLE_CAPTURE_AFTER", value)
     with pytest.raises(ValueError, match="^VLLM_BOLE_CAPTURE_AFTER must be a positive integer") as e:
-        verify_graphs.capture_after_from_env()
+        graph_mode.capture_after_from_env()
     assert "\n" not in str(e.value)
     monkeypatch.setenv("VLLM_BOLE_CAPTURE_AFTER", "5")
-    assert verify_graphs.capture_after_from_env() == 5
+    assert graph_mode.capture_after_from_env() == 5
     monkeypatch.delenv("VLLM_BOLE_CAPTURE_AFTER")
-    assert verify_graphs.capture_after_from_env() == 3
+    assert graph_mode.capture_after_from_env() == 3

@@ -10,16 +10,15 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import BoleConfigError
+from .spec_decode.synthetic import parse_synthetic
+
 BOLE_METHOD = "bole"
 BUDGET_RULES = ("decode", "step", "throughput")
 SELECTIONS = ("per_request", "global")
 ADDITIONAL_CONFIG_KEY = "bole"
 # Keys vLLM's SpeculativeConfig accepts next to a Bole method and that Bole passes through unchanged.
 _PASSTHROUGH_KEYS = {"draft_tensor_parallel_size", "max_model_len", "disable_by_batch_size"}
-
-
-class BoleConfigError(ValueError):
-    """A bad value in ``speculative_config``; the message names the field and what is allowed."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +118,6 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if not isinstance(drafter_args, dict):
         raise BoleConfigError(f"speculative_config.drafter_args must be a dict, got {type(drafter_args).__name__}")
     synthetic = spec.get("synthetic_acceptance")
-    from .spec_decode.synthetic import parse_synthetic
-
     parse_synthetic(synthetic)  # validate here, where the user's config is read
     cuda_graphs = spec.get("cuda_graphs", True)
     if not isinstance(cuda_graphs, bool):

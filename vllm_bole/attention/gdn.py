@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from .. import kernels
 from ..kernels.reference import TreeFactors
-from ..worker.forest_context import current_forest
+from ..step.forest import current_forest
 
 
 def conv_state_view(layer) -> torch.Tensor:

@@ -28,7 +28,7 @@ from vllm.v1.attention.backends import fa_utils
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
 from ..kernels.tree_attention import triton_tree_attn
-from ..worker.forest_context import current_forest
+from ..step.forest import current_forest
 
 # Both routes are exact. VLLM_BOLE_INLINE_PREFIX_MAX_SEQ replaces the rule by one threshold on the longest
 # sequence (tests use 0 to run the prefix pass on short models).

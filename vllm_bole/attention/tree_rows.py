@@ -2,7 +2,7 @@
 layout)."""
 
 from ..kernels.tree_attention.reference import paged_tree_attention
-from ..worker.forest_context import current_forest
+from ..step.forest import current_forest
 
 
 def redo_tree_rows(paged_view, kv_cache, query, output, attn_metadata, num_heads, head_size, scale) -> None:

@@ -7,7 +7,7 @@ Starts one in-process engine with the Bole speculative config to be served (``--
 and topk bound the nodes per request), times the target forward of verification steps of N nodes against the
 plain decode step for every batch size and KV length (see :mod:`vllm_bole.calibration.sweep`), merges
 B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec} into the table that ``budget: "auto"`` reads (``--out``; schema
-in :mod:`vllm_bole.calibration.table`), prints a summary and saves a plot of T_ver(N)/T_dec when matplotlib is
+in :mod:`vllm_bole.spec_decode.budget_table`), prints a summary and saves a plot of T_ver(N)/T_dec when matplotlib is
 installed. Pass the engine settings you serve with (``--engine-args``: CUDA-graph sizes, dtype, ...): they are
 part of what is measured.
 """
@@ -18,7 +18,7 @@ import os
 import sys
 
 from .sweep import DEFAULT_NODES, SweepPlan
-from .table import default_table_path
+from ..spec_decode.budget_table import default_table_path
 
 
 def _ints(text: str) -> list[int]:

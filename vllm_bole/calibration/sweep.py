@@ -21,7 +21,7 @@ from ..logger import init_logger
 from ..spec_decode.budget import reload_budget_tables
 from ..spec_decode.synthetic import SyntheticAcceptance
 from .drafter import FixedShapeDrafter, max_shape_nodes
-from .table import device_name, make_entry, model_fingerprint, write_table
+from ..spec_decode.budget_table import device_name, make_entry, model_fingerprint, write_table
 
 logger = init_logger(__name__)
 

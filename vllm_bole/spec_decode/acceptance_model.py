@@ -22,7 +22,7 @@ import heapq
 import numpy as np
 import torch
 
-from ..worker.host_copy import HostCopy
+from ..step.host_copy import HostCopy
 from .tree import children_of
 
 DECAY = 0.98

@@ -25,10 +25,10 @@ from vllm.config import CUDAGraphMode
 from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
+from ..attention.graph_mode import GraphStep, capture
 from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
-from ..worker.forest_context import DeviceTreeRows, StepForest
-from ..worker.verify_graphs import GraphStep, capture
+from ..step.forest import DeviceTreeRows, StepForest
 from .device_beam import BeamState, LevelPlan, request_rows, selection_alive
 
 logger = init_logger(__name__)

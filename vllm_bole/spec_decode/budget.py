@@ -3,7 +3,7 @@
 ``budget`` is an int, or ``"auto"``: the calibrated B_ver for this model, GPU, batch size and (when the caller
 knows it) context length, read once per process from the table written by ``vllm-bole calibrate`` (path:
 ``budget_table`` in the speculative config, else ``$VLLM_BOLE_BUDGET_TABLE``, else
-``~/.cache/vllm-bole/budget_table.json``; see :mod:`vllm_bole.calibration.table`). Without a usable table it
+``~/.cache/vllm-bole/budget_table.json``; see :mod:`vllm_bole.spec_decode.budget_table`). Without a usable table it
 logs one warning saying why and uses :data:`DEFAULT_AUTO_BUDGET`.
 
 ``budget_rule``: ``"decode"`` uses the table's B_ver, the largest N with T_ver(N) <= (1+eps) T_dec:
@@ -34,7 +34,7 @@ from vllm.utils.math_utils import next_power_of_2
 
 from ..logger import init_logger
 
-from ..calibration.table import default_table_path, device_name, model_fingerprint, read_table, select_model
+from .budget_table import default_table_path, device_name, model_fingerprint, read_table, select_model
 
 logger = init_logger(__name__)
 

@@ -23,8 +23,8 @@ from vllm.utils.math_utils import cdiv
 from vllm.utils.torch_utils import async_tensor_h2d
 
 from ..kernels import _use_triton
-from ..worker.forest_context import TreeRows
-from ..worker.host_copy import HostCopy
+from ..step.forest import TreeRows
+from ..step.host_copy import HostCopy
 from .tree import DraftTree
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import BoleConfigError
+from ..errors import BoleConfigError
 from ..logger import init_logger
 
 logger = init_logger(__name__)

@@ -22,7 +22,7 @@ from vllm.v1.utils import record_function_or_nullcontext
 
 from ..kernels.tree_select.top_children import top_children
 from ..logger import init_logger
-from ..worker.forest_context import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
+from ..step.forest import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
 from .device_beam import request_rows
 from .drafter import DraftStep, TreeDrafter, drafting
 from .synthetic import parse_synthetic

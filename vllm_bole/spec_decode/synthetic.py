@@ -14,6 +14,7 @@ probability order.
 import random
 from dataclasses import dataclass, field
 
+from ..errors import BoleConfigError
 from .tree import children_of
 
 # Per-position acceptance of a strong MTP chain (Qwen3.6-27B recipe), then 0.3.
@@ -76,8 +77,6 @@ class SyntheticAcceptance:
 def parse_synthetic(value) -> SyntheticAcceptance | None:
     """From ``speculative_config["synthetic_acceptance"]``: false/None, true (defaults) or
     ``{"rates": [...], "sibling_rates": [...], "seed": int}``."""
-    from ..config import BoleConfigError
-
     if value in (None, False):
         return None
     if value is True:

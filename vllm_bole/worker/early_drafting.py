@@ -22,7 +22,7 @@ from ..logger import init_logger
 from ..spec_decode.device_walk import greedy_walk, synthetic_targets
 from ..spec_decode.drafter import DraftStep
 from ..spec_decode.tree_sampler import draw_tree_rows, is_plain_greedy, is_plain_random, tree_rows_supported
-from .host_copy import HostCopy
+from ..step.host_copy import HostCopy
 from .kv_compaction import compact_accepted_kv
 from .scheduler import Placeholders
 

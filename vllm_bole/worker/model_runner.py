@@ -37,7 +37,7 @@ from ..spec_decode.tree_sampler import (SeededDraws, builtin_logitsprocs, draw_t
                                         is_plain_random, pad_outputs, processed_tree_rows, row_depths,
                                         sample_tree_rows, tree_rows_supported, walk_tree, walks_tree)
 from . import early_drafting
-from .forest_context import StepForest, set_current_forest
+from ..step.forest import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 from .scheduler import Placeholders
 from .step_profile import StepProfiler, profiled

@@ -54,7 +54,7 @@ def paged_tree_attention(paged, q, out, seq_lens, block_table, tree_rows, scale,
     """Writes every tree row's attention into ``out`` (``[N, Hq, d]``, rows of q).
 
     tree_rows: objects with ``req_index`` (row of ``block_table`` / ``seq_lens``), ``row_start`` and
-    ``region_mask`` ``[n_rows, T]`` (see ``worker.forest_context.TreeRows``); request positions
+    ``region_mask`` ``[n_rows, T]`` (see ``step.forest.TreeRows``); request positions
     ``seq_len - T .. seq_len - 1`` are the region. ``non_causal_only`` skips the rows a causal kernel already
     got right. seq_lens: host list.
     """

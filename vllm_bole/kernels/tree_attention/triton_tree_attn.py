@@ -6,7 +6,7 @@ Cache layout: vLLM 0.26's FlashAttention cache, logically ``[num_blocks, num_kv_
 (any permutation or padding); the kernels take them as arguments. A slot is ``block * block_size + offset``
 (vLLM's ``slot_mapping``); block tables map a request's position ``p`` to block ``table[p // block_size]``.
 
-Tree rows (built once per forward by ``worker.forest_context.DeviceTreeRows``): tree request i has
+Tree rows (built once per forward by ``step.forest.DeviceTreeRows``): tree request i has
 ``meta[i] = (batch index b, first query row, rows n, region length T, first row of bits)``. Its positions
 ``seq_lens[b] - T .. seq_lens[b] - 1`` are its region (K/V already in the cache), the positions before them
 its committed prefix, and its n query rows are the region's last n positions. Query row r sees region key j
