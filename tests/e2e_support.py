@@ -9,6 +9,8 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
+from vllm_bole import envs
+
 def load_benchmark(name: str):
     """A script of ``benchmarks/`` as a module (they are not a package)."""
     from pathlib import Path
@@ -29,7 +31,7 @@ def assert_graphs_used(out: dict, drafter: bool = False, stand_ins: bool = False
     its lossless check covered them), and with ``drafter`` the MTP drafter's level graphs too (and the whole-level
     graphs of its device-grown levels, when those are on). ``stand_ins``: with ``VLLM_BOLE_CAPTURE_AFTER`` set
     above 1000 (new shapes replay a held larger graph whenever one fits), some step or level must have done so."""
-    if os.environ.get("VLLM_BOLE_TEST_CUDA_GRAPHS") != "1":
+    if not envs.VLLM_BOLE_TEST_CUDA_GRAPHS:
         return
     import torch
 
@@ -39,7 +41,7 @@ def assert_graphs_used(out: dict, drafter: bool = False, stand_ins: bool = False
         assert not drafter or graphs.get("draft_replays", 0) > 0, f"no drafter level ran from a CUDA graph: {graphs}"
         if drafter and "beam_replays" in graphs:   # device-grown levels: whole levels replayed
             assert graphs["beam_replays"] > 0, f"no device-grown level ran from a CUDA graph: {graphs}"
-        if stand_ins and int(os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "0")) > 1000:
+        if stand_ins and envs.VLLM_BOLE_CAPTURE_AFTER > 1000:
             used = graphs.get("stand_in_replays", 0) + graphs.get("draft_stand_in_replays", 0)
             assert used > 0, f"no step ran from a larger shape's graph: {graphs}"
 

@@ -6,12 +6,12 @@ occur; the MTP drafter runs the real product path.
 """
 
 import json
-import os
 
 import pytest
 
 from e2e_support import (assert_graphs_used, assert_lossless, assert_same_logprobs, bole_engine,
                           random_requests, run_engine, tiny_budget_table, write_oracle)
+from vllm_bole import envs
 
 pytestmark = pytest.mark.vllm
 
@@ -127,7 +127,7 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     assert (out["first_pass_steps"] > 0) == first_pass, out["first_pass_steps"]
     # ... and then queues the levels and the commit before the walk too (device walk, device level plan)
     assert (out["early_draft_steps"] > 0) == first_pass, out["early_draft_steps"]
-    if os.environ.get("VLLM_BOLE_HOST_DRAFT_LEVELS") != "1":
+    if not envs.VLLM_BOLE_HOST_DRAFT_LEVELS:
         assert out["device_levels"], "the MTP drafter grew no level on the device"
     assert counters["mean_acceptance_length"] > 1.5, counters
 

@@ -17,7 +17,7 @@ TIERS = {
     "plugin": 6, "cli": 6, "calibration": 6, "testing": 6, "__init__": 6,
 }
 # Importable from every tier; they import nothing else of the package.
-BASE = {"logger", "errors", "_vllm_compat"}
+BASE = {"logger", "errors", "envs", "_vllm_compat"}
 
 
 def _part(module: str) -> str:

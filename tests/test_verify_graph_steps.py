@@ -9,9 +9,10 @@ import pytest
 import torch
 from vllm.config import CUDAGraphMode
 
+from vllm_bole import envs
 from vllm_bole.attention import graph_mode
-from vllm_bole.worker import verify_graphs
 from vllm_bole.step.forest import StepForest
+from vllm_bole.worker import verify_graphs
 
 
 class _Scratch:
@@ -356,9 +357,9 @@ def test_capture_after_one_captures_every_new_key_at_once(monkeypatch):
 def test_a_bad_capture_after_is_a_one_line_error(monkeypatch, value):
     monkeypatch.setenv("VLLM_BOLE_CAPTURE_AFTER", value)
     with pytest.raises(ValueError, match="^VLLM_BOLE_CAPTURE_AFTER must be a positive integer") as e:
-        graph_mode.capture_after_from_env()
+        envs.VLLM_BOLE_CAPTURE_AFTER
     assert "\n" not in str(e.value)
     monkeypatch.setenv("VLLM_BOLE_CAPTURE_AFTER", "5")
-    assert graph_mode.capture_after_from_env() == 5
+    assert envs.VLLM_BOLE_CAPTURE_AFTER == 5
     monkeypatch.delenv("VLLM_BOLE_CAPTURE_AFTER")
-    assert graph_mode.capture_after_from_env() == 3
+    assert envs.VLLM_BOLE_CAPTURE_AFTER == 3

@@ -8,9 +8,10 @@ imports pointed at Triton they load standalone (also where vLLM's CPU build stub
 
 import importlib
 import importlib.util
-import os
 import re
 from pathlib import Path
+
+from vllm_bole import envs
 
 _CACHE = Path(__file__).parent / ".cache" / "vllm_fla"
 _IMPORTS = {
@@ -20,7 +21,7 @@ _IMPORTS = {
 
 
 def _source_dir():
-    folder = os.environ.get("BOLE_VLLM_FLA_DIR")
+    folder = envs.BOLE_VLLM_FLA_DIR
     if folder:
         return Path(folder)
     try:

@@ -4,29 +4,20 @@
 drafter's catch-up (``spec_decode/draft_graphs.py``) and its tree levels (``spec_decode/beam_graphs.py``).
 """
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from unittest.mock import patch
 
 import torch
 
+from .. import envs
 from .tree_attn_gpu import reads_prefix_itself
-
-
-def capture_after_from_env() -> int:
-    """``VLLM_BOLE_CAPTURE_AFTER`` as a positive integer (default 3), or a one-line error naming it."""
-    value = os.environ.get("VLLM_BOLE_CAPTURE_AFTER", "3")
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ValueError(f"VLLM_BOLE_CAPTURE_AFTER must be a positive integer (1: capture every new graph shape at "
-                         f"once), got {value!r}")
-    return int(value)
 
 
 # The fewest occurrences of a key not yet held before it is captured; the ones before replay a larger held graph
 # (:func:`stand_in`). 1 captures every new key at once (no stand-ins). ``tests/test_e2e_lossless.py`` forces
 # stand-ins with ``VLLM_BOLE_CAPTURE_AFTER`` above 1000 and checks that a step used one.
-CAPTURE_AFTER = capture_after_from_env()
+CAPTURE_AFTER = envs.VLLM_BOLE_CAPTURE_AFTER
 # Past CAPTURE_AFTER, a key is captured once the extra rows its stand-ins ran add up to this many of its own steps
 # (:func:`padding_cost`; rent until the rent paid equals the price): a capture costs an eager run, a synchronize
 # and the capture itself, 50-150 ms at 9B shapes on an H200, about 5-10 steps of 10-25 ms.

@@ -19,7 +19,6 @@ When every row of the batch is a tree row, vLLM's causal pass is skipped; otherw
 step) it runs first, and the tree kernel overwrites the tree rows.
 """
 
-import os
 
 import torch
 from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
@@ -27,13 +26,14 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends import fa_utils
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
+from .. import envs
 from ..kernels.tree_attention import triton_tree_attn
 from ..step.forest import current_forest
 
 # Both routes are exact. VLLM_BOLE_INLINE_PREFIX_MAX_SEQ replaces the rule by one threshold on the longest
 # sequence (tests use 0 to run the prefix pass on short models).
-_FORCED_MAX_SEQ = os.environ.get("VLLM_BOLE_INLINE_PREFIX_MAX_SEQ")
-INLINE_PREFIX_MAX_SEQ = int(_FORCED_MAX_SEQ or 512)
+_FORCED_MAX_SEQ = envs.VLLM_BOLE_INLINE_PREFIX_MAX_SEQ
+INLINE_PREFIX_MAX_SEQ = 512 if _FORCED_MAX_SEQ is None else _FORCED_MAX_SEQ
 INLINE_MAX_TREE_ROWS = 2048
 
 

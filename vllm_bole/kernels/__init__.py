@@ -3,16 +3,15 @@
 ``VLLM_BOLE_KERNELS=reference`` forces the reference on CUDA too (debugging, bisecting a mismatch).
 """
 
-import os
-
 import torch
 
+from .. import envs
 from . import reference
 from .reference import TreeFactors
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("VLLM_BOLE_KERNELS", "triton") != "reference"
+    return t.is_cuda and envs.VLLM_BOLE_KERNELS != "reference"
 
 
 def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,

@@ -39,17 +39,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import envs
+
 TABLE_FORMAT = "vllm-bole-budget-table"
 TABLE_VERSION = 1
-TABLE_ENV = "VLLM_BOLE_BUDGET_TABLE"
 _KEY = ("fingerprint", "gpu", "batch_size", "kv_len")
 
 
 def default_table_path() -> Path:
     """``$VLLM_BOLE_BUDGET_TABLE``, else ``budget_table.json`` in ``$VLLM_BOLE_CACHE`` or ``~/.cache/vllm-bole``."""
-    if os.environ.get(TABLE_ENV):
-        return Path(os.environ[TABLE_ENV])
-    return Path(os.environ.get("VLLM_BOLE_CACHE") or Path.home() / ".cache" / "vllm-bole") / "budget_table.json"
+    if envs.VLLM_BOLE_BUDGET_TABLE:
+        return Path(envs.VLLM_BOLE_BUDGET_TABLE)
+    return Path(envs.VLLM_BOLE_CACHE or Path.home() / ".cache" / "vllm-bole") / "budget_table.json"
 
 
 def model_fingerprint(model_config) -> str:

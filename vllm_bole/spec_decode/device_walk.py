@@ -10,10 +10,11 @@ once per tree level (tens of tiny ops; the host walk instead copies every row's 
 GPU, given a bound on the trees' sizes, one Triton launch does the same (``kernels/tree_walk/triton_walk.py``).
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ..kernels import _use_triton
 
 
 @dataclass
@@ -60,7 +61,7 @@ def synthetic_targets(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: to
     ranks = 1 + len(synthetic.sibling_rates)
     first, siblings = _synthetic_rates(synthetic, max_depth, device)
     u = torch.rand(n, ranks, generator=generator, device=device)
-    if max_nodes is not None and parent.is_cuda and os.environ.get("VLLM_BOLE_KERNELS", "triton") != "reference":
+    if max_nodes is not None and _use_triton(parent):
         from ..kernels.tree_walk import triton_walk
 
         if max_nodes <= triton_walk.MAX_TREE_NODES:
@@ -121,7 +122,7 @@ def greedy_walk(argmax: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor
     not ``argmax`` (synthetic targets match children only). ``max_nodes``: a host bound on any tree's size; with
     it, CUDA tensors take the one-launch Triton walk (``kernels/tree_walk/triton_walk.py``), else this one."""
     bonus = argmax if bonus is None else bonus
-    if (max_nodes is not None and parent.is_cuda and os.environ.get("VLLM_BOLE_KERNELS", "triton") != "reference"):
+    if max_nodes is not None and _use_triton(parent):
         from ..kernels.tree_walk.triton_walk import MAX_TREE_NODES, tree_walk
 
         if max_nodes <= MAX_TREE_NODES:

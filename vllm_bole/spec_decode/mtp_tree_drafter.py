@@ -11,7 +11,6 @@ best ones within the per-request and per-step budgets. The levels grow on the de
 """
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +19,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.utils import record_function_or_nullcontext
 
+from .. import envs
 from ..kernels.tree_select.top_children import top_children
 from ..logger import init_logger
 from ..step.forest import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
@@ -100,7 +100,7 @@ class MTPTreeDrafter(TreeDrafter):
         # Tree levels grown on the device (spec_decode/device_beam.py); VLLM_BOLE_HOST_DRAFT_LEVELS=1 grows them
         # with host bookkeeping instead (a copy of every level's top children to the host).
         self.beam = None
-        if os.environ.get("VLLM_BOLE_HOST_DRAFT_LEVELS", "0") != "1":
+        if not envs.VLLM_BOLE_HOST_DRAFT_LEVELS:
             from .device_beam import DeviceBeam
 
             self.beam = DeviceBeam(self)

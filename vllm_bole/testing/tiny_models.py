@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from .. import envs
+
 KINDS = ("qwen3_5", "qwen3_5_vision", "qwen3_next")
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
@@ -677,10 +679,10 @@ def engine_kwargs(kind: str = "qwen3_5") -> dict:
     if torch.cuda.is_available():
         # The GPU bundle has no FlashInfer, which vLLM would pick for GDN prefill on Hopper.
         kwargs["additional_config"] = {"gdn_prefill_backend": "triton"}
-        if os.environ.get("VLLM_BOLE_TEST_CUDA_GRAPHS") == "1":
+        if envs.VLLM_BOLE_TEST_CUDA_GRAPHS:
             kwargs["enforce_eager"] = False
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]}
-        share = os.environ.get("VLLM_BOLE_TEST_GPU_SHARE")
+        share = envs.VLLM_BOLE_TEST_GPU_SHARE
         if share:
             # Engines side by side on one GPU (pytest -n): each takes this share, with a fixed KV cache so that
             # no engine's memory profile counts another's allocations.
@@ -707,7 +709,7 @@ def _version_hash(kind: str) -> str:
 
 def cache_root() -> Path:
     """``$VLLM_BOLE_CACHE``, else ``~/.cache/vllm-bole``."""
-    return Path(os.environ.get("VLLM_BOLE_CACHE") or Path.home() / ".cache" / "vllm-bole")
+    return Path(envs.VLLM_BOLE_CACHE or Path.home() / ".cache" / "vllm-bole")
 
 
 def tiny_model_dir(kind: str = "qwen3_5", cache_dir: str | os.PathLike | None = None) -> str:

@@ -7,13 +7,13 @@ phases, and benchmarks (without it) for throughput.
 """
 
 import contextlib
-import os
 import time
 from collections import defaultdict
 
 import torch
 from vllm.v1.utils import record_function_or_nullcontext
 
+from .. import envs
 from ..logger import init_logger
 
 logger = init_logger(__name__)
@@ -29,7 +29,7 @@ class StepProfiler:
 
     @classmethod
     def from_env(cls) -> "StepProfiler | None":
-        every = int(os.environ.get("VLLM_BOLE_PROFILE_STEPS", "0"))
+        every = envs.VLLM_BOLE_PROFILE_STEPS
         return cls(every) if every > 0 else None
 
     @staticmethod
