@@ -85,6 +85,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from vllm_bole._vllm_compat import engine_core_of, model_runner_of  # noqa: E402
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
 # Bole's variants beside its default: the speculative_config keys each one changes.
@@ -460,7 +461,7 @@ def run_worker(args) -> None:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, **kwargs)
     startup_s = time.perf_counter() - t0
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner_of(llm)
     steps = EngineSteps(llm)   # each timed run's phases: prefill, full-batch steps, the draining tail
     _, concurrency = get_kv_cache_capacity(runner.vllm_config, runner.kv_cache_config)
     result = {"config": name, "gpu": device_name(), "startup_s": round(startup_s, 1),
@@ -495,7 +496,7 @@ def run_worker(args) -> None:
     if args.calibrate and name.startswith("bole"):
         # The rule "throughput" applies only where the table holds curves: resolve it again with the new table.
         runner.bole_refresh_budget_rule()
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler = engine_core_of(llm).scheduler
         if hasattr(scheduler, "bole_refresh_budget_rule"):   # (the async scheduler; the synchronous one asks none)
             scheduler.bole_refresh_budget_rule()
 

@@ -29,8 +29,10 @@ class EngineSteps:
     """``with steps.run() as run: llm.generate(...)`` logs that call's engine steps into ``run``."""
 
     def __init__(self, llm):
+        from vllm_bole._vllm_compat import engine_core_of
+
         self.engine = llm.llm_engine
-        self.scheduler = self.engine.engine_core.engine_core.scheduler
+        self.scheduler = engine_core_of(llm).scheduler
         self._run: RunSteps | None = None
         inner = self.engine.step
 

@@ -145,12 +145,13 @@ def time_engine(llm, timer: HostTimer) -> None:
     """Wrap the engine loop's and the runner's host phases (vLLM's and Bole's) in ``timer``."""
     from vllm.v1.worker import gpu_model_runner as gmr
 
+    from vllm_bole._vllm_compat import engine_core_of, model_runner_of
     from vllm_bole.attention import gdn
     from vllm_bole.spec_decode import beam_graphs, device_beam, mtp_tree_drafter
     from vllm_bole.worker import early_drafting, model_runner, verify_graphs
 
-    core = llm.llm_engine.engine_core.engine_core
-    runner = core.model_executor.driver_worker.worker.model_runner
+    core = engine_core_of(llm)
+    runner = model_runner_of(llm)
     for obj, name, label in [
         (core, "step_fn", "engine: step"),
         (core.scheduler, "schedule", "engine: schedule"),

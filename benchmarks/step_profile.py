@@ -122,7 +122,9 @@ def _scope_engine(llm) -> None:
     trace shows the whole loop and not only the runner's phases."""
     from torch.profiler import record_function
 
-    core = llm.llm_engine.engine_core.engine_core
+    from vllm_bole._vllm_compat import engine_core_of
+
+    core = engine_core_of(llm)
 
     def wrap(obj, name: str, label: str) -> None:
         fn = getattr(obj, name)
@@ -229,6 +231,7 @@ def main() -> None:
 
     from vllm import LLM
 
+    from vllm_bole._vllm_compat import model_runner_of
     from vllm_bole.testing.greedy_check import spec_decode_counters
     from vllm_bole.worker.step_profile import StepProfiler
 
@@ -241,7 +244,7 @@ def main() -> None:
               compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *range(8, 256, 8), *range(256, 513, 32)}
                                                                       | set(args.batch))},
               speculative_config=spec, **json.loads(args.engine))
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner_of(llm)
     if args.turn_lock:   # held until the process exits
         import fcntl
 

@@ -62,6 +62,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    from vllm_bole._vllm_compat import model_runner_of
     from vllm_bole.testing.tiny_models import engine_kwargs, tiny_model_dir
     from vllm_bole.worker import early_drafting
 
@@ -84,7 +85,7 @@ def main() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3 + [
         SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)]
     llm.generate(prompts, params, use_tqdm=False)
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner_of(llm)
     print(f"steps drafted before the walk: {runner.bole_early_draft_steps}")
     print("| reads | call | site |\n|---|---|---|")
     for (name, where), n in sorted(HITS.items(), key=lambda x: -x[1]):

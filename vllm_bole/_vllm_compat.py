@@ -146,3 +146,14 @@ def discarded_cpu_draws_undone(runner, saved: dict):
         yield
     finally:
         gens.update(hidden)
+
+
+def engine_core_of(llm):
+    """The engine core of an ``LLM`` that runs it in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its
+    scheduler and executor (tests, benchmarks, calibration)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def model_runner_of(llm):
+    """The model runner of an in-process ``LLM`` with one worker (:func:`engine_core_of`)."""
+    return engine_core_of(llm).model_executor.driver_worker.worker.model_runner

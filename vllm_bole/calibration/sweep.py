@@ -16,12 +16,13 @@ import time
 from contextlib import contextmanager
 
 import torch
-from ..logger import init_logger
 
+from .._vllm_compat import model_runner_of
+from ..logger import init_logger
 from ..spec_decode.budget import reload_budget_tables
+from ..spec_decode.budget_table import device_name, make_entry, model_fingerprint, write_table
 from ..spec_decode.synthetic import SyntheticAcceptance
 from .drafter import FixedShapeDrafter, max_shape_nodes
-from ..spec_decode.budget_table import device_name, make_entry, model_fingerprint, write_table
 
 logger = init_logger(__name__)
 
@@ -33,7 +34,7 @@ def engine_runner(llm):
     from ..worker.model_runner import BoleModelRunnerMixin
 
     try:
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        runner = model_runner_of(llm)
     except AttributeError:
         raise RuntimeError("calibration needs an in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0") from None
     if not isinstance(runner, BoleModelRunnerMixin):

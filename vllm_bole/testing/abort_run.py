@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 
+from .._vllm_compat import engine_core_of
 from .engine_run import _prompt, _runner, _sampling_params, force_cpu_async_scheduling
 
 
@@ -38,7 +39,7 @@ def _output(out) -> dict:
 def held_state(llm) -> dict:
     """What the engine holds once every request is done: the scheduler's requests and KV cache usage, the model
     runner's requests and batch, and Bole's per-request state (draft trees, queued and pending drafts)."""
-    core = llm.llm_engine.engine_core.engine_core
+    core = engine_core_of(llm)
     runner = _runner(llm)
     queued = getattr(runner, "_bole_queued", None)
     return {"scheduler_requests": sorted(core.scheduler.requests),

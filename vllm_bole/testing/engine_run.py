@@ -24,8 +24,10 @@ import os
 
 
 def _runner(llm):
+    from vllm_bole._vllm_compat import model_runner_of
+
     try:
-        return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        return model_runner_of(llm)
     except AttributeError:
         return None
 
@@ -133,7 +135,9 @@ def _preemptions(llm) -> int:
 def _scheduling(llm) -> dict:
     """Whether the engine really scheduled asynchronously: its config flag, the engine core's batch queue and the
     scheduler class."""
-    core = llm.llm_engine.engine_core.engine_core
+    from vllm_bole._vllm_compat import engine_core_of
+
+    core = engine_core_of(llm)
     return {"async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "batch_queue": getattr(core, "batch_queue", None) is not None,
             "scheduler": type(core.scheduler).__name__}
