@@ -27,3 +27,11 @@ def tiny_qwen3_5_dir() -> str:
 
     cache = envs.VLLM_BOLE_CACHE or Path(__file__).parent / ".cache"
     return tiny_model_dir("qwen3_5", cache_dir=cache)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules without an engine (kernels, references, config, units) run before the modules that build vLLM
+    engines (marker ``vllm``), so that a broken reference fails within minutes; the order within each tier and
+    each module stays as collected, so module fixtures are built once."""
+    engine_modules = {item.module for item in items if item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: item.module in engine_modules)
