@@ -20,6 +20,13 @@ MAX_REQS = 16
 BLOCKS = torch.arange(MAX_REQS * 8, dtype=torch.int32).view(MAX_REQS, 8) * 3
 
 
+def _beam(drafter) -> DeviceBeam:
+    """The drafter's device beam with its whole-level graphs, as the MTP drafter sets them up on a GPU."""
+    beam = DeviceBeam(drafter)
+    beam.graphs = beam_graphs.BeamGraphs(beam)
+    return beam
+
+
 def _graph_drafter(k, depth, synthetic):
     """The stand-in drafter with the proposer buffers, model call and metadata a beam graph uses."""
     drafter = _stand_in(k, depth, synthetic)
@@ -121,7 +128,7 @@ def test_graph_levels_grow_the_eager_trees_across_steps(seed, per_request, budge
     k, depth, _, _, synthetic = _case(seed)
     rng = random.Random(100 + seed)
     drafter = _graph_drafter(k, depth, synthetic)
-    beam = DeviceBeam(drafter)
+    beam = _beam(drafter)
     drafter.beam = beam
     assert beam.graphs is not None
     beam.host_rows = lambda hidden: False
@@ -146,7 +153,7 @@ def test_repeated_step_shapes_reuse_the_written_layout(device_roots, stand_in_ca
     k, depth, _, _, synthetic = _case(3)
     rng = random.Random(7)
     drafter = _graph_drafter(k, depth, synthetic)
-    beam = drafter.beam = DeviceBeam(drafter)
+    beam = drafter.beam = _beam(drafter)
     beam.host_rows = lambda hidden: False
     cm = SimpleNamespace(block_table_tensor=BLOCKS)
     step = DraftStep(req_ids=[], contexts=[], per_request=6, budget=20)
@@ -160,7 +167,7 @@ def test_repeated_step_shapes_reuse_the_written_layout(device_roots, stand_in_ca
 def test_capture_failure_keeps_the_level_and_runs_later_levels_eagerly(monkeypatch):
     k, depth, synthetic = 2, 5, None
     drafter = _graph_drafter(k, depth, synthetic)
-    beam = DeviceBeam(drafter)
+    beam = _beam(drafter)
     drafter.beam = beam
     beam.host_rows = lambda hidden: False
 

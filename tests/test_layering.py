@@ -1,5 +1,6 @@
 """The package's imports run one way: kernels <- step <- attention <- spec_decode <- config <- worker <- the entry
-points (plugin, cli, calibration, testing). Every import counts, module-level or inside a function."""
+points (plugin, cli, calibration, testing), and no two modules import each other, directly or around a loop. Every
+import counts, module-level or inside a function."""
 
 import ast
 from pathlib import Path
@@ -61,6 +62,57 @@ def _violations() -> list[str]:
                 bad.append(f"{rel}:{line} imports {target}: {part} (tier {TIERS[part]}) must not import {other} "
                            f"(tier {TIERS[other]})")
     return bad
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (an imported name is counted as its module)."""
+    imports = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = "vllm_bole." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        imports[module.removesuffix(".__init__")] = [target for _, target in _imports(path)]
+
+    def known(name: str) -> str:
+        while name and name not in imports:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {m: {known(t) for t in targets if known(t) not in ("", m)} for m, targets in imports.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert not _cycles(_module_graph())
+
+
+def test_the_cycle_check_finds_a_loop():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_every_part_has_a_tier():

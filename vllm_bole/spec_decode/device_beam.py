@@ -302,11 +302,7 @@ class DeviceBeam:
         self._depths_cache: dict[int, torch.Tensor] = {}
         self._level_hint: dict[int, int] = {}   # quota -> expansion levels its trees reached last (per_request)
         self._level_one: dict[tuple, tuple] = {}   # state shape -> level 1's (anc, bits)
-        self.graphs = None    # full CUDA graphs of whole levels (GPU): spec_decode/beam_graphs.py
-        if getattr(drafter, "graphs", None) is not None:
-            from .beam_graphs import BeamGraphs
-
-            self.graphs = BeamGraphs(self)
+        self.graphs = None    # full CUDA graphs of whole levels (GPU), set by the drafter: spec_decode/beam_graphs.py
 
     def _child_probs(self, p: torch.Tensor, depth: int) -> torch.Tensor:
         """Scores of children at ``depth`` relative to their parent, rank order: the drafter's probabilities,

@@ -1,6 +1,5 @@
 """Tree drafters: what a drafter receives after each verification step and how one is chosen."""
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,15 +101,3 @@ class TreeDrafter:
         processing); by default the trees are made now."""
         trees = self.propose(step)
         return lambda: trees
-
-
-def make_drafter(runner, bole_config) -> TreeDrafter:
-    if bole_config.drafter == "mtp":
-        from .mtp_tree_drafter import MTPTreeDrafter
-
-        return MTPTreeDrafter(runner, bole_config)
-    module, _, name = bole_config.drafter.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    if not (isinstance(cls, type) and issubclass(cls, TreeDrafter)):
-        raise TypeError(f"speculative_config.drafter {bole_config.drafter!r} is not a TreeDrafter subclass")
-    return cls(runner, bole_config)

@@ -23,7 +23,7 @@ from .. import envs
 from ..kernels.tree_select.top_children import top_children
 from ..logger import init_logger
 from ..step.forest import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
-from .device_beam import request_rows
+from .device_beam import DeviceBeam, request_rows
 from .drafter import DraftStep, TreeDrafter, drafting
 from .synthetic import parse_synthetic
 from .tree import DraftTree, select_step, selection_floors
@@ -101,9 +101,11 @@ class MTPTreeDrafter(TreeDrafter):
         # with host bookkeeping instead (a copy of every level's top children to the host).
         self.beam = None
         if not envs.VLLM_BOLE_HOST_DRAFT_LEVELS:
-            from .device_beam import DeviceBeam
-
             self.beam = DeviceBeam(self)
+            if self.graphs is not None:   # whole levels from full CUDA graphs too (GPU)
+                from .beam_graphs import BeamGraphs
+
+                self.beam.graphs = BeamGraphs(self.beam)
 
     def _child_scores(self, probs: list[float], depth: int) -> list[float]:
         """Scores of a node's children (probability order) at ``depth``, relative to their parent."""

@@ -29,7 +29,8 @@ from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel, Devi
 from ..spec_decode.budget import (StepClock, auto_budgets, node_budget, set_async_budget_source, verify_ms,
                                   with_applicable_rule)
 from ..spec_decode.device_beam import device_constant
-from ..spec_decode.drafter import DraftStep, RequestContexts, drafting, make_drafter
+from ..spec_decode.drafter import DraftStep, RequestContexts, drafting
+from ..spec_decode.make_drafter import make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import DraftTree, select_step
