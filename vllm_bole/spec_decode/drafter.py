@@ -82,10 +82,16 @@ class TreeDrafter:
     already (``selects``)."""
 
     selects = False
+    # Early drafting (worker/early_drafting.py): a drafter that drafts from every verified node right behind the
+    # target forward, before the host walks, says so and implements first_pass_all_rows and propose_from_walk
+    # (the MTP drafter); the others draft after the walk.
+    drafts_early = False
 
     def __init__(self, runner, bole_config):
         self.runner = runner
         self.bole_config = bole_config
+        self.graphs = None   # the drafter's CUDA graphs of its levels, if any (bole_graph_counts)
+        self.beam = None     # the beam growing its levels on the device, if any (early drafting needs one)
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
         raise NotImplementedError
@@ -94,6 +100,16 @@ class TreeDrafter:
         """Attention layers whose K/V the drafter rewrites itself at every committed position; the runner's
         K/V compaction leaves them out (it runs after the drafter is queued)."""
         return ()
+
+    def first_pass_all_rows(self, cm, forest, next_tokens, positions, slots, seq_lens, hidden, rope=None):
+        """Early drafting: the drafter's pass over every node of the verified ``forest``, queued right behind the
+        target forward; ``next_tokens`` is the target's token after each node (its argmax or draw)."""
+        raise NotImplementedError
+
+    def propose_from_walk(self, step: DraftStep, walk, first_pass, positions, root_bound: int):
+        """Early drafting: :meth:`propose_deferred` from the device walk's paths before the host knows them,
+        after :meth:`first_pass_all_rows` (``first_pass``)."""
+        raise NotImplementedError
 
     def propose_deferred(self, step: DraftStep):
         """``finish()`` that returns :meth:`propose`'s trees. A drafter whose work runs on the device may return

@@ -77,6 +77,7 @@ class _Growing:
 
 class MTPTreeDrafter(TreeDrafter):
     selects = True   # propose returns the step's selection (tree.select_step) of the candidates
+    drafts_early = True
 
     def __init__(self, runner, bole_config):
         super().__init__(runner, bole_config)

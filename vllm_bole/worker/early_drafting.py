@@ -54,7 +54,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
     the step does not qualify (the drafter then catches up after the walk)."""
     drafter, forest, state = runner.bole_drafter, runner._bole_forest, runner.execute_model_state
     num_reqs = runner.input_batch.num_reqs
-    if (forest is None or not runner._bole_first_pass_on or not hasattr(drafter, "first_pass_all_rows")
+    if (forest is None or not runner._bole_first_pass_on or not drafter.drafts_early
             or not forest.tree_only
             or forest.plain_decodes or forest.tree_req_indices != list(range(num_reqs))
             or state.logits is None or state.spec_decode_common_attn_metadata is None
@@ -70,7 +70,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
         # from the walk (tree_sampler.SeededDraws): its steps walk on the host.
         return None
     cm = state.spec_decode_common_attn_metadata
-    early = (runner._bole_early_on and getattr(drafter, "beam", None) is not None and runner._bole_profiler is None
+    early = (runner._bole_early_on and drafter.beam is not None and runner._bole_profiler is None
              and runner.bole_config.selection == "per_request" and runner._input_fits_in_drafter(cm)
              and (metadata.max_num_logprobs is None or runner.model_config.logprobs_mode == "raw_logprobs"))
     if sampled and not early:   # the host walk would draw again: the first pass would read other tokens

@@ -260,9 +260,9 @@ class BoleModelRunnerMixin:
         """(verification graphs, drafter graphs: level and whole-level) captured so far; the holders only grow,
         so a change between two reads means a capture in between."""
         verify = getattr(self, "_bole_graphs", None)
-        drafter = getattr(self, "bole_drafter", None)
-        draft = getattr(drafter, "graphs", None)
-        beam = getattr(getattr(drafter, "beam", None), "graphs", None)
+        drafter = self.bole_drafter
+        draft = drafter.graphs if drafter is not None else None
+        beam = drafter.beam.graphs if drafter is not None and drafter.beam is not None else None
         return (len(verify.graphs) if verify is not None else 0,
                 (len(draft.graphs) if draft is not None else 0) + (len(beam.graphs) if beam is not None else 0))
 
