@@ -1,0 +1,166 @@
+"""The online serving benchmark (``benchmarks/serve.py``).
+
+* its CPU smoke run: vLLM's OpenAI server on the tiny Qwen3.5 for ``ar`` and ``bole``, vLLM's serving client at
+  rates 1, 2 and inf; every row complete, the metrics there and positive, Bole accepting more than one token per
+  step, the table printed;
+* the tokenizer it builds for a config-only model (the 9B shape: 248320 tokens, no tokenizer files): vLLM's
+  random dataset makes prompts of exactly the asked lengths with it, without the special token ids;
+* configuration parsing and the comparison against the best chain, without a server.
+"""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import serve  # noqa: E402
+
+SHAPE_9B = ROOT / "benchmarks/models/qwen3.5-9b-shape/config.json"
+
+
+@pytest.mark.vllm
+def test_smoke(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    t0 = time.monotonic()
+    data = serve.run(["--smoke", "--out", str(out), "--log-dir", str(tmp_path / "logs")])
+    wall = time.monotonic() - t0
+    printed = capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"] == data["rows"]
+    assert data["ok"], printed[-3000:]
+    assert data["command"] == "python3 benchmarks/serve.py --smoke --out " + str(out) + " --log-dir " + \
+        str(tmp_path / "logs")
+    assert data["config_order"] == ["ar", "bole"] and data["bole_configs"] == ["bole"]
+    assert data["workload"]["request_rates"] == ["1", "2", "inf"]
+
+    rows = {(r["config"], r["rate"]): r for r in data["rows"]}
+    assert set(rows) == {(c, r) for c in ("ar", "bole") for r in ("1", "2", "inf")}
+    for (config, rate), row in rows.items():
+        n = row["num_prompts"]
+        assert n == 6 and row["completed"] == n and row["failed"] == 0 and not row["errors"], row
+        assert row["total_output_tokens"] == n * 32, row
+        # vLLM's random prompts decode and re-encode: with the tiny BPE tokenizer a prompt may gain a token.
+        assert abs(row["total_input_tokens"] - n * 32) <= n, row
+        for key in ("ttft", "tpot", "itl", "e2el"):
+            for stat in ("mean", "p50", "p90", "p99"):
+                assert row[f"{key}_{stat}_ms"] > 0, (config, rate, key, stat)
+        assert row["output_throughput"] > 0 and row["request_throughput"] > 0 and row["duration"] > 0
+        assert row["ok"]
+        if config == "bole":
+            assert row["spec_decode_acceptance_length"] > 1.0, row
+            assert row["spec_decode_num_drafts"] > 0
+        else:
+            assert row["spec_decode_acceptance_length"] is None
+    # Requests arrive at the rate (all at once at inf: faster than at 2 req/s).
+    assert rows[("ar", "1")]["request_throughput"] < rows[("ar", "inf")]["request_throughput"]
+
+    bole, ar = data["configs"]["bole"], data["configs"]["ar"]
+    assert "--speculative-config" not in ar["server_cmd"]
+    spec = json.loads(bole["server_cmd"][bole["server_cmd"].index("--speculative-config") + 1])
+    assert spec["method"] == "bole" and spec["synthetic_acceptance"]["rates"]
+    assert bole["start_s"] > 0 and bole["warmup"]["completed"] == 2
+
+    assert [c["rate"] for c in data["comparison"]] == ["1", "2", "inf"]
+    for comp in data["comparison"]:
+        assert comp["baseline"] == "ar" and comp["bole_tpot_ratio"] > 0 and comp["bole_tok_s_ratio"] > 0
+
+    # The table: a header, one line per rate with both configurations and Bole's ratios.
+    assert "| rate | ar TPOT p50 ms | ar tok/s | bole TPOT p50 ms | bole tok/s | bole TPOT / ar |" in printed
+    for rate in ("1", "2", "inf"):
+        line = next(ln for ln in printed.splitlines() if ln.startswith(f"| {rate} | "))
+        assert line.count("×") == 2 and "–" not in line, line
+    assert "serve.py: 6 rows, all complete" in printed
+    print(f"smoke: {wall:.0f} s")
+
+
+def test_synthetic_tokenizer(tmp_path):
+    """The 9B shape's tokenizer: every id a word, the config's special ids special; vLLM's random dataset makes
+    prompts of exactly the asked length that decode and re-encode to themselves."""
+    from vllm.benchmarks.datasets.datasets import RandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    config = json.loads(SHAPE_9B.read_text())
+    path = serve.synthetic_tokenizer(config, cache_dir=tmp_path)
+    assert serve.synthetic_tokenizer(config, cache_dir=tmp_path) == path  # cached
+    tok = get_tokenizer(path)
+    assert tok.vocab_size == len(tok) == 248320
+    text, top = config["text_config"], config
+    special = {text["eos_token_id"], text["pad_token_id"], top["image_token_id"], top["video_token_id"],
+               top["vision_start_token_id"], top["vision_end_token_id"]}
+    assert set(tok.all_special_ids) == special
+    assert tok.decode([0, 248319]) == "t0 t248319"
+    assert tok.encode("t5 t7  t248319\nt0", add_special_tokens=False) == [5, 7, 248319, 0]
+    assert tok.num_special_tokens_to_add() == 0
+    assert tok.encode("some real text", add_special_tokens=False) == [0, 0, 0]  # one token per word
+
+    requests = RandomDataset(random_seed=0).sample(tokenizer=tok, num_requests=4, input_len=300, output_len=8)
+    for req in requests:
+        ids = tok.encode(req.prompt, add_special_tokens=False)
+        assert req.prompt_len == len(ids) == 300 and not special & set(ids)
+        assert tok.decode(ids) == req.prompt
+
+
+def test_configs_and_flags():
+    opts = serve.build_parser().parse_args([
+        "--configs", 'ar,mtp3,bole,bole:{"budget_rule": "decode", "budget_table": null},bole_sync,mine',
+        "--variant", 'mine={"topk": 2, "async_scheduling": true}', "--request-rates", "inf,2,1"])
+    assert opts.request_rates == [1, 2, math.inf]
+    names = serve.config_names(opts)
+    assert names == ["ar", "mtp3", "bole", 'bole:{"budget_rule": "decode", "budget_table": null}', "bole_sync",
+                     "mine"]
+    assert serve.config_setup("ar", opts, True) == (None, [], None)
+    spec, flags, note = serve.config_setup("mtp3", opts, True)
+    assert spec == {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+                    "synthetic_acceptance_rates": opts.rates[:3]} and not flags and note is None
+    spec, _, note = serve.config_setup("mtp3", opts, False)  # CPU: vLLM's sampler has no synthetic mode
+    assert "rejection_sample_method" not in spec and "CPU" in note
+    bole, flags, _ = serve.config_setup("bole", opts, True)
+    assert bole == {"method": "bole", "budget_table": opts.budget_table, "synthetic_acceptance": {
+        "rates": opts.rates, "sibling_rates": opts.sibling_rates, "seed": 0}} and flags == []
+    spec, _, _ = serve.config_setup(names[3], opts, True)
+    assert spec["budget_rule"] == "decode" and "budget_table" not in spec
+    assert serve.config_setup("bole_sync", opts, True)[1] == ["--no-async-scheduling"]
+    spec, flags, _ = serve.config_setup("mine", opts, True)
+    assert spec["topk"] == 2 and flags == ["--async-scheduling"]
+    with pytest.raises(SystemExit):
+        serve.config_names(serve.build_parser().parse_args(["--configs", "ar,nonsense"]))
+
+
+def _row(config, rate, tpot, tok_s, ok=True):
+    return {"config": config, "rate": rate, "num_prompts": 4, "tpot_p50_ms": tpot, "output_throughput": tok_s,
+            "ok": ok}
+
+
+def test_comparison_against_best_chain():
+    rows = [_row("ar", "1", 10.0, 100.0), _row("mtp1", "1", 6.0, 150.0), _row("mtp3", "1", 5.0, 140.0),
+            _row("bole", "1", 4.0, 160.0),
+            _row("ar", "inf", 20.0, 900.0), _row("mtp1", "inf", 12.0, 1200.0), _row("mtp3", "inf", 1.0, 10.0, False),
+            _row("bole", "inf", 15.0, 1500.0)]
+    comps = serve.comparisons(rows, {"bole"})
+    one, inf = comps
+    assert (one["best_tpot_config"], one["best_tok_s_config"]) == ("mtp3", "mtp1")
+    assert one["bole_tpot_ratio"] == pytest.approx(0.8) and one["bole_tok_s_ratio"] == pytest.approx(160 / 150)
+    # A failed row is no baseline.
+    assert (inf["best_tpot_config"], inf["best_tok_s_config"]) == ("mtp1", "mtp1")
+    assert inf["bole_tpot_ratio"] == pytest.approx(1.25) and inf["bole_tok_s_ratio"] == pytest.approx(1.25)
+    table = serve.markdown(rows, ["ar", "mtp1", "mtp3", "bole"], {"bole"}, comps)
+    assert "| 1 | 10.00 | 100.0 | 6.00 | 150.0 | 5.00 | 140.0 | 4.00 | 160.0 | mtp3 / mtp1 | 0.80× | 1.07× |" in table
+    assert "1.00 (failed)" in table
+
+
+def test_merge_keeps_other_configs():
+    """A later invocation of the same workload replaces its own configurations' rows and keeps the others'."""
+    previous = {"configs": {"ar": {"run": "a"}, "bole": {"run": "a"}}, "config_order": ["ar", "bole"],
+                "bole_configs": ["bole"], "rows": [_row("ar", "1", 10.0, 100.0), _row("bole", "1", 9.0, 110.0)]}
+    rows, configs, order, boles = serve.merge(previous, {"mtp3": {"run": "b"}, "bole": {"run": "b"}},
+                                              [_row("mtp3", "1", 6.0, 150.0), _row("bole", "1", 4.0, 160.0)],
+                                              {"bole"})
+    assert order == ["ar", "mtp3", "bole"] and boles == {"bole"}
+    assert configs["ar"]["run"] == "a" and configs["bole"]["run"] == "b"
+    assert sorted((r["config"], r["tpot_p50_ms"]) for r in rows) == [("ar", 10.0), ("bole", 4.0), ("mtp3", 6.0)]
+    assert serve.merge({}, {"bole_x": {}, "mtp1": {}, "ar": {}}, [], {"bole_x"})[2] == ["ar", "mtp1", "bole_x"]
