@@ -1,11 +1,11 @@
 """The trained stand-in (vllm_bole.testing.train_small) at its tiny size: training lowers the losses, is seeded,
 writes the checkpoint names vLLM loads, and vLLM runs it with MTP speculation on its trained MTP weights."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +14,22 @@ from safetensors.torch import load_file
 from vllm_bole.testing import train_small
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Train on one torch thread: on a busy 2-core machine it ran 2-10x faster than two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("train_small") / "tiny"
-    result = train_small.train(out, "tiny", seed=0, log=lambda s: None)
+    with one_thread():
+        result = train_small.train(out, "tiny", seed=0, log=lambda s: None)
     return out, result
 
 
@@ -54,8 +66,9 @@ def test_checkpoint_layout(trained):
 
 
 def test_seeded(tmp_path):
-    a = train_small.train(tmp_path / "a", "tiny", steps=2, seed=3, log=lambda s: None)
-    b = train_small.train(tmp_path / "b", "tiny", steps=2, seed=3, log=lambda s: None)
+    with one_thread():
+        a = train_small.train(tmp_path / "a", "tiny", steps=2, seed=3, log=lambda s: None)
+        b = train_small.train(tmp_path / "b", "tiny", steps=2, seed=3, log=lambda s: None)
     assert a.curve == b.curve
     wa, wb = (load_file(str(tmp_path / n / "model.safetensors")) for n in "ab")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
