@@ -25,6 +25,10 @@ Patches:
    generator back by the Philox offset that one draw took (``GPUModelRunner._bookkeeping_sync``, also the CPU
    runner's); a CPU generator has no offset and raises, which kills the engine. For CPU generators Bole saves
    their state before the step samples and restores it instead, so the discarded draw leaves no trace.
+6. The private names of vLLM objects Bole reads, writes or overrides are all below ("Private vLLM names"): the
+   model runner's and scheduler's private methods Bole's classes override (checked when they are built), the MTP
+   proposer's input buffers that Bole's drafter fills, the structured-output manager's bitmask, the runner's
+   pending drafts and sampled-count copy, and two attributes of vLLM's GDN layer.
 """
 
 import contextlib
@@ -157,3 +161,86 @@ def engine_core_of(llm):
 def model_runner_of(llm):
     """The model runner of an in-process ``LLM`` with one worker (:func:`engine_core_of`)."""
     return engine_core_of(llm).model_executor.driver_worker.worker.model_runner
+
+
+# ---- Private vLLM names ---------------------------------------------------------------------------------------
+# vLLM's model-runner methods that BoleModelRunnerMixin overrides (worker/model_runner.py), and the scheduler's that
+# BoleAsyncScheduler overrides (worker/scheduler.py).
+RUNNER_OVERRIDES = ("_prepare_inputs", "_sample", "_bookkeeping_sync", "_update_states_after_model_execute",
+                    "_model_forward")
+SCHEDULER_OVERRIDES = ("_update_request_with_output", "_update_after_schedule")
+
+
+def check_overrides(base: type, names: tuple[str, ...]) -> None:
+    """Fail in one line when vLLM's ``base`` lacks a private method that Bole overrides."""
+    missing = [name for name in names if not callable(getattr(base, name, None))]
+    if missing:
+        raise ImportError(f"vllm-bole: vLLM {vllm.__version__}'s {base.__name__} has no {', '.join(missing)}, "
+                          f"which Bole overrides; install vllm=={SUPPORTED_VLLM_VERSION}")
+
+
+def drafter_padding(proposer, num_tokens: int):
+    """(CUDA graph mode, padded token count, ...) with which vLLM's MTP proposer runs ``num_tokens`` rows."""
+    return proposer._determine_batch_execution_and_padding(num_tokens)
+
+
+def set_drafter_positions(proposer, num_tokens: int, positions) -> None:
+    """Write the first ``num_tokens`` rows of the MTP proposer's persistent positions (M-RoPE: ``[3, n]``)."""
+    proposer._set_positions(num_tokens, positions)
+
+
+def drafter_positions(proposer, num_tokens: int):
+    """The MTP proposer's persistent positions of its first ``num_tokens`` rows."""
+    return proposer._get_positions(num_tokens)
+
+
+def drafter_slot_mapping(proposer, num_tokens: int, *slots):
+    """The MTP proposer's per-layer slot mappings of ``num_tokens`` rows (with ``slots``: written from them first)."""
+    return proposer._get_slot_mapping(num_tokens, *slots)
+
+
+def drafter_slot_buffer(proposer):
+    """The MTP proposer's persistent slot-mapping buffer (its KV slots of every row)."""
+    return proposer._slot_mapping_buffer
+
+
+def input_fits_in_drafter(runner, common_attn_metadata) -> bool:
+    """Whether vLLM's drafter can take this step's rows (not near max_model_len)."""
+    return runner._input_fits_in_drafter(common_attn_metadata)
+
+
+def copy_valid_sampled_token_count(runner, next_token_ids, counts) -> None:
+    """vLLM's copy of the emitted-token counts to the host, which its next step's preparation waits for."""
+    runner._copy_valid_sampled_token_count(next_token_ids, counts)
+
+
+def set_step_draft_ids(runner, draft_token_ids) -> None:
+    """The draft token ids vLLM's ``take_draft_token_ids`` hands the scheduler next."""
+    runner._draft_token_ids = draft_token_ids
+
+
+def step_draft_ids(runner):
+    return runner._draft_token_ids
+
+
+def grammar_bitmask(manager, rows: int):
+    """The structured-output manager's bitmask tensor of at least ``rows`` rows, allocated on first use as its own
+    ``grammar_bitmask`` does."""
+    if manager._grammar_bitmask is None:
+        manager._grammar_bitmask = manager.backend.allocate_token_bitmask(rows)
+    return manager._grammar_bitmask
+
+
+def fill_grammar_rows(manager, rows) -> None:
+    """Fill bitmask rows: ``rows`` of (grammar, row index, whether the grammar applies)."""
+    manager._fill_bitmasks(rows)
+
+
+def cpu_conv_weight(conv1d):
+    """vLLM's CPU GDN layers keep an unpacked copy of the conv weight; None elsewhere."""
+    return getattr(conv1d, "_cpu_unpacked_conv_weight", None)
+
+
+def dispatch_to_forward_cuda(op) -> None:
+    """Make a vLLM custom op run its ``forward_cuda`` on every platform."""
+    op._forward_method = op.forward_cuda

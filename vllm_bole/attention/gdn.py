@@ -19,6 +19,7 @@ from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from .. import kernels
+from .._vllm_compat import cpu_conv_weight, dispatch_to_forward_cuda
 from ..kernels.reference import TreeFactors
 from ..step.forest import current_forest
 
@@ -55,7 +56,7 @@ def gdn_gates(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def conv_weight_2d(layer) -> torch.Tensor:
-    w = getattr(layer.conv1d, "_cpu_unpacked_conv_weight", None)
+    w = cpu_conv_weight(layer.conv1d)
     if w is None:
         w = layer.conv1d.weight
     return w.view(w.shape[0], w.shape[-1])
@@ -70,7 +71,7 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
         BoleQwenGDN.num_layers += 1
         # Every platform reaches ``_forward_core`` through vLLM's ``qwen_gdn_attention_core`` op; its input and
         # output projections are the same torch modules the CPU path uses.
-        self._forward_method = self.forward_cuda
+        dispatch_to_forward_cuda(self)
 
     def get_attn_backend(self):
         # vLLM's GDN metadata, built once per step and shared by the GDN KV-cache groups (attention/gdn_metadata.py)

@@ -25,6 +25,7 @@ from vllm.config import CUDAGraphMode
 from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
+from .._vllm_compat import drafter_padding, drafter_slot_mapping, set_drafter_positions
 from ..attention.graph_mode import GraphStep, capture
 from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
@@ -71,7 +72,7 @@ class BeamGraphs:
         if self.disabled or g > self.max_reqs:
             return None
         bucket = next_power_of_2(g) if next_power_of_2(g) <= self.max_reqs else g
-        mode, padded, _ = self.drafter.proposer._determine_batch_execution_and_padding(bucket * k)
+        mode, padded, _ = drafter_padding(self.drafter.proposer, bucket * k)
         if mode != CUDAGraphMode.PIECEWISE:
             return None
         if self.state is None:
@@ -191,9 +192,10 @@ class BeamGraphs:
         n = bucket * k
         proposer.input_ids[:n].copy_(tokens)
         positions = self.positions[d - 1, :n]
-        proposer._set_positions(n, positions.unsqueeze(0).expand(3, -1) if drafter.runner.uses_mrope else positions)
+        set_drafter_positions(proposer, n, positions.unsqueeze(0).expand(3, -1) if drafter.runner.uses_mrope
+                              else positions)
         proposer.hidden_states[:n].copy_(hidden)
-        proposer._get_slot_mapping(padded, self.slots[d - 1, :n])
+        drafter_slot_mapping(proposer, padded, self.slots[d - 1, :n])
         forest = StepForest(req_ids=[], tree_req_indices=[], parent=None, cu_seqlens=None, tokens=[],
                             attention_rows=[], graph=GraphStep(
                                 num_tokens=padded, num_reqs=bucket, max_nodes=k, long_prefix=long_prefix,

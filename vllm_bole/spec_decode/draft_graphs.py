@@ -23,6 +23,7 @@ from vllm.config import CUDAGraphMode
 from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
+from .._vllm_compat import drafter_slot_buffer
 from ..attention.graph_mode import GraphStep, StandIns, capture
 from ..attention.tree_attn_gpu import reads_prefix_itself
 from ..logger import init_logger
@@ -84,7 +85,7 @@ class DraftGraphs:
         if held is not None:
             key, entry = held, self.graphs[held]
             # The stand-in's extra rows write no K/V (vLLM padded the slots up to ``padded`` only).
-            drafter.proposer._slot_mapping_buffer[padded:key[0]].fill_(PADDING_SLOT_ID)
+            drafter_slot_buffer(drafter.proposer)[padded:key[0]].fill_(PADDING_SLOT_ID)
         if entry is None and len(self.graphs) >= MAX_GRAPHS:
             if not self._full_logged:
                 logger.info("Bole holds %d drafter CUDA graphs; new level shapes run piecewise", MAX_GRAPHS)

@@ -20,6 +20,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.utils import record_function_or_nullcontext
 
 from .. import envs
+from .._vllm_compat import (drafter_padding, drafter_positions, drafter_slot_buffer, drafter_slot_mapping,
+                             set_drafter_positions)
 from ..kernels.tree_select.top_children import top_children
 from ..logger import init_logger
 from ..step.forest import DeviceTreeRows, StepForest, TreeRows, ancestor_masks, forest_scope
@@ -130,16 +132,16 @@ class MTPTreeDrafter(TreeDrafter):
         from the token positions (:meth:`text_offsets`); otherwise every section takes the token position."""
         device, proposer = hidden.device, self.proposer
         n = hidden.shape[0]
-        mode, padded, _ = proposer._determine_batch_execution_and_padding(n)
+        mode, padded, _ = drafter_padding(proposer, n)
         proposer.input_ids[:n].copy_(tokens if isinstance(tokens, torch.Tensor) else _to_device(tokens, device),
                                      non_blocking=True)
         positions = _to_device(positions, device)
         if self.runner.uses_mrope:
-            proposer._set_positions(n, rope if rope is not None else positions.unsqueeze(0).expand(3, -1))
+            set_drafter_positions(proposer, n, rope if rope is not None else positions.unsqueeze(0).expand(3, -1))
         else:
-            proposer._set_positions(n, positions)
+            set_drafter_positions(proposer, n, positions)
         proposer.hidden_states[:n].copy_(hidden)
-        proposer._get_slot_mapping(padded, _to_device(slots, device))
+        drafter_slot_mapping(proposer, padded, _to_device(slots, device))
         return n, padded, mode
 
     @staticmethod
@@ -167,7 +169,7 @@ class MTPTreeDrafter(TreeDrafter):
         meta = CommonAttentionMetadata(
             query_start_loc=query_start_loc, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=num_reqs,
             num_actual_tokens=n, max_query_len=max(lens), max_seq_len=int(seq_lens_cpu.max()),
-            block_table_tensor=block_table, slot_mapping=self.proposer._slot_mapping_buffer[:n],
+            block_table_tensor=block_table, slot_mapping=drafter_slot_buffer(self.proposer)[:n],
             _seq_lens_cpu=seq_lens_cpu)
         return self.proposer.build_per_group_and_layer_attn_metadata(meta)[1]
 
@@ -175,8 +177,8 @@ class MTPTreeDrafter(TreeDrafter):
         proposer = self.proposer
         with forest_scope(forest), set_forward_context(
                 per_layer, self.runner.vllm_config, num_tokens=padded, cudagraph_runtime_mode=mode,
-                slot_mapping=proposer._get_slot_mapping(padded)):
-            return proposer.model(input_ids=proposer.input_ids[:padded], positions=proposer._get_positions(padded),
+                slot_mapping=drafter_slot_mapping(proposer, padded)):
+            return proposer.model(input_ids=proposer.input_ids[:padded], positions=drafter_positions(proposer, padded),
                                   hidden_states=proposer.hidden_states[:padded])
 
     def _forward(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows=None, rope=None):

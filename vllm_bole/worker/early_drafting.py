@@ -17,6 +17,7 @@ import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.utils import record_function_or_nullcontext
 
+from .._vllm_compat import input_fits_in_drafter
 from ..attention.gdn import commit_step
 from ..logger import init_logger
 from ..spec_decode.device_walk import greedy_walk, synthetic_targets
@@ -71,7 +72,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
         return None
     cm = state.spec_decode_common_attn_metadata
     early = (runner._bole_early_on and drafter.beam is not None and runner._bole_profiler is None
-             and runner.bole_config.selection == "per_request" and runner._input_fits_in_drafter(cm)
+             and runner.bole_config.selection == "per_request" and input_fits_in_drafter(runner, cm)
              and (metadata.max_num_logprobs is None or runner.model_config.logprobs_mode == "raw_logprobs"))
     if sampled and not early:   # the host walk would draw again: the first pass would read other tokens
         return None

@@ -21,7 +21,9 @@ from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.utils import record_function_or_nullcontext
 
-from .._vllm_compat import discarded_cpu_draws_undone, module_attr_override, save_discarded_cpu_generators
+from .._vllm_compat import (RUNNER_OVERRIDES, check_overrides, copy_valid_sampled_token_count,
+                             discarded_cpu_draws_undone, module_attr_override, save_discarded_cpu_generators,
+                             set_step_draft_ids, step_draft_ids)
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
@@ -710,7 +712,7 @@ class BoleModelRunnerMixin:
         self._commit()
         if self._bole_profiler is not None:   # phases stay synchronous: the drafts are finished now
             self._finish_drafts()
-            return self._draft_token_ids   # (vLLM stores what this returns over what _finish_drafts set)
+            return step_draft_ids(self)   # (vLLM stores what this returns over what _finish_drafts set)
         # vLLM keeps this as the step's drafts; they are filled in when it takes them (take_draft_token_ids),
         # so its output processing runs while the device finishes the drafter's last levels.
         return self._no_draft_ids()
@@ -726,7 +728,7 @@ class BoleModelRunnerMixin:
         the next step's positions and sequence lengths (vLLM's drafter helper, as its MTP path calls it).
         ``sent``: (next tokens, counts) of :meth:`send_emitted_counts`, whose host copy left already."""
         if sent is None:
-            self._copy_valid_sampled_token_count(*self.send_emitted_counts(sampled_token_ids, copy=False))
+            copy_valid_sampled_token_count(self, *self.send_emitted_counts(sampled_token_ids, copy=False))
             return
         # What _copy_valid_sampled_token_count keeps besides its host copy (vLLM cleared it after sampling).
         next_ids, counts = sent
@@ -741,7 +743,7 @@ class BoleModelRunnerMixin:
         next_ids, counts = self.drafter.prepare_next_token_ids_padded(
             sampled_token_ids.to(torch.int32), self.requests, self.input_batch, self.discard_request_mask.gpu)
         if copy:
-            self._copy_valid_sampled_token_count(next_ids, counts)
+            copy_valid_sampled_token_count(self, next_ids, counts)
         return next_ids, counts
 
     def _finish_drafts(self) -> None:
@@ -757,7 +759,7 @@ class BoleModelRunnerMixin:
                 self._bole_queued = (step.queued, finish, step.req_ids)
                 self._bole_last_nodes = sum(step.queued.counts)
                 # (under async scheduling vLLM holds placeholders already and expects no ids)
-                self._draft_token_ids = None if self.bole_async else step.queued.placeholder_ids(step.req_ids)
+                set_step_draft_ids(self, None if self.bole_async else step.queued.placeholder_ids(step.req_ids))
             else:
                 with profiled(self._bole_profiler, "draft"):
                     trees = finish()
@@ -765,7 +767,7 @@ class BoleModelRunnerMixin:
                         trees = select_step(trees, step.per_request, step.budget)
                 self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
                 self._bole_last_nodes = sum(len(t) for t in trees)
-                self._draft_token_ids = [t.tokens for t in trees]
+                set_step_draft_ids(self, [t.tokens for t in trees])
         if self._bole_profiler is not None:
             self._bole_profiler.end_step(tree_step=self._bole_forest is not None)
 
@@ -884,5 +886,6 @@ _RUNNER_CLASSES: dict[type, type] = {}
 def bole_runner_class(base: type) -> type:
     """``BoleModelRunnerMixin`` in front of ``base`` (one class per base)."""
     if base not in _RUNNER_CLASSES:
+        check_overrides(base, RUNNER_OVERRIDES)
         _RUNNER_CLASSES[base] = type(f"Bole{base.__name__}", (BoleModelRunnerMixin, base), {})
     return _RUNNER_CLASSES[base]

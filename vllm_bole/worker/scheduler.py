@@ -20,6 +20,7 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
+from .._vllm_compat import SCHEDULER_OVERRIDES, check_overrides
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import async_budget_source, node_budget, with_applicable_rule
@@ -141,6 +142,9 @@ class Placeholders:
 
     def quota(self, req_id: str) -> int:
         return self.k + (req_id in self.one_more)
+
+
+check_overrides(AsyncScheduler, SCHEDULER_OVERRIDES)
 
 
 class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, AsyncScheduler):

@@ -16,6 +16,7 @@ are a prefix of those tokens (vLLM may cut drafts to a prefix, which keeps a tre
 
 import numpy as np
 
+from .._vllm_compat import fill_grammar_rows, grammar_bitmask
 from ..spec_decode.tree import children_of
 
 # DraftTokenIds attribute: {req_id: parents} of tree drafts of structured-output requests (-1: child of the root).
@@ -40,11 +41,9 @@ def tree_grammar_bitmask(manager, requests: dict, structured_ids: list[str], sch
     Requests without drafts get vLLM's single row; drafts that are not a tree's run as a chain. Only for requests
     whose grammar is applied from the first row (``manager.should_fill_bitmask``); a request still reasoning
     carries no drafts (``scheduler._TreeGrammars``)."""
-    if manager._grammar_bitmask is None:   # (allocated on first use, as grammar_bitmask does)
-        spec = manager.vllm_config.num_speculative_tokens
-        manager._grammar_bitmask = manager.backend.allocate_token_bitmask(
-            manager.vllm_config.scheduler_config.max_num_seqs * (1 + spec))
-    bits = manager._grammar_bitmask.numpy()   # (shares the tensor's memory)
+    spec = manager.vllm_config.num_speculative_tokens
+    rows = manager.vllm_config.scheduler_config.max_num_seqs * (1 + spec)
+    bits = grammar_bitmask(manager, rows).numpy()   # (shares the tensor's memory)
     row = 0
     for req_id in structured_ids:
         request = requests[req_id]
@@ -68,7 +67,7 @@ def _fill_subtree(manager, bits: np.ndarray, grammar, req_id: str, tokens, child
     """Rows of ``node`` and its descendants; the grammar stands at ``node``'s path (``valid``) or the node is
     unreachable (its rows unconstrained)."""
     row = first_row + node
-    manager._fill_bitmasks(((grammar, row, valid),))
+    fill_grammar_rows(manager, ((grammar, row, valid),))
     for child in children.get(node, ()):
         # vLLM does not advance a terminated grammar (the rows after it stay unconstrained); a token the parent's
         # row masks is never accepted, so its subtree is unreachable
