@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import random
 import subprocess
@@ -97,34 +98,43 @@ def assert_lossless(ref: dict, test: dict, max_near_ties: int) -> list[Divergenc
     return divs
 
 
-def max_logprob_gap(ref: dict, test: dict) -> float:
-    """The largest difference between the two runs' logprobs of the token both chose, over every position up to
-    each request's first divergence. On the tiny models the attention layers hardly move the argmax, so a wrong
-    RoPE position shows here first: in the target's logits, not yet in its tokens."""
-    worst = 0.0
+def logprob_gaps(ref: dict, test: dict) -> list[tuple[float, float]]:
+    """(gap, reference probability) of the token both runs chose, at every position up to each request's first
+    divergence: the difference between the two runs' logprobs of it. On the tiny models the attention layers hardly
+    move the argmax, so a wrong RoPE position shows here first: in the target's logits, not yet in its tokens."""
+    gaps = []
     for a, b in zip(ref["outputs"], test["outputs"], strict=True):
         for x, y, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
             if x != y:
                 break
-            worst = max(worst, abs(la[str(x)] - lb[str(x)]))
-    return worst
+            gaps.append((abs(la[str(x)] - lb[str(x)]), math.exp(la[str(x)])))
+    return gaps
 
 
 # CPU: the chosen tokens' logprobs of a Bole run against the reference's. bf16 noise moved them by up to 2.4e-3 on
 # the tiny models; tree rows whose M-RoPE positions stayed at the token index, by 7e-3 to 2.2e-2 (depth-1 trees:
-# 3e-3, within the noise).
+# 3e-3, within the noise), on a CPU without AMX. Where another token's bf16 logit rounds the other way between the
+# runs (a tree row's hidden state is computed by other kernels than a decode's), the chosen token's logprob moves by
+# up to one bf16 step of a logit in [16, 32) (TIE_TOL) times the other tokens' probability: 2.2e-2 at 1 or 2 of
+# 496 positions on a CPU with AMX. A run may hold one such position per LOGPROB_FLIPS_PER positions compared.
 LOGPROB_TOL = 5e-3
+LOGPROB_FLIPS_PER = 200
 
 
 def assert_same_logprobs(ref: dict, test: dict) -> float:
-    """On CPU, :func:`max_logprob_gap` within ``LOGPROB_TOL``; on a GPU (Bole's kernels round differently from
-    vLLM's there) the tokens alone are checked. Returns the gap."""
+    """On CPU, every gap of :func:`logprob_gaps` within ``LOGPROB_TOL``, but for one rounding flip per
+    ``LOGPROB_FLIPS_PER`` positions (each within ``TIE_TOL`` times the other tokens' probability); on a GPU (Bole's
+    kernels round differently from vLLM's there) the tokens alone are checked. Returns the largest gap."""
     import torch
 
-    gap = max_logprob_gap(ref, test)
+    gaps = logprob_gaps(ref, test)
+    worst = max((gap for gap, _ in gaps), default=0.0)
     if not torch.cuda.is_available():
-        assert gap < LOGPROB_TOL, f"the target's logprobs moved by {gap:.2e} (a wrong position?)"
-    return gap
+        over = [(gap, p) for gap, p in gaps if gap >= LOGPROB_TOL]
+        flips = max(1, len(gaps) // LOGPROB_FLIPS_PER)
+        assert len(over) <= flips and all(gap <= LOGPROB_TOL + TIE_TOL * (1 - p) for gap, p in over), \
+            f"the target's logprobs moved by {worst:.2e} at {len(over)} of {len(gaps)} positions (a wrong position?)"
+    return worst
 
 
 def vocab_size(model_dir: str) -> int:

@@ -30,11 +30,12 @@ SETTINGS = [dict(temperature=2.0, top_k=6), dict(temperature=1.5, top_k=10, top_
 SOFT_LOGIT_SCALE = 8.0
 
 
-def _sampled_requests(prompt: list[int]) -> list[dict]:
+def _sampled_requests(prompt: list[int], seeds: bool = True) -> list[dict]:
+    """``seeds=False``: none seeded (a step with a seeded request walks on the host, not on the early path)."""
     reqs = []
     for i in range(NUM_REQUESTS):
         req = {"prompt": prompt, "max_tokens": MAX_TOKENS, **SETTINGS[i % len(SETTINGS)]}
-        if i % 4:
+        if i % 4 and seeds:
             req["seed"] = 1000 + i
         reqs.append(req)
     return reqs
@@ -87,7 +88,8 @@ def test_reference_is_spread(reference):
 # selection None runs the default, per_request: 8 nodes per request (512 over 64), the trees reach the step as
 # placeholders.
 # "early": the MTP drafter with the drafting queued before the walk (early_drafting, the default), whose device
-# walk matches each row's draw; the other MTP case turns it off.
+# walk matches each row's draw (its requests unseeded: a seeded request's steps walk on the host); the other MTP case
+# turns it off.
 @pytest.mark.parametrize("drafter,selection", [("planted", "global"), ("mtp", "global"), ("planted", None),
                                                ("mtp", "early")])
 def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, reference, drafter, selection):
@@ -97,7 +99,8 @@ def test_sampled_outputs_match_reference_distribution(tmp, model, prompt, refere
     engine = bole_engine(tmp, name, depth=2, topk=3, budget=512, drafter=drafter, selection=selection,
                          max_num_seqs=64)
     engine["speculative_config"]["early_drafting"] = early
-    out = run_engine(tmp, name, {"model": model, "engine": engine, "requests": _sampled_requests(prompt)})
+    out = run_engine(tmp, name, {"model": model, "engine": engine,
+                                 "requests": _sampled_requests(prompt, seeds=not early)})
     ref, got = _tokens(reference), _tokens(out)
     counters = out["counters"]
     print(f"{name}: counters {counters}; queued trees {out['queued_trees']}")

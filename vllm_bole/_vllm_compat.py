@@ -244,3 +244,21 @@ def cpu_conv_weight(conv1d):
 def dispatch_to_forward_cuda(op) -> None:
     """Make a vLLM custom op run its ``forward_cuda`` on every platform."""
     op._forward_method = op.forward_cuda
+
+
+def plain_layout_cpu_attention(plain_layout_isa) -> None:
+    """Make vLLM's CPU attention pick ``plain_layout_isa(its choice)`` in this process, as Bole's CPU attention
+    does for its own layers (``attention/tree_attn_cpu.py``: on CPUs with AMX the plain "vec" kernel). For the
+    reference engines of tests, which then run the same attention kernel as the Bole engines they are compared
+    with. Idempotent."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    original = cpu_attn._get_attn_isa
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    def _get_attn_isa(*args, **kwargs):
+        return plain_layout_isa(original(*args, **kwargs))
+
+    setattr(_get_attn_isa, _PATCHED_ATTR, True)
+    cpu_attn._get_attn_isa = _get_attn_isa

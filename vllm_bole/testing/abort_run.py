@@ -17,7 +17,7 @@ import json
 import os
 
 from .._vllm_compat import engine_core_of
-from .engine_run import _prompt, _runner, _sampling_params, force_cpu_async_scheduling
+from .engine_run import _prompt, _runner, _sampling_params, force_cpu_async_scheduling, same_cpu_attention_as_bole
 
 
 def _drain(engine, wanted: set[str], outputs: dict, max_steps: int = 10_000) -> None:
@@ -59,6 +59,7 @@ def run(spec: dict) -> dict:
 
     if spec.get("cpu_async_scheduling"):
         force_cpu_async_scheduling()
+    same_cpu_attention_as_bole()
     llm = LLM(model=spec["model"], **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
     engine = llm.llm_engine
     rounds = []

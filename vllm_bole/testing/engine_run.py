@@ -143,6 +143,18 @@ def _scheduling(llm) -> dict:
             "scheduler": type(core.scheduler).__name__}
 
 
+def same_cpu_attention_as_bole() -> None:
+    """On CPUs with AMX vLLM's attention runs its AMX kernel, whose blocked cache layout Bole's tree rows cannot
+    read, so Bole's layers run the plain-layout kernel there (``attention/tree_attn_cpu.py``). Engines built after
+    this call (in this process) run that kernel too, so that a reference and a Bole run differ by nothing but Bole:
+    the two kernels' bf16 roundings moved the tiny models' logprobs by 2e-2, the size of the faults the logprob
+    checks look for (``tests/e2e_support.py``)."""
+    from vllm_bole._vllm_compat import plain_layout_cpu_attention
+    from vllm_bole.attention.tree_attn_cpu import plain_layout_isa
+
+    plain_layout_cpu_attention(plain_layout_isa)
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -151,6 +163,7 @@ def run(spec: dict) -> dict:
 
     if spec.get("cpu_async_scheduling"):
         force_cpu_async_scheduling()
+    same_cpu_attention_as_bole()
     llm = LLM(model=spec["model"], disable_log_stats=False,
               **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
     params = [_sampling_params(SamplingParams, r, spec.get("logprobs")) for r in spec["requests"]]
