@@ -11,7 +11,7 @@ Fixed addresses: the proposer's persistent token / position / hidden-state / slo
 query_start_loc, seq_lens, block-table rows and tree-row buffers, refilled before every replay. The attention
 layer reads the graph's bounds (``GraphStep``) instead of the level's host values.
 
-As the verification graphs (``worker/verify_graphs.stand_in``), a key not held yet replays a held graph of a few
+As the verification graphs (``attention/graph_mode.stand_in``), a key not held yet replays a held graph of a few
 more tokens (its extra rows with KV slot -1, past every request's queries) until those stand-ins have cost
 about a capture's worth (``verify_graphs.StandIns``), and is captured then.
 """

@@ -5,19 +5,16 @@
 SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "cpu_async_scheduling": bool,
 "requests": [engine_run request dicts], "abort": [indices into requests], "after_steps": [k, ...],
 "after": [engine_run request dicts], "logprobs": n}. For each k of ``after_steps`` one round adds every request,
-runs k engine steps, aborts the requests of ``abort`` and runs the rest to completion; then the ``after`` requests run alone, in
-the slots the aborted ones left. Under async scheduling an engine step returns while the next one is queued, so an
-abort lands while the aborted request's next tree is drafted or queued. OUT: per round the outputs of the requests
-not aborted (in request order), the ``after`` outputs, and what the scheduler, the model runner and Bole's runner
-state hold at the end (``held``: the aborted requests must appear nowhere, and nothing must be held at all).
+runs k engine steps, aborts the requests of ``abort`` and runs the rest to completion; then the ``after`` requests
+run alone, in the slots the aborted ones left. Under async scheduling an engine step returns while the next one is
+queued, so an abort lands while the aborted request's next tree is drafted or queued. OUT: per round the outputs of
+the requests not aborted (in request order), the ``after`` outputs, and the request ids that the scheduler, the
+model runner and Bole's per-request state still hold at the end (``held``).
 """
 
-import argparse
-import json
-import os
-
 from .._vllm_compat import engine_core_of
-from .engine_run import _prompt, _runner, _sampling_params, force_cpu_async_scheduling, same_cpu_attention_as_bole
+from .engine_run import (_prompt, _runner, _sampling_params, force_cpu_async_scheduling, same_cpu_attention_as_bole,
+                         spec_cli)
 
 
 def _drain(engine, wanted: set[str], outputs: dict, max_steps: int = 10_000) -> None:
@@ -89,17 +86,7 @@ def run(spec: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    with open(args.spec) as f:
-        spec = json.load(f)
-    with open(args.out, "w") as f:
-        json.dump(run(spec), f)
+    spec_cli(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -197,8 +197,10 @@ def _counts(counter) -> list | None:
     return None if counter is None else sorted([b, n, c] for (b, n), c in counter.items())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def spec_cli(run_spec, description: str) -> None:
+    """``--spec SPEC.json --out OUT.json``: ``run_spec(spec)`` in this process, on CPU with the test settings (offline,
+    a 1 GiB KV cache, the engine core in this process), its result written as JSON."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -207,9 +209,13 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with open(args.spec) as f:
         spec = json.load(f)
-    result = run(spec)
+    result = run_spec(spec)
     with open(args.out, "w") as f:
         json.dump(result, f)
+
+
+def main() -> None:
+    spec_cli(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

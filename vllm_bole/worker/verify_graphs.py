@@ -16,11 +16,12 @@ replayed from a graph of the whole target forward that Bole captures itself, one
   there; it computes this step's outputs), the capture, then a replay. Re-running a verification forward is
   harmless: it writes only this step's K/V slots and Bole's per-step scratch;
 - unless a held graph of the same route has a few more tokens, or as many for up to twice the requests or the
-  tree-size bound (:func:`stand_in`): the step replays that one, its extra rows with KV slot -1 and past every
-  request's tree and its extra requests empty, so they cost compute and nothing else. The key is captured only
-  once its stand-ins have cost about as much as a capture would (:class:`StandIns`: an eager run, a synchronize
-  and the capture, 50-150 ms at 9B shapes, several steps' worth), and not before its :data:`CAPTURE_AFTER`-th occurrence: a drained batch's one-off token counts and a
-  budget rule's trial sizes then cost no capture each. ``VLLM_BOLE_CAPTURE_AFTER=1`` turns stand-ins off.
+  tree-size bound (``attention/graph_mode.stand_in``): the step replays that one, its extra rows with KV slot -1
+  and past every request's tree and its extra requests empty, so they cost compute and nothing else. The key is
+  captured only once its stand-ins have cost about as much as a capture would (``graph_mode.StandIns``: an eager
+  run, a synchronize and the capture, 50-150 ms at 9B shapes, several steps' worth), and not before its
+  ``CAPTURE_AFTER``-th occurrence: a drained batch's one-off token counts and a budget rule's trial sizes then
+  cost no capture each. ``VLLM_BOLE_CAPTURE_AFTER=1`` turns stand-ins off.
 """
 
 import functools
