@@ -722,14 +722,20 @@ def tiny_model_dir(kind: str = "qwen3_5", cache_dir: str | os.PathLike | None = 
     if kind not in BUILDERS:
         raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    target = root / f"tiny-{kind}-{_version_hash(kind)}"
+    return cached_build(root, f"tiny-{kind}-{_version_hash(kind)}", BUILDERS[kind])
+
+
+def cached_build(root: Path, name: str, build) -> str:
+    """``root / name``, made once by ``build(folder)``: into a temporary sibling, then renamed into place, so
+    concurrent callers are safe (a checkpoint is complete once its ``config.json`` is there)."""
+    target = root / name
     if (target / "config.json").exists():
         return str(target)
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".tiny-{kind}-", dir=root))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     staging.chmod(0o755)
     try:
-        BUILDERS[kind](staging)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:

@@ -45,7 +45,6 @@ import json
 import math
 import os
 import random
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -58,7 +57,6 @@ import torch
 import torch.nn.functional as F
 
 from vllm_bole.testing.tiny_models import (
-    PAD_TOKEN,
     SPECIAL_TOKENS,
     TinyShape,
     _qwen3_5_config,
@@ -383,27 +381,17 @@ def trained_model_dir(size: str = "small", seed: int = 0, cache_dir: str | os.Pa
     """Train the ``size`` checkpoint once and return its cached directory (``cache_dir``, default
     ``tiny_models.cache_root()``), named by a hash of this module, the size, the seed and the corpus; trained in a
     temporary sibling and renamed into place, as ``tiny_models.tiny_model_dir``."""
-    from vllm_bole.testing.tiny_models import cache_root
+    from vllm_bole.testing.tiny_models import cache_root, cached_build
 
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    target = root / f"trained-{size}-qwen3_5-s{seed}-{_version_hash(size, seed, corpus)}"
-    if (target / "config.json").exists():
-        return str(target)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".trained-{size}-", dir=root))
-    staging.chmod(0o755)
-    try:
-        train(staging, size, seed=seed, corpus=corpus, log=log)
-        report = json.loads((staging / "train_report.json").read_text()) | {"out": str(target)}
-        (staging / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+    name = f"trained-{size}-qwen3_5-s{seed}-{_version_hash(size, seed, corpus)}"
+
+    def build(folder: Path) -> None:
+        train(folder, size, seed=seed, corpus=corpus, log=log)
+        report = json.loads((folder / "train_report.json").read_text()) | {"out": str(root / name)}
+        (folder / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    return cached_build(root, name, build)
 
 
 def _fmt(metrics: dict) -> str:
