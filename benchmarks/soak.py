@@ -501,10 +501,15 @@ async def _abort(it: dict, url: str, timeout: float, tally: Tally) -> None:
 
 
 def _status(it: dict, status: int, out, tally: Tally) -> bool:
+    return _ok(f"#{it['i']} {it['kind']}", status, out, tally)
+
+
+def _ok(label: str, status: int, out, tally: Tally) -> bool:
+    """True for HTTP 200; otherwise the failure is counted (5xx separately) and said with ``label``."""
     if status >= 500:
         tally.http_5xx += 1
     if status != 200:
-        tally.fail(f"#{it['i']} {it['kind']}: HTTP {status}: {str(out)[:300]}")
+        tally.fail(f"{label}: HTTP {status}: {str(out)[:300]}")
         return False
     return True
 
@@ -669,12 +674,7 @@ def _alone(base: str, body: dict, timeout: float, tally: Tally) -> dict | None:
         tally.lost += 1
         tally.fail(f"reference lost: {type(e).__name__}: {e}")
         return None
-    if status >= 500:
-        tally.http_5xx += 1
-    if status != 200:
-        tally.fail(f"reference: HTTP {status}: {str(out)[:300]}")
-        return None
-    return out
+    return out if _ok("reference", status, out, tally) else None
 
 
 def _wait_idle(base: str, idle: dict, timeout: float) -> tuple[bool, dict, float]:
