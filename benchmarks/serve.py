@@ -467,7 +467,7 @@ def _budget_lines(log: Path | None) -> list[str]:
 
 
 def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer: str | None, on_gpu: bool,
-               log_dir: Path, run_id: str) -> tuple[dict, list[dict]]:
+               log_dir: Path, run_id: str, on_row=None) -> tuple[dict, list[dict]]:
     spec, flags, note = config_setup(name, opts, on_gpu)
     slug = re.sub(r"[^A-Za-z0-9_.+-]+", "_", name)[:60]
     log, bench_log = log_dir / f"{slug}.server.log", log_dir / f"{slug}.client.log"
@@ -507,6 +507,8 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
             expected = None if opts.bench_args or opts.random_range_ratio else opts.num_prompts * opts.output_len
             row = row_of(name, rate, opts.num_prompts, result, time.monotonic() - t, expected)
             rows.append(row)
+            if on_row is not None:
+                on_row(entry, rows)
             print(f"[{name}] rate {row['rate']}: {row['completed']}/{opts.num_prompts} completed, "
                   f"{row['failed']} failed, TPOT p50 {_f(row['tpot_p50_ms'], '.2f')} ms, TTFT p50 "
                   f"{_f(row['ttft_p50_ms'], '.0f')} ms, {_f(row['output_throughput'], '.1f')} tok/s, acceptance "
@@ -699,38 +701,47 @@ def run(argv: list[str] | None = None) -> dict:
 
     configs: dict[str, dict] = {}
     rows: list[dict] = []
+
+    def result(configs: dict[str, dict], rows: list[dict]) -> dict:
+        all_rows, all_configs, order, all_bole = merge(previous, configs, rows, bole_names)
+        ok = all(not c.get("error") for c in configs.values()) and all(r["ok"] for r in rows) and \
+            len(rows) == len(names) * len(opts.request_rates)
+        wall = time.monotonic() - t_start
+        return {
+            "benchmark": "online serving (benchmarks/serve.py): vLLM's OpenAI server, `vllm bench serve` client",
+            "ok": ok,
+            "command": command,
+            "runs": previous.get("runs", []) + [{"run": run_id, "command": command, "configs": names,
+                                                 "wall_s": round(wall, 1), "gpu": _gpu_name(on_gpu)}],
+            "workload": workload,
+            "tokenizer": tokenizer,
+            "shared_server_flags": shared,
+            "config_order": order,
+            "bole_configs": sorted(all_bole),
+            "rows": all_rows,
+            "comparison": comparisons(all_rows, all_bole),
+            "configs": all_configs,
+        }
+
+    def write(data: dict) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
     for name in names:
-        entry, config_rows = run_config(name, opts, model, shared, tokenizer, on_gpu, log_dir, run_id)
+        # Each finished rate is written at once: a run cut short (a time limit) keeps what it measured.
+        entry, config_rows = run_config(name, opts, model, shared, tokenizer, on_gpu, log_dir, run_id,
+                                        on_row=lambda e, r, n=name: write(result({**configs, n: e}, rows + r)))
         configs[name] = entry
         rows += config_rows
 
-    all_rows, all_configs, order, all_bole = merge(previous, configs, rows, bole_names)
-    comps = comparisons(all_rows, all_bole)
-    ok = all(not c.get("error") for c in configs.values()) and all(r["ok"] for r in rows) and \
-        len(rows) == len(names) * len(opts.request_rates)
-    wall = time.monotonic() - t_start
-    data = {
-        "benchmark": "online serving (benchmarks/serve.py): vLLM's OpenAI server, `vllm bench serve` client",
-        "ok": ok,
-        "command": command,
-        "runs": previous.get("runs", []) + [{"run": run_id, "command": command, "configs": names,
-                                             "wall_s": round(wall, 1), "gpu": _gpu_name(on_gpu)}],
-        "workload": workload,
-        "tokenizer": tokenizer,
-        "shared_server_flags": shared,
-        "config_order": order,
-        "bole_configs": sorted(all_bole),
-        "rows": all_rows,
-        "comparison": comps,
-        "configs": all_configs,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    data = result(configs, rows)
+    write(data)
     report(data, out, opts.plot)
     failed = [f"{r['config']}@{r['rate']}" for r in rows if not r["ok"]]
     failed += [f"{n} (server: {c['error'].splitlines()[0][:200]})" for n, c in configs.items() if c.get("error")]
-    print(f"serve.py: {len(rows)} rows, {'all complete' if ok else 'FAILED: ' + ', '.join(failed)}; wrote {out} "
-          f"in {wall:.0f} s", flush=True)
+    wall = time.monotonic() - t_start
+    print(f"serve.py: {len(rows)} rows, {'all complete' if data['ok'] else 'FAILED: ' + ', '.join(failed)}; "
+          f"wrote {out} in {wall:.0f} s", flush=True)
     data["wall_s"] = wall
     return data
 
@@ -761,6 +772,7 @@ def _gpu_name(on_gpu: bool) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    soak.exit_on_sigterm()
     return 0 if run(argv)["ok"] else 1
 
 

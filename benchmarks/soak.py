@@ -154,6 +154,15 @@ class Server:
             proc.wait(timeout=30)
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, a job's stop) into ``SystemExit`` so that ``finally`` blocks stop the server:
+    the server runs in its own session, and a killed benchmark would otherwise leave it holding the GPU."""
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def _tiny_model() -> tuple[str, list[str]]:
     from vllm_bole.testing.tiny_models import engine_kwargs, tiny_model_dir
 
@@ -883,6 +892,7 @@ def _fmt(x) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     try:
         run(argv)
     except SoakFailure as e:

@@ -160,3 +160,37 @@ def test_stop_strings_inside_accepted_steps(server):
         assert got == ids[:len(got)] and len(got) > last_token
         past_stop += len(got) > last_token + 1
     assert past_stop >= len(picked) // 2, f"only {past_stop} of {len(picked)} stops inside a step that went on"
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_its_server(tmp_path):
+    """``timeout`` or a job's stop sends SIGTERM; the server runs in its own session, so without
+    ``exit_on_sigterm`` it outlived the benchmark and held the GPU (the next server then failed to start)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "server.pid"
+    script = f"""
+import subprocess, sys, time
+sys.path.insert(0, {str(Path(soak.__file__).parent)!r})
+import soak
+soak.exit_on_sigterm()
+proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+server = soak.Server("http://127.0.0.1:1", "m", proc, None, [])
+open({str(pid_file)!r}, "w").write(str(proc.pid))
+try:
+    time.sleep(600)
+finally:
+    server.stop(timeout=10)
+"""
+    bench = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and bench.poll() is None
+        time.sleep(0.1)
+    server_pid = int(pid_file.read_text())
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
