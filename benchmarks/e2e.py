@@ -4,38 +4,37 @@
     python3 benchmarks/e2e.py --configs bole_sync,mtp3,bole --calibrate --kv-cache-gib 16
     python3 benchmarks/e2e.py --smoke                                              # CPU, the tiny bundled model
 
-Configurations: ``ar`` (no speculation), ``mtp1`` .. ``mtp4`` (vLLM's MTP chain of k drafts with
-``rejection_sample_method: "synthetic"``), ``bole`` (tree speculation with ``synthetic_acceptance`` and
-``budget: "auto"``, default ``selection: "per_request"``, the engine's default scheduling: asynchronous on a GPU
-since 7be5de8, synchronous before, so the ``bole`` rows of earlier result files are synchronous), ``bole_sync`` and
-``bole_vocab32k_sync`` (``async_scheduling: false``); ``--calibrate`` first runs the budget calibration in the
-first Bole configuration that schedules synchronously (``*_sync``, ``bole_global*``, ``bole_step*``; it is timed
-first) and merges it into ``--budget-table``, which the invocation's other Bole configurations then read;
-``bole_global`` (``selection: "global"``: the best nodes over the whole batch, the scheduler waits for the
-drafts), ``bole_step`` (``budget_rule: "step"``: the budget also weighs the step's measured time besides its
-target forward), ``bole_global_step`` (both), ``bole_vocab32k``
-(``draft_vocab: 32768``: the drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by
-rank, so its row shows the cheaper levels but not what a subset costs in acceptance on real text),
-``bole_step_vocab32k`` (both ``budget_rule: "step"`` and ``draft_vocab: 32768``), ``bole_tput_vocab32k``
-(``budget_rule: "throughput"``, ``draft_vocab: 32768``: the default rule now, so the same as ``bole_vocab32k``,
-whose rows in result files up to e2b13ff ran the rule "decode"), ``bole_decode_vocab32k``
-(``budget_rule: "decode"``: the calibrated B_ver every step, the default before), ``bole_late`` and ``bole_vocab32k_late``
-(``early_drafting: false``: the drafter catches up after the host walk instead of being queued before it),
-``bole_async`` and ``bole_async_vocab32k`` (engine ``async_scheduling: true``, now what ``bole`` and
-``bole_vocab32k`` do on a GPU; on CPU vLLM schedules synchronously anyway), ``bole_async_tput_vocab32k`` (async
-scheduling with ``budget_rule: "throughput"``: the scheduler's quotas from the model runner's step clock and
-acceptance model), ``bole_vocab32k_coarse`` (``bole_vocab32k`` with CUDA-graph token sizes about a quarter apart
-instead of vLLM's steps of 8: fewer graph keys, more padded rows); each
-variant adds ``<name>_*`` fields to the rows and a table of its own,
-``mtp3_sync`` / ``mtp4_sync`` (the chain with ``async_scheduling: false``: rows gain
-``mtp_sync_tok_s_by_k``; not counted as the best chain). Each configuration runs in its own process that starts its engine once and then runs every
-batch size. All engines of one invocation start at the same time on the one GPU (each with a fixed KV cache,
-``--kv-cache-gib``, so concurrent start-ups cannot skew each other's memory profile); the timed phases then run
-strictly one engine at a time (the others sit idle, waiting for their turn), batch size by batch size: every
-configuration times batch 1, then every configuration batch 4, and so on, so that drift over the run (clocks,
-heat, a neighbour on the machine) falls on the configurations of a batch size alike. ``--gpus N`` spreads them
-over N GPUs of the machine (configuration i on GPU i mod N), each GPU giving its own turns at the same time as
-the others (the issue's grid of AR, MTP k=1..4 and Bole does not fit one GPU's memory at once). Results are
+Configurations (``--configs``; ``benchmarks/serve.py`` takes the same names): ``ar`` (no speculation);
+``mtp1`` .. ``mtp8`` (vLLM's MTP chain of k drafts with ``rejection_sample_method: "synthetic"``) and ``mtp1_sync``
+.. ``mtp8_sync`` (the chain with ``async_scheduling: false``: rows gain ``mtp_sync_tok_s_by_k``; not counted as the
+best chain); ``bole`` (tree speculation with ``synthetic_acceptance`` and ``budget: "auto"``, otherwise Bole's
+defaults, among them ``selection: "per_request"`` and the engine's default scheduling: asynchronous on a GPU since
+7be5de8, synchronous before, so the ``bole`` rows of earlier result files are synchronous); Bole's named variants
+(``BOLE_VARIANTS``, keys over ``bole``'s speculative config): ``bole_global`` (``selection: "global"``: the best
+nodes over the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget
+also weighs the step's measured time besides its target forward), ``bole_vocab32k`` (``draft_vocab: 32768``: the
+drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by rank, so its row shows the
+cheaper levels but not what a subset costs in acceptance on real text; its rows in result files up to e2b13ff ran
+the rule "decode"), ``bole_decode_vocab32k`` (also ``budget_rule: "decode"``: the calibrated B_ver every step, the
+default before "throughput"), ``bole_late`` (``early_drafting: false``: the drafter catches up after the host walk
+instead of being queued before it), ``bole_sync`` and ``bole_vocab32k_sync`` (``async_scheduling: false``); and
+``--variant NAME=JSON`` (repeatable: keys over ``bole``'s speculative config, ``null`` removes one,
+``async_scheduling`` is the engine's setting), e.g. ``--variant bole_tput='{"budget_rule": "throughput"}'``. Each
+Bole configuration besides ``bole`` adds ``<name>_*`` fields to the rows and a table of its own; result files
+may also hold configurations no longer offered (``bole_global_step``, ``bole_tput_vocab32k``, ...), reported
+like the others. ``--calibrate`` first runs the budget calibration in the first Bole configuration that
+schedules synchronously (``*_sync``, ``bole_global``, ``bole_step``; it is timed first) and merges it into
+``--budget-table``, which the invocation's other Bole configurations then read.
+
+Each configuration runs in its own process that starts its engine once and then runs every batch size; whatever
+order ``--configs`` names them in, they take the order ar, the chains by k, bole, the named variants, the
+``--variant`` ones, the synchronous chains. All engines of one invocation start at the same time on the one GPU
+(each with a fixed KV cache, ``--kv-cache-gib``, so concurrent start-ups cannot skew each other's memory profile);
+the timed phases then run strictly one engine at a time (the others sit idle, waiting for their turn), batch size
+by batch size: every configuration times batch 1, then every configuration batch 4, and so on, so that drift over
+the run (clocks, heat, a neighbour on the machine) falls on the configurations of a batch size alike. ``--gpus N``
+spreads them over N GPUs of the machine (configuration i on GPU i mod N), each GPU giving its own turns at the
+same time as the others (the grid of AR, MTP k=1..4 and Bole does not fit one GPU's memory at once). Results are
 merged by configuration into ``--out``, so several invocations fill one table.
 
 Per batch size B: B token-id prompts of ``--prompt-len`` tokens, a warm-up ``generate`` of ``--warmup-tokens``
@@ -76,6 +75,7 @@ import itertools
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -88,38 +88,25 @@ sys.path.insert(0, str(ROOT))
 from vllm_bole._vllm_compat import engine_core_of, model_runner_of  # noqa: E402
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
-# Bole's variants beside its default: the speculative_config keys each one changes.
+# Bole's named variants: the keys each one sets over ``bole``'s speculative config, as ``--variant`` takes them
+# ("async_scheduling" is the engine's setting; the others keep the engine's default scheduling: asynchronous on a
+# GPU, except where selection "global" or budget_rule "step" need synchronous steps).
 BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_rule": "step"},
-                 "bole_global_step": {"selection": "global", "budget_rule": "step"},
                  # The drafter proposes from the 32768 lowest token ids only. Synthetic acceptance draws the
                  # accepted paths by rank, so this row cannot show the acceptance such a subset costs on real text.
                  "bole_vocab32k": {"draft_vocab": 32768},
-                 "bole_step_vocab32k": {"budget_rule": "step", "draft_vocab": 32768},
-                 "bole_tput_vocab32k": {"budget_rule": "throughput", "draft_vocab": 32768},
                  "bole_decode_vocab32k": {"budget_rule": "decode", "draft_vocab": 32768},
                  # Drafting after the host walk (before it is the default: speculative_config.early_drafting).
                  "bole_late": {"early_drafting": False},
-                 "bole_vocab32k_late": {"draft_vocab": 32768, "early_drafting": False},
-                 # Scheduling (BOLE_ENGINE_VARIANTS): *_sync synchronous; *async* asynchronous, as every other
-                 # configuration on a GPU since Bole follows vLLM's default (named so in earlier result files).
-                 "bole_sync": {}, "bole_vocab32k_sync": {"draft_vocab": 32768},
-                 "bole_async": {}, "bole_async_vocab32k": {"draft_vocab": 32768},
-                 "bole_async_tput_vocab32k": {"budget_rule": "throughput", "draft_vocab": 32768},
-                 # The engine's CUDA-graph token sizes (BOLE_GRAPH_SIZES) spaced about a quarter apart.
-                 "bole_vocab32k_coarse": {"draft_vocab": 32768}}
-# Bole's engine settings besides the speculative config (the others keep the engine's default scheduling:
-# asynchronous on a GPU, except where selection "global" or budget_rule "step" need synchronous steps).
-BOLE_ENGINE_VARIANTS = {"bole_sync": {"async_scheduling": False}, "bole_vocab32k_sync": {"async_scheduling": False},
-                        "bole_async": {"async_scheduling": True}, "bole_async_vocab32k": {"async_scheduling": True},
-                        "bole_async_tput_vocab32k": {"async_scheduling": True}}
+                 "bole_sync": {"async_scheduling": False},
+                 "bole_vocab32k_sync": {"draft_vocab": 32768, "async_scheduling": False}}
+# Keys of a variant that are engine settings, not speculative config keys.
+ENGINE_KEYS = ("async_scheduling",)
+MAX_CHAIN = 8   # mtp1 .. mtp8
+DEFAULT_CONFIGS = "ar,mtp1,mtp2,mtp3,mtp4,bole"
 # Token counts vLLM pads a step to, and so the token sizes of Bole's verification and drafter graphs. Tree steps
-# carry B + (up to the budget) tokens: sizes over that whole range, vLLM's spacing (8, then 32), or, for the
-# "coarse" configurations, about a quarter apart, so that a drained batch's token counts fall on fewer graph keys
-# (each new key is a capture inside a step) at the price of padded rows.
+# carry B + (up to the budget) tokens: sizes over that whole range, vLLM's spacing (8, then 32).
 BOLE_GRAPH_SIZES = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 32)}
-COARSE_GRAPH_SIZES = {1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024}
-COARSE_CONFIGS = {"bole_vocab32k_coarse"}
-CONFIGS = ("ar", "mtp1", "mtp2", "mtp3", "mtp4", "bole", *BOLE_VARIANTS, "mtp3_sync", "mtp4_sync")
 # The repository's copy travels to a GPU machine with the working tree; the shared one is its source.
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
 POLL_S = 0.5
@@ -141,12 +128,111 @@ def _positive(text: str) -> int:
     return value
 
 
-def _configs(text: str) -> list[str]:
-    names = [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in names if c not in CONFIGS]
+# ---- configurations: names and settings (benchmarks/serve.py takes the same) ---------------------------------
+def chain_k(name: str) -> int | None:
+    """k of an MTP chain configuration (``mtp<k>``, ``mtp<k>_sync``), None for any other name."""
+    m = re.fullmatch(rf"mtp([1-{MAX_CHAIN}])(_sync)?", name)
+    return int(m[1]) if m else None
+
+
+def is_chain(name: str) -> bool:
+    """An MTP chain with the engine's default scheduling: the chains the best one is picked from."""
+    return chain_k(name) is not None and not name.endswith("_sync")
+
+
+def split_configs(text: str) -> list[str]:
+    """``--configs`` split on commas outside braces, so ``bole:{"a": 1, "b": 2}`` stays one item."""
+    items, depth, cur = [], 0, []
+    for ch in text:
+        depth += (ch in "{[") - (ch in "}]")
+        if ch == "," and depth == 0:
+            items.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    items.append("".join(cur))
+    return [i.strip() for i in items if i.strip()]
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``--variant NAME=JSON``: a Bole configuration named NAME, the JSON object's keys over ``bole``'s
+    speculative config (``null`` removes a key; ``async_scheduling`` is the engine's setting)."""
+    name, sep, spec = text.partition("=")
+    name = name.strip()
+    try:
+        value = json.loads(spec) if sep else None
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: {e}") from None
+    if not name or not isinstance(value, dict) or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
+        raise argparse.ArgumentTypeError(f"--variant: expected NAME=JSON-object, got {text!r}")
+    if name == "ar" or chain_k(name) is not None:
+        raise argparse.ArgumentTypeError(f"--variant {name}: the name of a configuration without Bole")
+    return name, value
+
+
+def allowed_configs(variants: dict[str, dict] | None = None, inline: bool = False) -> list[str]:
+    """The configuration names, in the order e2e.py runs them; ranges and the inline form as one item each."""
+    variants = variants or {}
+    names = ["ar", f"mtp1..mtp{MAX_CHAIN}", "bole", *BOLE_VARIANTS, *(v for v in variants if v not in BOLE_VARIANTS),
+             f"mtp1_sync..mtp{MAX_CHAIN}_sync"]
+    return names + ["bole:{JSON}"] * inline
+
+
+def config_names(text: str, variants: dict[str, dict] | None = None, inline: bool = False) -> list[str]:
+    """The configurations of ``--configs`` as given, each once; ``inline``: also ``bole:{JSON}`` (serve.py). An
+    unknown name exits with one line that names the allowed ones."""
+    names, variants = split_configs(text), variants or {}
+    known = {"ar", "bole", *BOLE_VARIANTS, *variants}
+    bad = [n for n in names if n not in known and chain_k(n) is None and not (inline and n.startswith("bole:"))]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"--configs: unknown {bad}; allowed: {','.join(CONFIGS)}")
-    return sorted(set(names), key=CONFIGS.index)
+        raise SystemExit(f"--configs: {'unknown ' + ', '.join(bad) if bad else 'none given'}; allowed: "
+                         f"{', '.join(allowed_configs(variants, inline))} (and names given by --variant NAME=JSON)")
+    return list(dict.fromkeys(names))
+
+
+def run_order(names: list[str], variants: dict[str, dict] | None = None) -> list[str]:
+    """``names`` in the order e2e.py starts and times them: ar, the chains by k, bole, the named variants, the
+    ``--variant`` ones, the synchronous chains."""
+    variants = variants or {}
+    named = ["ar", *(f"mtp{k}" for k in range(1, MAX_CHAIN + 1)), "bole", *BOLE_VARIANTS,
+             *(v for v in variants if v not in BOLE_VARIANTS), *(f"mtp{k}_sync" for k in range(1, MAX_CHAIN + 1))]
+    return sorted(names, key=lambda n: named.index(n) if n in named else len(named))
+
+
+def bole_overrides(name: str, variants: dict[str, dict] | None = None) -> dict | None:
+    """The keys a Bole configuration sets over ``bole``'s speculative config (``async_scheduling``: the engine's
+    setting; a None value removes the key), None for a configuration without Bole. ``--variant`` names first, then
+    the inline ``bole:{JSON}``, then the named variants."""
+    if name in (variants or {}):
+        return dict(variants[name])
+    if name.startswith("bole:"):
+        try:
+            value = json.loads(name[len("bole:"):])
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--configs {name!r}: {e}") from None
+        if not isinstance(value, dict):
+            raise SystemExit(f"--configs {name!r}: expected a JSON object")
+        return value
+    if name == "bole":
+        return {}
+    return dict(BOLE_VARIANTS[name]) if name in BOLE_VARIANTS else None
+
+
+def is_bole(name: str, variants: dict[str, dict] | None = None) -> bool:
+    return bole_overrides(name, variants) is not None
+
+
+def apply_overrides(spec: dict, overrides: dict) -> tuple[dict, dict]:
+    """(speculative config, engine settings) of ``overrides`` over the speculative config ``spec``."""
+    spec, engine = dict(spec), {}
+    for key, value in overrides.items():
+        if key in ENGINE_KEYS:
+            engine[key] = value
+        elif value is None:
+            spec.pop(key, None)
+        else:
+            spec[key] = value
+    return spec, engine
 
 
 def _budget_overrides(text: str) -> dict[int, int]:
@@ -177,7 +263,11 @@ def override_budgets(table: Path, budgets: dict[int, int], out_dir: Path) -> Pat
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", type=_configs, default=list(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"comma-separated: {', '.join(allowed_configs())}, --variant names (default: %(default)s)")
+    p.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=JSON",
+                   help="a Bole configuration: these keys over bole's speculative config (null removes one; "
+                        "async_scheduling is the engine's setting); repeatable")
     p.add_argument("--model", default=None, help="default: benchmarks/models/qwen3.5-9b-shape (dummy weights)")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 8, 16, 32, 64])
     p.add_argument("--prompt-len", type=int, default=128)
@@ -228,13 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hold this file's lock over each configuration's timed phase, so that other benchmarks "
                         "sharing the GPU (step_profile.py --turn-lock) measure in turn")
     p.add_argument("--gpus", type=int, default=1,
-                   help="spread the configurations over this many GPUs, in --configs order (configuration i on GPU "
+                   help="spread the configurations over this many GPUs, in the order they run (configuration i on GPU "
                         "i mod N); each GPU gives its turns on its own, at the same time as the others")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny bundled model, tiny grid")
     p.add_argument("--plot-only", action="store_true",
                    help="only draw --out's plot (<out>.png: tok/s and speedup over the best MTP chain by batch "
                         "size) from the results it holds; needs matplotlib")
-    p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     return p
 
@@ -275,8 +365,9 @@ def engine_kwargs(args, name: str) -> dict:
                "limit_mm_per_prompt": {"image": 0, "video": 0}}
         if torch.cuda.is_available():
             kw["additional_config"] = {"gdn_prefill_backend": "triton"}
-    if name.startswith("mtp"):
-        k = int(name[3:].removesuffix("_sync"))
+    overrides = bole_overrides(name, dict(args.variant))
+    if chain_k(name) is not None:
+        k = chain_k(name)
         if name.endswith("_sync"):   # how much of the chain's speed is vLLM's async scheduling
             kw["async_scheduling"] = False
         if len(args.rates) < k:
@@ -286,41 +377,45 @@ def engine_kwargs(args, name: str) -> dict:
             kw["speculative_config"] |= {"rejection_sample_method": "synthetic",
                                          "synthetic_acceptance_rates": args.rates[:k]}
         sizes = {b * (k + 1) for b in args.batch_sizes} | set(args.batch_sizes)
-    elif name.startswith("bole"):
-        kw["speculative_config"] = {
+    elif overrides is not None:
+        spec, engine = apply_overrides({
             "method": "bole", "num_speculative_tokens": args.depth, "topk": args.topk, "budget": "auto",
             "budget_table": args.budget_table,
-            "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}
-        kw["speculative_config"] |= BOLE_VARIANTS.get(name, {})
-        if args.smoke and "draft_vocab" in kw["speculative_config"]:
+            "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}, overrides)
+        if args.smoke and "draft_vocab" in spec:
             # The tiny model's vocabulary has 1024 tokens: half of it, so the smoke run drafts from a subset too.
-            kw["speculative_config"]["draft_vocab"] = 512
-        kw |= BOLE_ENGINE_VARIANTS.get(name, {})
-        sizes = (COARSE_GRAPH_SIZES if name in COARSE_CONFIGS else BOLE_GRAPH_SIZES) | set(args.batch_sizes)
-    else:
+            spec["draft_vocab"] = 512
+        kw["speculative_config"] = spec
+        kw |= engine   # e.g. async_scheduling False
+        sizes = BOLE_GRAPH_SIZES | set(args.batch_sizes)
+    elif name == "ar":
         sizes = set(args.batch_sizes)
+    else:
+        raise SystemExit(f"--configs: unknown {name}; allowed: {', '.join(allowed_configs(dict(args.variant)))}")
     if not kw.get("enforce_eager"):
         kw["compilation_config"] = {"cudagraph_capture_sizes": sorted(s for s in sizes
                                                                       if s <= args.max_num_batched_tokens)}
     return kw
 
 
-def schedules_synchronously(name: str) -> bool:
+def schedules_synchronously(name: str, variants: dict[str, dict] | None = None) -> bool:
     """Whether a Bole configuration's engine schedules synchronously on a GPU (pinned, or by the plugin's rules
     for its speculative config)."""
     from vllm_bole.config import parse_bole_config
     from vllm_bole.plugin import config_needs_synchronous
 
-    if BOLE_ENGINE_VARIANTS.get(name, {}).get("async_scheduling") is False:
+    spec, engine = apply_overrides({"method": "bole"}, bole_overrides(name, variants) or {})
+    if engine.get("async_scheduling") is False:
         return True
-    cfg, _ = parse_bole_config({"method": "bole", **BOLE_VARIANTS.get(name, {})})
+    cfg, _ = parse_bole_config(spec)
     return config_needs_synchronous(cfg) is not None
 
 
-def calibrating_config(configs, smoke: bool = False) -> str | None:
+def calibrating_config(configs, smoke: bool = False, variants: dict[str, dict] | None = None) -> str | None:
     """The configuration that runs ``--calibrate``: the first Bole one with synchronous scheduling (the sweep steps
     the engine one step at a time; on CPU every one)."""
-    return next((n for n in configs if n.startswith("bole") and (smoke or schedules_synchronously(n))), None)
+    return next((n for n in configs if is_bole(n, variants) and (smoke or schedules_synchronously(n, variants))),
+                None)
 
 
 def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
@@ -391,10 +486,11 @@ def gpu_groups(configs: list[str], gpus: int) -> list[list[str]]:
 
 
 def give_turns_per_gpu(run_dir: Path, procs: dict, groups: list[list[str]], batch_sizes, lock_path=None,
-                       calibrating: str | None = None, rounds: int = 1):
-    """:func:`give_turns` on every GPU's configurations at once, one thread per GPU. A Bole configuration waits
-    for the calibrating one's first turn (it writes the table the others read), wherever that runs. Returns the
-    finished turns as (name, batch size, seconds), each GPU's in its order."""
+                       calibrating: str | None = None, rounds: int = 1, bole_names=None):
+    """:func:`give_turns` on every GPU's configurations at once, one thread per GPU. A Bole configuration
+    (``bole_names``; default: the names that start with "bole") waits for the calibrating one's first turn (it
+    writes the table the others read), wherever that runs. Returns the finished turns as (name, batch size,
+    seconds), each GPU's in its order."""
     import threading
 
     calibrated = threading.Event()
@@ -402,7 +498,8 @@ def give_turns_per_gpu(run_dir: Path, procs: dict, groups: list[list[str]], batc
         calibrated.set()
 
     def before(name):
-        if name.startswith("bole") and name != calibrating:
+        waits = name in bole_names if bole_names is not None else name.startswith("bole")
+        if waits and name != calibrating:
             while not calibrated.wait(POLL_S) and procs[calibrating].poll() is None:
                 pass
 
@@ -448,7 +545,8 @@ def _write_json(path: Path, data) -> None:
 def run_worker(args) -> None:
     """Start the engine, report ready, wait for the turn, run the timed phase, write the results."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner is read in this process
-    name, run_dir = args.worker, Path(args.run_dir)
+    name, run_dir, variants = args.worker, Path(args.run_dir), dict(args.variant)
+    bole = is_bole(name, variants)
     from vllm import LLM, SamplingParams
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 
@@ -472,11 +570,13 @@ def run_worker(args) -> None:
               "settings": {k: getattr(args, k) for k in ("prompt_len", "new_tokens", "warmup_tokens", "warmup_passes",
                                                         "settle_passes",
                                                         "rates", "sibling_rates", "model")}}
+    if bole:   # the keys over bole's speculative config (its table's title)
+        result["variant"] = bole_overrides(name, variants)
     _write_json(run_dir / f"{name}.ready", {"startup_s": result["startup_s"]})
     turns = worker_turns(run_dir, name, args.batch_sizes, args.rounds)
     first = next(turns)   # the first turn also calibrates (or reads the table the calibrating engine wrote)
 
-    if args.calibrate and name == calibrating_config(args.configs, args.smoke):
+    if args.calibrate and name == calibrating_config(args.configs, args.smoke, variants):
         from vllm_bole.calibration.sweep import SweepPlan, calibrate, plot, save, summary
 
         plan = SweepPlan(batch_sizes=args.batch_sizes, kv_lens=args.calib_kv_lens, nodes=args.calib_nodes,
@@ -488,12 +588,12 @@ def run_worker(args) -> None:
         plot(entries, run_dir / "calibration.png")
         result["calibration"] = entries
         result["calibration_s"] = round(time.perf_counter() - t, 1)
-    elif args.calibrate and name.startswith("bole"):
+    elif args.calibrate and bole:
         # Timed after the calibrating engine (run_configs orders the turns): read the table it wrote.
         from vllm_bole.spec_decode.budget import reload_budget_tables
 
         reload_budget_tables()
-    if args.calibrate and name.startswith("bole"):
+    if args.calibrate and bole:
         # The rule "throughput" applies only where the table holds curves: resolve it again with the new table.
         runner.bole_refresh_budget_rule()
         scheduler = engine_core_of(llm).scheduler
@@ -517,7 +617,7 @@ def run_worker(args) -> None:
             # Tree steps take many shapes (token counts, request buckets, attention routes): warm up until a pass
             # meets no new one, as a serving engine soon does, so that the timed runs measure the steady state.
             settle = 0
-            if name.startswith("bole"):
+            if bole:
                 settle = settle_graphs(lambda: llm.generate(prompts, warm, use_tqdm=False),
                                        lambda: _bole_graph_counts(runner), args.settle_passes, args.settle_clean)
             params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -556,7 +656,7 @@ def run_worker(args) -> None:
         if args.rounds > 1:
             row["tok_s_rounds"] = round_runs   # each round's median, in round order
         row["engine_steps"] = combine(step_summaries)   # medians over the timed runs (engine_steps.summarize)
-        if name.startswith("bole"):
+        if bole:
             # the node budget the timed runs' steps of all B requests took most often (the rules "step" and
             # "throughput" move it with their measurements)
             planned = runner.bole_budgets - budgets_before
@@ -590,9 +690,9 @@ def run_worker(args) -> None:
         print(f"[{name}] B={b}: {row}", flush=True)
         if b == args.batch_sizes[-1]:   # the rest of the last turn: the profile, the results
             result["batches"] = per_batch
-            if name.startswith("bole"):   # the budget rule in effect (budget.with_applicable_rule)
+            if bole:   # the budget rule in effect (budget.with_applicable_rule)
                 result["budget_rule"] = runner.bole_config.budget_rule
-            if name.startswith("bole") and args.profile_batch:
+            if bole and args.profile_batch:
                 result["profile"] = profile_bole(llm, runner, args, run_dir, rng, name)
             _write_json(run_dir / f"{name}.json", result)
 
@@ -684,7 +784,8 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
     run_dir = Path(args.log_dir or "/tmp/bole-e2e")
     run_dir.mkdir(parents=True, exist_ok=True)
     for f in run_dir.glob("*"):
-        if f.suffix in (".ready", ".go", ".done", ".json") and f.name.split(".")[0] in CONFIGS:
+        # an earlier run's turn files and results of these configurations (<name>.<B>.go, <name>.json, ...)
+        if f.suffix in (".ready", ".go", ".done", ".json") and any(f.name.startswith(f"{n}.") for n in args.configs):
             f.unlink()
     # Which invocation each merged configuration comes from: configurations of one run were timed side by side.
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -708,8 +809,8 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
                 state = "ready" if procs[name].poll() is None else f"exited rc={procs[name].returncode}"
                 print(f"{name}: {state} after {time.monotonic() - t0:.0f} s", flush=True)
         time.sleep(POLL_S)
-    results = {}
-    calibrating = calibrating_config(args.configs, args.smoke) if args.calibrate else None
+    results, variants = {}, dict(args.variant)
+    calibrating = calibrating_config(args.configs, args.smoke, variants) if args.calibrate else None
     # Timed phases one engine at a time per GPU; at each batch size the calibrating one first (its first turn
     # calibrates), and the other Bole engines wait for its table.
     order = sorted(args.configs, key=lambda n: n != calibrating)
@@ -717,7 +818,8 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
         if procs[name].poll() is not None:
             print(f"{name}: failed during start-up; log tail:\n{_tail(run_dir / f'{name}.log')}", flush=True)
     groups = [sorted(g, key=lambda n: n != calibrating) for g in gpu_groups(args.configs, args.gpus)]
-    give_turns_per_gpu(run_dir, procs, groups, args.batch_sizes, args.turn_lock, calibrating, args.rounds)
+    give_turns_per_gpu(run_dir, procs, groups, args.batch_sizes, args.turn_lock, calibrating, args.rounds,
+                       {n for n in args.configs if is_bole(n, variants)})
     for name in order:
         proc = procs[name]
         proc.wait()
@@ -741,7 +843,22 @@ def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
 def async_chains(configs: dict[str, dict]) -> list[str]:
     """The MTP chain configurations the best chain is picked from (the synchronous ``*_sync`` ones are reported
     beside it, not counted)."""
-    return [n for n in configs if n.startswith("mtp") and not n.endswith("_sync")]
+    return [n for n in configs if is_chain(n)]
+
+
+def ran_bole(name: str, config: dict) -> bool:
+    """Whether a results file's configuration ran Bole (its recorded speculative config; by name where none is
+    recorded)."""
+    spec = config.get("speculative_config")
+    return spec.get("method") == "bole" if isinstance(spec, dict) else name.startswith("bole")
+
+
+def bole_results(configs: dict[str, dict]) -> list[str]:
+    """A results file's Bole configurations: ``bole``, the named variants in their order, then the others (those
+    of ``--variant``, or no longer offered) as they came."""
+    order = ["bole", *BOLE_VARIANTS]
+    return sorted((n for n, c in configs.items() if ran_bole(n, c)),
+                  key=lambda n: order.index(n) if n in order else len(order))
 
 
 def build_rows(configs: dict[str, dict]) -> list[dict]:
@@ -754,7 +871,7 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
         return round(a / b, 3) if a and b else None
 
     # Every Bole configuration holds the same KV cache; the default's figure, else the first variant's.
-    bole_names = sorted((n for n in configs if n.startswith("bole")), key=lambda n: n != "bole")
+    bole_names = bole_results(configs)
     bole_concurrency = configs[bole_names[0]].get("concurrency") if bole_names else None
     rows = []
     for b in batch_sizes:
@@ -779,8 +896,8 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
         sync = {n: tok_s(n, b) for n in configs if n.startswith("mtp") and n.endswith("_sync") and tok_s(n, b)}
         if sync:   # the chain without async scheduling (Bole schedules synchronously)
             rows[-1]["mtp_sync_tok_s_by_k"] = {n[3:].removesuffix("_sync"): v for n, v in sorted(sync.items())}
-        for variant in BOLE_VARIANTS:   # e.g. budget_rule "step" beside the calibrated budget
-            v = configs.get(variant, {}).get("batches", {}).get(str(b))
+        for variant in (n for n in bole_names if n != "bole"):   # e.g. budget_rule "step" beside bole
+            v = configs[variant].get("batches", {}).get(str(b))
             if v:
                 rows[-1] |= {f"{variant}_tok_s": v.get("tok_s"), f"{variant}_mean_accepted": v.get("mean_accepted"),
                              f"{variant}_budget": v.get("budget"),
@@ -788,7 +905,9 @@ def build_rows(configs: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], variants: dict[str, dict] | None = None) -> str:
+    """The rows as tables: AR, the best chain and ``bole``, then one table per other Bole configuration, titled by
+    its keys over ``bole`` (``variants``, e.g. those the results recorded; else ``BOLE_VARIANTS``)."""
     def f(v, spec=".0f"):
         return "–" if v is None else format(v, spec)
 
@@ -802,15 +921,12 @@ def markdown(rows: list[dict]) -> str:
         lines += ["", "vLLM MTP with async_scheduling false (tok/s by k): " + "; ".join(
             f"B={r['B']}: " + ", ".join(f"k={k} {v:.0f}" for k, v in r.get("mtp_sync_tok_s_by_k", {}).items())
             for r in rows)]
-    for variant, keys in BOLE_VARIANTS.items():
-        if not any(f"{variant}_tok_s" in r for r in rows):
-            continue
-        keys = keys | BOLE_ENGINE_VARIANTS.get(variant, {})   # e.g. async_scheduling False
-        title = ", ".join(f"{k} {v!r}" for k, v in keys.items()).replace("'", '"')
-        if variant in COARSE_CONFIGS:
-            title += ", CUDA-graph token sizes about a quarter apart"
-        lines += ["", f"Bole with {title} ({variant}):", "| B | tok/s | tokens/step | budget (most steps) | vs MTP |",
-                  "|---|---|---|---|---|"]
+    suffix = "_speedup_vs_mtp"   # (a Bole configuration's field; the rows' own is "speedup_vs_mtp")
+    for variant in dict.fromkeys(k.removesuffix(suffix) for r in rows for k in r if k.endswith(suffix)):
+        keys = (variants or {}).get(variant, BOLE_VARIANTS.get(variant))   # e.g. async_scheduling False
+        title = ", ".join(f"{k} {v!r}" for k, v in (keys or {}).items()).replace("'", '"')
+        lines += ["", f"Bole with {title} ({variant}):" if title else f"Bole ({variant}):",
+                  "| B | tok/s | tokens/step | budget (most steps) | vs MTP |", "|---|---|---|---|---|"]
         lines += [f"| {r['B']} | {f(r.get(f'{variant}_tok_s'))} | {f(r.get(f'{variant}_mean_accepted'), '.2f')} | "
                   f"{r.get(f'{variant}_budget') or '–'} | {f(r.get(f'{variant}_speedup_vs_mtp'), '.2f')}× |"
                   for r in rows]
@@ -884,7 +1000,7 @@ def plot_series(data: dict) -> dict:
             tok_s[name] = points
     best = {r["B"]: r["mtp_best_tok_s"] for r in build_rows(configs) if r["mtp_best_tok_s"]} if configs else {}
     speedup = {name: [(b, round(v / best[b], 3)) for b, v in points if b in best]
-               for name, points in tok_s.items() if name.startswith("bole")}
+               for name, points in tok_s.items() if ran_bole(name, configs[name])}
     return {"tok_s": tok_s, "speedup_vs_best_mtp": {n: p for n, p in speedup.items() if p}}
 
 
@@ -932,9 +1048,25 @@ def _plot(out: Path, data: dict) -> None:
         print("no plot: matplotlib is not installed")
 
 
+def parse_args(argv: list[str]):
+    """The options, ``--configs`` as the list of configurations in the order they run (an unknown name: a one-line
+    error)."""
+    args = build_parser().parse_args(argv)
+    variants = dict(args.variant)
+    args.configs = run_order(config_names(args.configs, variants), variants)
+    if args.worker:
+        config_names(args.worker, variants)
+    return args
+
+
+def variant_keys(configs: dict[str, dict]) -> dict[str, dict]:
+    """The keys over ``bole`` each Bole configuration of a results file recorded (``variant``)."""
+    return {n: c["variant"] for n, c in configs.items() if isinstance(c.get("variant"), dict)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.plot_only:
         out = Path(args.out or ROOT / "benchmarks/results/e2e.json")
         _plot(out, json.loads(out.read_text()))
@@ -958,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and per_gpu * args.gpu_share > 1:
         raise SystemExit(f"--gpu-share: {per_gpu} engines x {args.gpu_share} of one GPU's memory is more than all "
                          f"of it; lower --gpu-share, run fewer --configs, or spread them with --gpus")
-    if args.calibrate and not args.smoke and calibrating_config(args.configs) is None:
+    if args.calibrate and not args.smoke and calibrating_config(args.configs, variants=dict(args.variant)) is None:
         raise SystemExit("--calibrate: --configs needs a Bole configuration that schedules synchronously (e.g. "
                          "bole_sync, bole_vocab32k_sync, bole_global, bole_step)")
     if args.budgets:
@@ -970,7 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ROOT / "benchmarks/results/e2e.json")
     results = run_configs(args, forwarded, out)
     data = merge_and_write(out, {}, args)
-    print(markdown(data["rows"]))
+    print(markdown(data["rows"], variant_keys(data["configs"])))
     if table := steps_markdown(data["configs"]):
         print("\nTimed runs by phase (medians over the runs):\n" + table)
     print(f"wrote {out} ({', '.join(sorted(data['configs']))})")

@@ -19,13 +19,16 @@ Configurations:
 * ``ar``: no speculation;
 * ``mtp1`` .. ``mtp8``: vLLM's MTP chain of k drafts with ``rejection_sample_method: "synthetic"`` and the first
   k of ``--rates`` (vLLM's CPU sampler has no synthetic mode: on CPU MTP verifies against the target);
+  ``mtp1_sync`` .. ``mtp8_sync``: the chain with ``--no-async-scheduling`` (not counted as the best chain);
 * ``bole``: the default ``{"method": "bole"}`` (8 levels, top-4, budget "auto") with ``synthetic_acceptance``
   (``--rates`` and ``--sibling-rates``) and ``budget_table: --budget-table`` (e2e.py's default table; ``""``:
   Bole's own lookup);
-* the Bole variants of ``benchmarks/e2e.py`` by name (``bole_vocab32k``, ``bole_decode_vocab32k``, ``bole_sync``,
-  ...; not ``*_coarse``), ``--variant NAME=JSON`` (keys merged into ``bole``'s speculative config, a null value
-  removes a key; ``async_scheduling`` true/false goes to the server's flag instead), or inline
-  ``bole:{"budget_rule": "decode"}`` inside ``--configs`` (its name is the text as given).
+* Bole's named variants of ``benchmarks/e2e.py`` (``BOLE_VARIANTS``: ``bole_global``, ``bole_step``,
+  ``bole_vocab32k``, ``bole_decode_vocab32k``, ``bole_late``, ``bole_sync``, ``bole_vocab32k_sync``),
+  ``--variant NAME=JSON`` (keys merged into ``bole``'s speculative config, a null value removes a key;
+  ``async_scheduling`` true/false goes to the server's flag instead), or inline ``bole:{"budget_rule": "decode"}``
+  inside ``--configs`` (its name is the text as given). The names and their settings are e2e.py's
+  (``config_names``, ``bole_overrides``); an unknown name exits with one line that lists the allowed ones.
 
 Acceptance, the same for both methods (as e2e.py): ``--rates`` are per-position unconditional rates of the rank-1
 chain (vLLM's convention); MTP k gets the first k, Bole all of them plus ``--sibling-rates`` for rank-2.. children,
@@ -74,8 +77,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import soak  # noqa: E402
-from e2e import (BOLE_ENGINE_VARIANTS, BOLE_VARIANTS, COARSE_CONFIGS, DEFAULT_BUDGET_TABLE,  # noqa: E402
-                 MODEL_CANDIDATES)
+from e2e import (DEFAULT_BUDGET_TABLE, DEFAULT_CONFIGS, MODEL_CANDIDATES, apply_overrides,  # noqa: E402
+                 bole_overrides, chain_k, is_bole, is_chain, parse_variant)
+from e2e import config_names as _config_names  # noqa: E402
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks/results/serve.json"
@@ -106,39 +110,13 @@ def _rates(text: str) -> list[float]:
     return sorted(set(rates))
 
 
-def _split_top(text: str) -> list[str]:
-    """Split on commas outside braces, so ``bole:{"a": 1, "b": 2}`` stays one item."""
-    items, depth, cur = [], 0, []
-    for ch in text:
-        depth += (ch in "{[") - (ch in "}]")
-        if ch == "," and depth == 0:
-            items.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    items.append("".join(cur))
-    return [i.strip() for i in items if i.strip()]
-
-
-def _variant(text: str) -> tuple[str, dict]:
-    name, sep, spec = text.partition("=")
-    name = name.strip()
-    try:
-        value = json.loads(spec) if sep else None
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"--variant {text!r}: {e}") from None
-    if not name or not isinstance(value, dict) or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
-        raise argparse.ArgumentTypeError(f"--variant: expected NAME=JSON-object, got {text!r}")
-    return name, value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="ar,mtp1,mtp2,mtp3,mtp4,bole",
-                   help="comma-separated: ar, mtp<k>, bole, e2e.py's Bole variants, --variant names, "
-                        "bole:{JSON} (default: %(default)s)")
-    p.add_argument("--variant", type=_variant, action="append", default=[], metavar="NAME=JSON",
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma-separated: ar, mtp<k>, mtp<k>_sync, bole, e2e.py's Bole variants, --variant "
+                        "names, bole:{JSON} (default: %(default)s)")
+    p.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=JSON",
                    help="a Bole configuration: these keys over bole's speculative config (repeatable)")
     p.add_argument("--request-rates", type=_rates, default=[1, 2, 4, 8, 16, 32, math.inf],
                    help="requests/s, comma-separated; inf: all prompts at once (default: 1,2,4,8,16,32,inf)")
@@ -221,30 +199,9 @@ def _given(argv: list[str]) -> set[str]:
 # --------------------------------------------------------------------------------------------------- configs
 
 def config_names(opts) -> list[str]:
-    variants = dict(opts.variant)
-    names = _split_top(opts.configs)
-    allowed = {"ar", "bole", *(n for n in BOLE_VARIANTS if n not in COARSE_CONFIGS), *variants}
-    bad = [n for n in names
-           if n not in allowed and not re.fullmatch(r"mtp[1-8]", n) and not n.startswith("bole:")]
-    if bad or not names:
-        raise SystemExit(f"--configs: unknown {bad}; allowed: ar, mtp1..mtp8, {', '.join(sorted(allowed - {'ar'}))}"
-                         ", bole:{JSON}")
-    return list(dict.fromkeys(names))
-
-
-def _bole_overrides(name: str, opts) -> dict:
-    variants = dict(opts.variant)
-    if name in variants:
-        return dict(variants[name])
-    if name.startswith("bole:"):
-        try:
-            value = json.loads(name[len("bole:"):])
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"--configs {name!r}: {e}") from None
-        if not isinstance(value, dict):
-            raise SystemExit(f"--configs {name!r}: expected a JSON object")
-        return value
-    return {**BOLE_VARIANTS.get(name, {}), **BOLE_ENGINE_VARIANTS.get(name, {})}
+    """The configurations of ``--configs`` as given, each once (e2e.py's names, ``--variant`` ones, inline
+    ``bole:{JSON}``)."""
+    return _config_names(opts.configs, dict(opts.variant), inline=True)
 
 
 def config_setup(name: str, opts, on_gpu: bool) -> tuple[dict | None, list[str], str | None]:
@@ -252,29 +209,26 @@ def config_setup(name: str, opts, on_gpu: bool) -> tuple[dict | None, list[str],
     if name == "ar":
         return None, [], None
     synthetic = opts.acceptance == "synthetic"
-    if name.startswith("mtp"):
-        k = int(name[3:])
+    k = chain_k(name)
+    if k is not None:
         spec = {"method": "mtp", "num_speculative_tokens": k}
+        flags = ["--no-async-scheduling"] if name.endswith("_sync") else []
         if synthetic and not on_gpu:
-            return spec, [], "no synthetic acceptance for MTP on CPU (vLLM's CPU sampler): verified against the model"
+            return spec, flags, ("no synthetic acceptance for MTP on CPU (vLLM's CPU sampler): verified against "
+                                 "the model")
         if synthetic:
             if len(opts.rates) < k:
                 raise SystemExit(f"--rates: {name} needs {k} rates, got {len(opts.rates)}")
             spec |= {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": opts.rates[:k]}
-        return spec, [], None
+        return spec, flags, None
     spec: dict = {"method": "bole"}
     if opts.budget_table:
         spec["budget_table"] = str(opts.budget_table)
     if synthetic:
         spec["synthetic_acceptance"] = {"rates": opts.rates, "sibling_rates": opts.sibling_rates, "seed": 0}
-    flags = []
-    for key, value in _bole_overrides(name, opts).items():
-        if key == "async_scheduling":
-            flags.append("--async-scheduling" if value else "--no-async-scheduling")
-        elif value is None:
-            spec.pop(key, None)
-        else:
-            spec[key] = value
+    spec, engine = apply_overrides(spec, bole_overrides(name, dict(opts.variant)) or {})
+    flags = [] if "async_scheduling" not in engine else \
+        ["--async-scheduling" if engine["async_scheduling"] else "--no-async-scheduling"]
     if opts.smoke and isinstance(spec.get("draft_vocab"), int):
         spec["draft_vocab"] = 512  # the tiny model has 1024 tokens: draft from half of them (as e2e.py --smoke)
     return spec, flags, None
@@ -534,10 +488,6 @@ def _rate_key(label: str) -> float:
     return math.inf if label == "inf" else float(label)
 
 
-def is_chain(name: str) -> bool:
-    return re.fullmatch(r"mtp[1-8]", name) is not None
-
-
 def comparisons(rows: list[dict], bole_names: set[str]) -> list[dict]:
     """Per rate: the best chain by TPOT p50 and by tok/s (or ar when no chain ran) and each Bole configuration's
     ratios against them."""
@@ -680,7 +630,7 @@ def run(argv: list[str] | None = None) -> dict:
     on_gpu = torch.cuda.is_available()
     names = config_names(opts)
     variants = dict(opts.variant)
-    bole_names = {n for n in names if n.startswith("bole") or n in variants}
+    bole_names = {n for n in names if is_bole(n, variants)}
     model, shared, tokenizer = model_setup(opts, on_gpu)
     out = Path(opts.out or DEFAULT_OUT)
     workload = {k: getattr(opts, k) for k in WORKLOAD_KEYS}

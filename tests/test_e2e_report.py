@@ -110,8 +110,11 @@ def test_budget_overrides_rewrite_a_copy_of_the_table(tmp_path):
 def test_calibration_runs_in_the_first_synchronous_bole_config_and_the_latest_is_reported(tmp_path):
     e2e = _e2e()
     assert e2e.calibrating_config(["mtp3", "bole", "bole_vocab32k_sync", "bole_sync"]) == "bole_vocab32k_sync"
-    assert e2e.calibrating_config(["bole_async", "bole_global", "bole_step"]) == "bole_global"
-    assert e2e.calibrating_config(["mtp3", "bole", "bole_async_tput_vocab32k"]) is None
+    assert e2e.calibrating_config(["bole", "bole_late", "bole_global", "bole_step"]) == "bole_global"
+    assert e2e.calibrating_config(["mtp3", "bole", "bole_vocab32k", "bole_decode_vocab32k"]) is None
+    # a --variant configuration by its keys: budget_rule "step" schedules synchronously, async_scheduling true not
+    variants = {"mine": {"budget_rule": "step"}, "fast": {"async_scheduling": True}}
+    assert e2e.calibrating_config(["mtp3", "fast", "mine"], variants=variants) == "mine"
     assert e2e.calibrating_config(["mtp3", "bole"], smoke=True) == "bole"   # CPU: every engine is synchronous
     args = e2e.build_parser().parse_args([])
     out = tmp_path / "e2e.json"
@@ -204,34 +207,13 @@ def test_turns_per_gpu_run_side_by_side_and_wait_for_the_calibration(tmp_path):
         assert all(a.rsplit(" ", 1)[0] == b.rsplit(" ", 1)[0] for a, b in zip(mine[::2], mine[1::2])), mine
 
 
-def test_coarse_config_pads_steps_to_fewer_graph_sizes():
-    """``bole_vocab32k_coarse`` is ``bole_vocab32k`` with vLLM's CUDA-graph token sizes about a quarter apart (so
-    Bole's graphs, keyed by the padded token count, fall on fewer keys); both keep the batch sizes themselves."""
-    e2e = _e2e()
-    args = e2e.build_parser().parse_args(["--batch-sizes", "1,4,8,16,32,64,100"])
-    fine, coarse = e2e.engine_kwargs(args, "bole_vocab32k"), e2e.engine_kwargs(args, "bole_vocab32k_coarse")
-    assert coarse["speculative_config"] == fine["speculative_config"]
-    assert {k: v for k, v in coarse.items() if k != "compilation_config"} == \
-        {k: v for k, v in fine.items() if k != "compilation_config"}
-    fine_sizes = fine["compilation_config"]["cudagraph_capture_sizes"]
-    sizes = coarse["compilation_config"]["cudagraph_capture_sizes"]
-    assert 100 in sizes and 100 in fine_sizes and sizes == sorted(sizes)
-    assert all(s <= args.max_num_batched_tokens for s in sizes) and max(sizes) == max(fine_sizes)
-    # vLLM pads a step to the next size: the drained batch-16 steps of 56 and 64 tokens share one graph here.
-    pad = lambda n, table: min(s for s in table if s >= n)  # noqa: E731
-    assert pad(56, sizes) == pad(64, sizes) == 64 and pad(56, fine_sizes) == 56
-    above_32 = [s for s in sizes if s > 32]
-    assert all(b / a <= 1.34 for a, b in zip([32, *above_32], above_32))   # at most a third more rows
-    assert len([s for s in sizes if s <= 256]) < len([s for s in fine_sizes if s <= 256]) / 2
-
-
 def test_engines_that_do_not_fit_one_gpu_stop_before_starting(tmp_path, monkeypatch):
     """More engines per GPU than ``--gpu-share`` leaves room for: a one-line error naming the option, before any
     engine starts; spread over two GPUs the same configurations pass that check."""
     import pytest
 
     e2e = _e2e()
-    argv = ["--configs", "mtp3,bole_vocab32k,bole_tput_vocab32k,bole_vocab32k_coarse", "--gpu-share", "0.3",
+    argv = ["--configs", "mtp3,bole_vocab32k,bole_decode_vocab32k,bole_sync", "--gpu-share", "0.3",
             "--model", str(tmp_path), "--out", str(tmp_path / "e2e.json")]
     with pytest.raises(SystemExit, match=r"--gpu-share: 4 engines x 0.3"):
         e2e.main(argv)
@@ -239,7 +221,7 @@ def test_engines_that_do_not_fit_one_gpu_stop_before_starting(tmp_path, monkeypa
     started = []
     monkeypatch.setattr(e2e, "run_configs", lambda args, forwarded, out: started.append(args.configs) or {})
     e2e.main(argv + ["--gpus", "2"])
-    assert started == [["mtp3", "bole_vocab32k", "bole_tput_vocab32k", "bole_vocab32k_coarse"]]
+    assert started == [["mtp3", "bole_vocab32k", "bole_decode_vocab32k", "bole_sync"]]
 
 
 def test_settling_needs_clean_passes_in_a_row():
