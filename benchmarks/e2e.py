@@ -59,7 +59,8 @@ them is printed after the results.
 Acceptance source, the same for both methods: ``--rates`` are per-position *unconditional* acceptance rates of
 the rank-1 chain, the convention of vLLM's ``synthetic_acceptance_rates`` and of Bole's ``synthetic_acceptance``
 (so a one-wide Bole tree accepts exactly like the MTP chain): MTP k gets the first k, Bole all of them (past the
-list its last conditional rate repeats) plus ``--sibling-rates`` for rank-2.. children.
+list its last conditional rate repeats) plus ``--sibling-rates`` for rank-2.. children. ``--acceptance-profile FILE``
+takes both lists from an acceptance profile measured on a real model (``vllm-bole acceptance-profile``).
 
 Output rows (``rows`` in the JSON, one per B): B, ar_tok_s, mtp_best_k, mtp_best_tok_s, bole_tok_s,
 bole_mean_accepted, speedup_vs_mtp, speedup_vs_ar, concurrency_ar, concurrency_mtp (of the best k),
@@ -86,7 +87,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vllm_bole._vllm_compat import engine_core_of, model_runner_of  # noqa: E402
-from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
+from vllm_bole.errors import BoleConfigError  # noqa: E402
+from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES, profile_rates  # noqa: E402
 
 # Bole's named variants: the keys each one sets over ``bole``'s speculative config, as ``--variant`` takes them
 # ("async_scheduling" is the engine's setting; the others keep the engine's default scheduling: asynchronous on a
@@ -296,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-share", type=float, default=0.28, help="gpu_memory_utilization per engine")
     p.add_argument("--rates", type=_floats, default=list(DEFAULT_RATES), help="unconditional, per position")
     p.add_argument("--sibling-rates", type=_floats, default=list(DEFAULT_SIBLING_RATES))
+    p.add_argument("--acceptance-profile", metavar="FILE", default=None,
+                   help="--rates and --sibling-rates from an acceptance profile (vllm-bole acceptance-profile)")
     p.add_argument("--depth", type=int, default=8, help="Bole num_speculative_tokens (deepest level)")
     p.add_argument("--topk", type=int, default=4, help="Bole topk")
     p.add_argument("--budget-table", default=DEFAULT_BUDGET_TABLE)
@@ -327,6 +331,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     return p
+
+
+def apply_acceptance_profile(args, argv: list[str]) -> None:
+    """``--acceptance-profile``: the rates of the profile's ``synthetic_acceptance`` block."""
+    if not args.acceptance_profile:
+        return
+    if any(a.split("=")[0] in ("--rates", "--sibling-rates") for a in argv):
+        raise SystemExit("--acceptance-profile sets --rates and --sibling-rates: pass either, not both")
+    try:
+        rates, siblings = profile_rates(args.acceptance_profile, "--acceptance-profile")
+    except BoleConfigError as e:
+        raise SystemExit(str(e)) from None
+    args.rates, args.sibling_rates = list(rates), list(siblings)
 
 
 def apply_smoke(args) -> None:
@@ -569,7 +586,8 @@ def run_worker(args) -> None:
               "speculative_config": kwargs.get("speculative_config"),
               "settings": {k: getattr(args, k) for k in ("prompt_len", "new_tokens", "warmup_tokens", "warmup_passes",
                                                         "settle_passes",
-                                                        "rates", "sibling_rates", "model")}}
+                                                        "rates", "sibling_rates", "acceptance_profile",
+                                                        "model")}}
     if bole:   # the keys over bole's speculative config (its table's title)
         result["variant"] = bole_overrides(name, variants)
     _write_json(run_dir / f"{name}.ready", {"startup_s": result["startup_s"]})
@@ -971,7 +989,8 @@ def merge_and_write(out: Path, results: dict[str, dict], args) -> dict:
     calibration = max(calibrated, key=lambda c: c.get("run") or "")["calibration"] if calibrated else None
     data = {
         "benchmark": "e2e decode throughput (benchmarks/e2e.py)",
-        "acceptance": {"unconditional_rates": args.rates, "bole_sibling_rates": args.sibling_rates},
+        "acceptance": {"unconditional_rates": args.rates, "bole_sibling_rates": args.sibling_rates,
+                       "profile": args.acceptance_profile},
         "concurrency_note": ("vLLM's maximum concurrency for concurrency_tokens_per_request tokens per request, "
                              "per configuration at its fixed KV cache (configs.*.kv_cache_gib)"),
         "rows": build_rows(configs),
@@ -1067,6 +1086,7 @@ def variant_keys(configs: dict[str, dict]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    apply_acceptance_profile(args, argv)
     if args.plot_only:
         out = Path(args.out or ROOT / "benchmarks/results/e2e.json")
         _plot(out, json.loads(out.read_text()))

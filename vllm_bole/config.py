@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import BoleConfigError
-from .spec_decode.synthetic import parse_synthetic
+from .spec_decode.synthetic import resolved_synthetic
 
 BOLE_METHOD = "bole"
 BUDGET_RULES = ("decode", "step", "throughput")
@@ -117,8 +117,8 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     drafter_args = spec.get("drafter_args", {})
     if not isinstance(drafter_args, dict):
         raise BoleConfigError(f"speculative_config.drafter_args must be a dict, got {type(drafter_args).__name__}")
-    synthetic = spec.get("synthetic_acceptance")
-    parse_synthetic(synthetic)  # validate here, where the user's config is read
+    # checked here, where the user's config is read (a profile's rates replace its path)
+    synthetic = resolved_synthetic(spec.get("synthetic_acceptance"))
     cuda_graphs = spec.get("cuda_graphs", True)
     if not isinstance(cuda_graphs, bool):
         raise BoleConfigError(f"speculative_config.cuda_graphs must be true or false, got {cuda_graphs!r}")

@@ -32,6 +32,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_BOLE_CAPTURE_AFTER": lambda: _positive_int("VLLM_BOLE_CAPTURE_AFTER", "3"),
     # Log each phase's mean time every N verification steps (0: off).
     "VLLM_BOLE_PROFILE_STEPS": lambda: int(os.environ.get("VLLM_BOLE_PROFILE_STEPS", "0") or 0),
+    # The model runner keeps every verified tree and its walk (vllm-bole acceptance-profile reads them).
+    "VLLM_BOLE_RECORD_WALKS": lambda: os.environ.get("VLLM_BOLE_RECORD_WALKS", "0") == "1",
     # "reference": the torch references on CUDA too (bisecting a kernel mismatch); else "triton".
     "VLLM_BOLE_KERNELS": lambda: os.environ.get("VLLM_BOLE_KERNELS", "triton"),
     # One threshold on the longest sequence for the tree-attention route (None: the measured rule).

@@ -9,8 +9,12 @@ with the same list. At depth d the target's token is the node's rank-1 child wit
 ``sibling_rates[0]``, else rank 3 with ``sibling_rates[1]``, and so on; if that child is not in the tree (or no
 rank is drawn) the walk stops. A child's rank is its order among its siblings, which is the drafter's
 probability order.
+
+An acceptance profile (``vllm-bole acceptance-profile``: rates measured on a model's own trees) replays through
+``{"profile": FILE}``: its ``synthetic_acceptance`` block holds the two lists.
 """
 
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -20,6 +24,7 @@ from .tree import children_of
 # Per-position acceptance of a strong MTP chain (Qwen3.6-27B recipe), then 0.3.
 DEFAULT_RATES = (0.917, 0.837, 0.648, 0.538, 0.451, 0.348, 0.3)
 DEFAULT_SIBLING_RATES = (0.35, 0.2, 0.1)
+PROFILE_FORMAT = "vllm-bole-acceptance-profile"   # the "format" field of an acceptance profile
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,11 @@ class SyntheticAcceptance:
         object.__setattr__(self, "_rng", random.Random(self.seed))
         prev = (1.0,) + self.rates[:-1]
         object.__setattr__(self, "_conditional", tuple(r / p if p > 0 else 0.0 for r, p in zip(self.rates, prev)))
+
+    @classmethod
+    def from_profile(cls, path: str, seed: int = 0) -> "SyntheticAcceptance":
+        """The rates of an acceptance profile (:func:`profile_rates`)."""
+        return cls(*profile_rates(path), seed)
 
     def rank1_rate(self, depth: int) -> float:
         """Probability that the rank-1 child at ``depth`` is accepted, given its parent was."""
@@ -75,21 +85,69 @@ class SyntheticAcceptance:
 
 
 def parse_synthetic(value) -> SyntheticAcceptance | None:
-    """From ``speculative_config["synthetic_acceptance"]``: false/None, true (defaults) or
-    ``{"rates": [...], "sibling_rates": [...], "seed": int}``."""
+    """From ``speculative_config["synthetic_acceptance"]``: false/None, true (defaults),
+    ``{"rates": [...], "sibling_rates": [...], "seed": int}`` or ``{"profile": FILE, "seed": int}``."""
     if value in (None, False):
         return None
     if value is True:
         return SyntheticAcceptance()
-    if not isinstance(value, dict) or set(value) - {"rates", "sibling_rates", "seed"}:
+    if not isinstance(value, dict) or set(value) - {"rates", "sibling_rates", "seed", "profile"}:
         raise BoleConfigError("speculative_config.synthetic_acceptance must be true or a dict with keys "
-                              f"'rates', 'sibling_rates', 'seed'; got {value!r}")
+                              f"'rates', 'sibling_rates', 'seed' (or 'profile', 'seed'); got {value!r}")
+    seed = value.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise BoleConfigError(f"speculative_config.synthetic_acceptance.seed must be an integer, got {seed!r}")
+    if "profile" in value:
+        if {"rates", "sibling_rates"} & set(value):
+            raise BoleConfigError("speculative_config.synthetic_acceptance takes 'profile' or 'rates' and "
+                                  f"'sibling_rates', not both; got {value!r}")
+        return SyntheticAcceptance.from_profile(value["profile"], seed)
     rates = tuple(value.get("rates", DEFAULT_RATES))
     siblings = tuple(value.get("sibling_rates", DEFAULT_SIBLING_RATES))
-    if not rates or not all(isinstance(r, (int, float)) and 0.0 <= r <= 1.0 for r in rates + siblings):
-        raise BoleConfigError("speculative_config.synthetic_acceptance rates must be numbers in [0, 1], "
+    _check_rates(rates, siblings, "speculative_config.synthetic_acceptance")
+    return SyntheticAcceptance(rates, siblings, seed)
+
+
+def resolved_synthetic(value):
+    """``synthetic_acceptance`` as the engine's processes get it, checked: a profile's file is read here, once,
+    and its rates replace it."""
+    synthetic = parse_synthetic(value)
+    if isinstance(value, dict) and "profile" in value:
+        return {"rates": list(synthetic.rates), "sibling_rates": list(synthetic.sibling_rates), "seed": synthetic.seed}
+    return value
+
+
+def profile_rates(path, field: str = "speculative_config.synthetic_acceptance.profile"
+                  ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(rates, sibling_rates) of an acceptance profile: the rank-1 chain's unconditional rates and the sibling
+    ranks' conditional rates it measured. A bad file is a one-line error naming ``field``."""
+    if not isinstance(path, str) or not path:
+        raise BoleConfigError(f"{field} must be the path of an acceptance profile (JSON written by "
+                              f"vllm-bole acceptance-profile), got {path!r}")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise BoleConfigError(f"{field}: cannot read {path!r} ({e.strerror or e})") from None
+    except ValueError as e:
+        raise BoleConfigError(f"{field}: {path!r} is not JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise BoleConfigError(f"{field}: {path!r} is not an acceptance profile (its \"format\" must be "
+                              f"{PROFILE_FORMAT!r}; vllm-bole acceptance-profile writes one)")
+    block = data.get("synthetic_acceptance")
+    if not isinstance(block, dict) or not all(isinstance(block.get(k), list) for k in ("rates", "sibling_rates")):
+        raise BoleConfigError(f"{field}: {path!r} needs \"synthetic_acceptance\": {{\"rates\": [...], "
+                              f"\"sibling_rates\": [...]}}, got {block!r}")
+    rates, siblings = tuple(block["rates"]), tuple(block["sibling_rates"])
+    _check_rates(rates, siblings, f"{field} {path!r}: synthetic_acceptance")
+    return rates, siblings
+
+
+def _check_rates(rates: tuple, siblings: tuple, where: str) -> None:
+    if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 <= r <= 1.0
+                            for r in rates + siblings):
+        raise BoleConfigError(f"{where} rates must be numbers in [0, 1], "
                               f"got rates={list(rates)} sibling_rates={list(siblings)}")
     if any(later > earlier for earlier, later in zip(rates, rates[1:])):
-        raise BoleConfigError("speculative_config.synthetic_acceptance.rates are unconditional per-depth rates "
-                              f"(as vLLM's synthetic_acceptance_rates) and must be non-increasing, got {list(rates)}")
-    return SyntheticAcceptance(rates, siblings, int(value.get("seed", 0)))
+        raise BoleConfigError(f"{where}.rates are unconditional per-depth rates (as vLLM's "
+                              f"synthetic_acceptance_rates) and must be non-increasing, got {list(rates)}")

@@ -1,8 +1,9 @@
 """A drafter that plants the true greedy continuation in random trees (tests of exact verification).
 
 ``drafter_args``: ``{"oracle": path of a JSON list of {"prompt": [ids], "output": [ids]}, "seed": int,
-"stats": optional path}``; with "stats", every proposal appends a JSON line ``{"depth": d, "siblings": [i...]}``
-(planted depth and the sibling index of the true token at each level). For a
+"stats": optional path}``; with "stats", every proposal appends a JSON line ``{"depth": d, "siblings": [i...],
+"tokens": [...], "parents": [...]}`` (planted depth, the sibling index of the true token at each level, and the
+tree). For a
 request whose tokens so far are a prefix of an oracle entry's prompt + output, each proposed tree hides the
 next true tokens along one root path to a random depth (0 = nowhere), at a random sibling position, among
 distractor nodes whose tokens differ from the truth at their position. Every acceptance depth and many
@@ -52,7 +53,8 @@ class PlantedDrafter(TreeDrafter):
             trees.append(tree)
             if self.stats_path:
                 with open(self.stats_path, "a") as f:
-                    f.write(json.dumps({"depth": depth, "siblings": siblings}) + "\n")
+                    f.write(json.dumps({"depth": depth, "siblings": siblings, "tokens": tree.tokens,
+                                        "parents": tree.parents}) + "\n")
         return trees
 
     def _grow(self, tree, parent, level, truth, plant_depth, score, siblings):

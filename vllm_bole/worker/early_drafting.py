@@ -174,6 +174,8 @@ def device_output(runner, forest) -> SamplerOutput:
     runner._bole_paths = None
     runner._bole_host_emitted = {}
     runner.bole_device_output_steps += 1
+    if runner.bole_walk_log is not None:   # (the paths stay on the device)
+        runner.bole_walk_log.unrecorded_steps += 1
     walk = runner._bole_first_pass.walk
     if runner.bole_config.budget_rule == "throughput":   # the paths reach the acceptance model by a copy
         runner._bole_device_walks.send(walk.rows, walk.length, forest.parent, forest.cu_seqlens)
@@ -192,6 +194,8 @@ def walked_output(runner, logits, forest) -> SamplerOutput:
     forest.accepted_paths = paths
     runner._bole_paths = paths
     runner._note_walk(forest)
+    if runner.bole_walk_log is not None:
+        runner.bole_walk_log.add_step(forest, outputs, runner._bole_trees)
     sampled = runner._host_walk_tokens(outputs)
     if runner.input_batch.sampling_metadata.max_num_logprobs is None:
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)

@@ -21,6 +21,7 @@ from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.utils import record_function_or_nullcontext
 
+from .. import envs
 from .._vllm_compat import (RUNNER_OVERRIDES, check_overrides, copy_valid_sampled_token_count,
                              discarded_cpu_draws_undone, module_attr_override, save_discarded_cpu_generators,
                              set_step_draft_ids, step_draft_ids)
@@ -39,6 +40,7 @@ from ..spec_decode.tree import DraftTree, select_step
 from ..spec_decode.tree_sampler import (SeededDraws, builtin_logitsprocs, draw_tree_rows, is_plain_greedy,
                                         is_plain_random, pad_outputs, processed_tree_rows, row_depths,
                                         sample_tree_rows, tree_rows_supported, walk_tree, walks_tree)
+from ..spec_decode.walk_record import WalkLog
 from . import early_drafting
 from ..step.forest import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
@@ -63,6 +65,8 @@ class BoleModelRunnerMixin:
         self._bole_synthetic = parse_synthetic(self.bole_config.synthetic_acceptance)
         self.bole_drafter = None
         self._bole_profiler = StepProfiler.from_env()
+        # VLLM_BOLE_RECORD_WALKS: every verified tree and its walk, for acceptance profiles (None: not kept)
+        self.bole_walk_log = WalkLog() if envs.VLLM_BOLE_RECORD_WALKS else None
         self._bole_graphs = None
         self._bole_pending = None   # (DraftStep, finish) of drafts queued on the device, not yet taken
         # (QueuedDrafts, finish, the drafting step's request ids) of drafts vLLM took as placeholders, not yet verified
@@ -566,6 +570,8 @@ class BoleModelRunnerMixin:
         forest.accepted_paths = [paths[r] for r in forest.tree_req_indices]
         self._bole_paths = paths
         self._note_walk(forest)
+        if self.bole_walk_log is not None:
+            self.bole_walk_log.add_step(forest, [outputs[r] for r in forest.tree_req_indices], self._bole_trees)
         # On the host: vLLM's bookkeeping then reads it without a copy, which would wait behind the drafter's
         # levels on the stream (width >= 2 keeps it on its spec-decode parsing, which needs no event sync either).
         sampled = self._host_walk_tokens(outputs)
