@@ -199,13 +199,33 @@ def test_other_methods_untouched():
 @pytest.mark.parametrize("model,kw,field", [
     (_Model(["LlamaForCausalLM"]), {}, "model"),
     (_Model(["Qwen3_5ForConditionalGeneration"], mtp=0), {}, "MTP head"),
-    (_Model(["Qwen3NextForCausalLM"]), {"prefix": True}, "enable_prefix_caching"),
 ])
 def test_unsupported_setups(model, kw, field):
     from vllm_bole.plugin import apply_bole_engine_args
 
     with pytest.raises(BoleConfigError, match=field):
         apply_bole_engine_args(_Args({"method": "bole"}, **kw), model, _Parallel())
+
+
+def test_prefix_caching_runs_synchronously_without_early_drafting_or_graphs():
+    from vllm_bole.config import ADDITIONAL_CONFIG_KEY
+    from vllm_bole.plugin import apply_bole_engine_args
+
+    args = _Args({"method": "bole"}, prefix=True)
+    apply_bole_engine_args(args, _Model(["Qwen3NextForCausalLM"]), _Parallel())
+    cfg = args.additional_config[ADDITIONAL_CONFIG_KEY]
+    assert args.async_scheduling is False and cfg["early_drafting"] is False and cfg["cuda_graphs"] is False
+
+
+@pytest.mark.parametrize("setting,value,field", [("mamba_cache_mode", "all", "mamba_cache_mode"),
+                                                  ("async_scheduling", True, "async_scheduling")])
+def test_prefix_caching_refuses_what_it_cannot_run(setting, value, field):
+    from vllm_bole.plugin import apply_bole_engine_args
+
+    args = _Args({"method": "bole"}, prefix=True)
+    setattr(args, setting, value)
+    with pytest.raises(BoleConfigError, match=field):
+        apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), _Parallel())
 
 
 def test_register_is_idempotent():

@@ -262,3 +262,26 @@ def plain_layout_cpu_attention(plain_layout_isa) -> None:
 
     setattr(_get_attn_isa, _PATCHED_ATTR, True)
     cpu_attn._get_attn_isa = _get_attn_isa
+
+
+def keep_state_blocks_until_cached(scheduler) -> None:
+    """Prefix caching ("align"): a GDN state block leaves a request only once it has been published, in this
+    scheduler's KV-cache manager. vLLM frees the blocks before the last computed token ahead of publishing the
+    new full blocks in each allocation, so the block of a boundary that a step of several tokens crossed (rather
+    than ended on) was freed unpublished; Bole's commit writes that boundary's state into it
+    (``attention/gdn.py`` ``commit_step``)."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        if not isinstance(manager, MambaManager) or manager.mamba_cache_mode != "align":
+            continue
+        original = manager.remove_skipped_blocks
+
+        def remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens=None,
+                                  _original=original, _manager=manager):
+            # frees the blocks before the first unpublished one, and never that one
+            published = _manager.num_cached_block.get(request_id, 0)
+            processed = min(processed_computed_tokens, published * _manager.block_size + 1)
+            return _original(request_id, processed, num_prompt_tokens)
+
+        manager.remove_skipped_blocks = remove_skipped_blocks

@@ -4,6 +4,8 @@ Loaded by vLLM in every process (``vllm.general_plugins`` entry point ``bole``);
 changes nothing unless a Bole config is present.
 """
 
+import dataclasses
+
 from .config import ADDITIONAL_CONFIG_KEY, BOLE_METHOD, BoleConfigError, parse_bole_config
 from .logger import init_logger
 
@@ -38,8 +40,7 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
         raise BoleConfigError(
             "model: speculative method 'bole' needs the model's MTP head (mtp_num_hidden_layers > 0 in its config)")
     if engine_args.enable_prefix_caching:
-        raise BoleConfigError(
-            "enable_prefix_caching: not supported with speculative method 'bole' yet; set it to False")
+        cfg = _with_prefix_caching(cfg, engine_args)
     if target_parallel_config.pipeline_parallel_size > 1:
         raise BoleConfigError(
             "pipeline_parallel_size: speculative method 'bole' supports 1 only, got "
@@ -91,12 +92,32 @@ def config_needs_synchronous(cfg) -> str | None:
     return None
 
 
+def _with_prefix_caching(cfg, engine_args):
+    """``cfg`` as prefix caching runs it: vLLM caches the GDN state of hybrid models in its "align" mode, and the
+    commit writes the state of every block boundary an accepted path crosses (``attention/gdn.py``
+    ``commit_step``) from the host's walk, so the steps walk on the host and run eagerly."""
+    mode = getattr(engine_args, "mamba_cache_mode", None)
+    if mode not in (None, "none", "align"):   # ("none" is the unset default; vLLM then picks "align")
+        raise BoleConfigError(
+            f"mamba_cache_mode: speculative method 'bole' caches prefixes in mode 'align' only, got {mode!r}")
+    if engine_args.async_scheduling is True:
+        raise BoleConfigError(
+            "async_scheduling: speculative method 'bole' with enable_prefix_caching schedules synchronously; "
+            "set async_scheduling=False")
+    off = [k for k in ("early_drafting", "cuda_graphs") if getattr(cfg, k)]
+    if off:
+        logger.info("Bole with prefix caching: synchronous steps, %s off", " and ".join(off))
+    return dataclasses.replace(cfg, early_drafting=False, cuda_graphs=False)
+
+
 def _async_unsupported(cfg, parallel_config, engine_args) -> str | None:
     """Why these settings need synchronous scheduling: the config's reasons (:func:`config_needs_synchronous`),
     tensor parallelism, and where left unset, what turns vLLM's own default off; None if nothing does."""
     reason = config_needs_synchronous(cfg)
     if reason:
         return reason
+    if engine_args.enable_prefix_caching:
+        return "enable_prefix_caching: Bole's steps walk on the host with prefix caching"
     if parallel_config.tensor_parallel_size > 1:
         return ("async_scheduling: speculative method 'bole' supports it with tensor_parallel_size 1 only, got "
                 f"{parallel_config.tensor_parallel_size}; set async_scheduling=False")

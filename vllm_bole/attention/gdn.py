@@ -104,14 +104,16 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
 
         tree_idx = meta.spec_token_indx
         slots = meta.spec_state_indices_tensor[:, 0]
+        checkpoints = getattr(meta, "bole_checkpoints", None)
         if tree_idx is None:  # every token belongs to a tree: no gather or scatter
             n = meta.num_spec_decode_tokens
-            self._verify_trees(mixed_qkv[:n], b[:n], a[:n], slots, forest, out=core_attn_out[:n])
+            self._verify_trees(mixed_qkv[:n], b[:n], a[:n], slots, forest, out=core_attn_out[:n],
+                               checkpoints=checkpoints)
         else:
             tree_idx = tree_idx.long()
             core_attn_out.index_copy_(0, tree_idx, self._verify_trees(
                 mixed_qkv.index_select(0, tree_idx), b.index_select(0, tree_idx), a.index_select(0, tree_idx),
-                slots, forest))
+                slots, forest, checkpoints=checkpoints))
 
         if meta.num_prefills > 0:
             # The other requests are prefills (vLLM files plain decodes beside spec decodes as prefills).
@@ -142,13 +144,14 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
         finally:
             attn[self.prefix] = original
 
-    def _verify_trees(self, x, b, a, state_slots, forest, out=None):
+    def _verify_trees(self, x, b, a, state_slots, forest, out=None, checkpoints=None):
         """Outputs of every tree node ``[N, HV, dv]`` (into ``out`` when given); keeps the factors for
-        :func:`commit_step`. The caches are read in place by slot, the conv kernel keeps the conv inputs for the
-        commit, and q, k, v are views of the conv output: in a verification graph every GDN layer's copies,
-        gathers and splits are small kernels of their own."""
+        :func:`commit_step`, and with prefix caching the block-boundary slots (``checkpoints``,
+        ``gdn_metadata.BlockCheckpoints``). The caches are read in place by slot, the conv kernel keeps the conv
+        inputs for the commit, and q, k, v are views of the conv output: in a verification graph every GDN
+        layer's copies, gathers and splits are small kernels of their own."""
         scratch = GDNStepScratch.of(forest, self, x)
-        layer = scratch.add_layer(self, state_slots)
+        layer = scratch.add_layer(self, state_slots, checkpoints)
         y = kernels.tree_causal_conv1d(x, conv_weight_2d(self), self.conv1d.bias, conv_state_view(self),
                                        forest.parent, forest.cu_seqlens, activation=self.activation,
                                        state_indices=state_slots, x_copy=scratch.conv_inputs[layer])
@@ -179,6 +182,7 @@ class GDNStepScratch:
         hk, hv = layer.num_k_heads // layer.tp_size, layer.num_v_heads // layer.tp_size
         self.layers: list = []
         self.slots: list[torch.Tensor] = []
+        self.checkpoints: list = []   # per layer, its group's BlockCheckpoints (prefix caching) or None
         self.factors = TreeFactors(
             k=torch.empty(n_layers, n, hk, layer.head_k_dim, dtype=torch.float32, device=dev),
             u=torch.empty(n_layers, n, hv, layer.head_v_dim, dtype=torch.float32, device=dev),
@@ -202,7 +206,7 @@ class GDNStepScratch:
         """A scratch of ``n`` rows in this one's memory (contiguous ``[L, n, ...]`` views; the graphs that
         share it never run at the same time)."""
         view = object.__new__(GDNStepScratch)
-        view.layers, view.slots = [], []
+        view.layers, view.slots, view.checkpoints = [], [], []
 
         def first_rows(t):
             return t.view(-1)[:t.shape[0] * n * math.prod(t.shape[2:])].view(t.shape[0], n, *t.shape[2:])
@@ -212,9 +216,10 @@ class GDNStepScratch:
         view.conv_inputs = first_rows(self.conv_inputs)
         return view
 
-    def add_layer(self, layer, state_slots: torch.Tensor) -> int:
+    def add_layer(self, layer, state_slots: torch.Tensor, checkpoints=None) -> int:
         self.layers.append(layer)
         self.slots.append(state_slots)
+        self.checkpoints.append(checkpoints)
         return len(self.layers) - 1
 
     def factors_of(self, i: int) -> TreeFactors:
@@ -224,6 +229,7 @@ class GDNStepScratch:
         """Forget the layers of an earlier forward (the buffers are reused by a graph's capture)."""
         self.layers.clear()
         self.slots.clear()
+        self.checkpoints.clear()
 
     def used(self) -> tuple[TreeFactors, torch.Tensor]:
         """Factors and conv inputs of the layers that ran (all of them in a full forward)."""
@@ -245,10 +251,41 @@ def commit_step(forest) -> None:
         accepted = async_tensor_h2d(forest.accepted, slots.device, torch.int32)
     factors, conv_inputs = scratch.used()
     views = [_cache_views(layer) for layer in scratch.layers]
+    if scratch.checkpoints and scratch.checkpoints[0] is not None:
+        _commit_block_boundaries(forest, scratch, slots, views, factors, conv_inputs)
     kernels.commit_accepted_inplace([v[0] for v in views], slots, factors, accepted, forest.parent, forest.cu_seqlens)
     kernels.commit_conv_state_inplace([v[1] for v in views], slots, conv_inputs, forest.parent, forest.cu_seqlens,
                                       accepted)
     forest.gdn_scratch = None
+
+
+def _commit_block_boundaries(forest, scratch, slots, views, factors, conv_inputs) -> None:
+    """Prefix caching: the GDN state and conv window at the block boundary each accepted path reaches, written
+    into that boundary's block (``gdn_metadata.BlockCheckpoints``), before the running slot gets the whole path.
+    The boundary's block starts as a copy of the running slot's state from before the step, then commits the
+    path up to the boundary. Rows whose block is vLLM's null block (0) copy and commit nothing."""
+    lengths = scratch.checkpoints[0].path_lengths
+    rows = [b for b, path in enumerate(forest.accepted_paths) if 0 < lengths[b] <= len(path)]
+    if not rows:
+        return
+    dev = slots.device
+    targets = torch.stack([c.slots for c in scratch.checkpoints]).to(dev)                 # [L, B]
+    nodes = torch.full((slots.shape[1],), -1, dtype=torch.int32)
+    for b in rows:
+        nodes[b] = forest.accepted_paths[b][lengths[b] - 1]
+    nodes = nodes.to(dev)
+    real = targets > 0
+    nodes = torch.where(real.all(dim=0), nodes, -1)   # (a request's groups agree on null blocks; all(): surely)
+    dst = torch.where(real, targets, slots)                                                  # [L, B]
+    picked = torch.tensor(rows, device=dev)
+    for (ssm, conv), src_l, dst_l in zip(views, slots, dst):
+        src_i, dst_i = src_l[picked].long(), dst_l[picked].long()
+        ssm[dst_i] = ssm[src_i]
+        conv[dst_i] = conv[src_i]
+    kernels.commit_accepted_inplace([v[0] for v in views], dst.contiguous(), factors, nodes, forest.parent,
+                                    forest.cu_seqlens)
+    kernels.commit_conv_state_inplace([v[1] for v in views], dst.contiguous(), conv_inputs, forest.parent,
+                                      forest.cu_seqlens, nodes)
 
 
 def _cache_views(layer) -> tuple[torch.Tensor, torch.Tensor]:

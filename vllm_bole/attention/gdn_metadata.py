@@ -15,6 +15,15 @@ from vllm.v1.attention.backends.gdn_attn import (GDNAttentionBackend, GDNAttenti
                                                  GDNAttentionMetadataBuilder)
 
 
+@dataclasses.dataclass
+class BlockCheckpoints:
+    """Per tree request of a step: the accepted-path length (root first) whose GDN state is a block boundary's,
+    0 for none; and the state slot of that boundary's block (vLLM's null block, 0, where it holds none)."""
+
+    path_lengths: list[int]
+    slots: torch.Tensor   # [tree requests] int32, device
+
+
 class BoleGDNMetadataBuilder(GDNAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -29,7 +38,26 @@ class BoleGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         # (a device mask would need a sync).
         meta.bole_spec_mask_cpu = (num_decode_draft_tokens_cpu >= 0 if meta.spec_sequence_masks is not None
                                    else None)
+        meta.bole_checkpoints = None
+        if self.vllm_config.cache_config.mamba_cache_mode == "align" and meta.bole_spec_mask_cpu is not None:
+            meta.bole_checkpoints = self._checkpoints(common_attn_metadata, meta.bole_spec_mask_cpu)
         return meta
+
+    def _checkpoints(self, cm, spec_mask_cpu: torch.Tensor) -> "BlockCheckpoints":
+        """Prefix caching ("align"): where each tree request's commit writes the state at the first block boundary
+        after its computed tokens, if its accepted path reaches it. That block (column ``c // block_size``) is
+        published for the prefix cache once the computed tokens pass the boundary, and it holds the running state
+        of an earlier step until then; the step's own running block (column ``(seq_len - 1) // block_size``) gets
+        the final state. A boundary inside the running block cannot be reached by the accepted path."""
+        rows = torch.nonzero(spec_mask_cpu, as_tuple=True)[0]
+        bs = self.kv_cache_spec.block_size
+        computed = cm.num_computed_tokens_cpu[rows]
+        column = computed // bs
+        running = (cm.seq_lens_cpu[rows] - 1) // bs
+        # path length (root first) whose state is the boundary's; 0: no boundary before the running block
+        lengths = torch.where(column < running, (column + 1) * bs - computed, 0)
+        slots = cm.block_table_tensor[rows.to(cm.block_table_tensor.device), column.to(cm.block_table_tensor.device)]
+        return BlockCheckpoints(path_lengths=lengths.tolist(), slots=slots.to(torch.int32))
 
     def update_block_table(self, metadata: GDNAttentionMetadata, blk_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> GDNAttentionMetadata:

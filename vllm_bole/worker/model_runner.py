@@ -647,7 +647,8 @@ class BoleModelRunnerMixin:
         return output
 
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
-        if output_token_ids.device.type == "cpu" and self.device.type != "cpu":
+        if self.cache_config.mamba_cache_mode == "align" or (
+                output_token_ids.device.type == "cpu" and self.device.type != "cpu"):
             self._accepted_counts_from_host(output_token_ids, scheduler_output)
         else:
             super()._update_states_after_model_execute(output_token_ids, scheduler_output)
@@ -677,14 +678,17 @@ class BoleModelRunnerMixin:
 
     def _accepted_counts_from_host(self, output_token_ids: torch.Tensor, scheduler_output) -> None:
         """vLLM's accepted-token counts for hybrid models (what its GDN metadata reads next step), from host
-        tokens: no device round trip."""
+        tokens: no device round trip; with prefix caching, what its state-block preprocess reads."""
         if not self.speculative_config or not self.model_config.is_hybrid:
             return
-        if self.cache_config.mamba_cache_mode in ("align", "all"):  # prefix-caching modes (Bole runs without)
-            super()._update_states_after_model_execute(output_token_ids.to(self.device), scheduler_output)
-            return
         num_reqs = output_token_ids.size(0)
-        counts = (output_token_ids != PLACEHOLDER).sum(dim=1, dtype=torch.int32)
+        if self.cache_config.mamba_cache_mode == "align":
+            # Prefix caching: the commit wrote the accepted state into the running block and the state of a block
+            # boundary the path reached into the boundary's block (commit_step), where vLLM's postprocess copies
+            # a chain's per-token states. A count of 1 makes its next preprocess move the running state as is.
+            counts = torch.ones(num_reqs, dtype=torch.int32)
+        else:
+            counts = (output_token_ids != PLACEHOLDER).sum(dim=1, dtype=torch.int32)
         self.num_accepted_tokens.cpu[:num_reqs] = counts
         self.num_accepted_tokens.copy_to_gpu(num_reqs)
         self.input_batch.num_accepted_tokens_cpu_tensor[:num_reqs] = counts

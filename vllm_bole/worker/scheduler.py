@@ -20,7 +20,7 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
-from .._vllm_compat import SCHEDULER_OVERRIDES, check_overrides
+from .._vllm_compat import SCHEDULER_OVERRIDES, check_overrides, keep_state_blocks_until_cached
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import async_budget_source, node_budget, with_applicable_rule
@@ -33,6 +33,8 @@ logger = init_logger(__name__)
 class _NoPlaceholderPadding:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.cache_config.enable_prefix_caching:
+            keep_state_blocks_until_cached(self)
         # A constant per-batch-size schedule disables placeholder padding without changing how many draft
         # tokens a request may carry.
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)

@@ -1,0 +1,86 @@
+"""Prefix caching: the commit writes the GDN state and conv window of the block boundary an accepted path reaches
+into that boundary's block (``attention/gdn.py`` ``commit_step``), besides the whole path's into the running slot.
+
+The end-to-end test (``test_e2e_prefix_caching.py``) cannot see a wrong boundary state on the tiny models: their
+logits hardly depend on the GDN state (with the boundary write left out, turn 2 read stale states from its cache
+hits and the chosen tokens' logprobs stayed within 3.1e-3 of the reference, against 2.4e-3 with it). Here the
+written states are compared with the reference commit of each path's prefix.
+"""
+
+from types import SimpleNamespace
+
+import torch
+
+from vllm_bole.attention import gdn
+from vllm_bole.attention.gdn_metadata import BlockCheckpoints
+from vllm_bole.kernels import TreeFactors
+from vllm_bole.kernels.tree_conv1d.reference import commit_conv_state
+from vllm_bole.kernels.tree_gdn.reference import commit_accepted
+
+HK, HV, DK, DV, DIM, W = 2, 4, 8, 8, 16, 4
+NUM_SLOTS, LAYERS = 12, 2
+# Three requests' trees (local parents, root first) and their accepted paths:
+PARENTS = [[-1, 0, 1, 0, 2, 4], [-1, 0, 1], [-1, 0, 0, 1]]
+PATHS = [[0, 1, 2, 4, 5], [0, 1], [0, 1, 3]]
+RUNNING = [3, 6, 9]
+
+
+def _step(lengths, targets):
+    torch.manual_seed(0)
+    n = sum(map(len, PARENTS))
+    cu = torch.tensor([0, *torch.tensor(list(map(len, PARENTS))).cumsum(0).tolist()], dtype=torch.int32)
+    layers = [SimpleNamespace(ssm=torch.randn(NUM_SLOTS, HV, DV, DK), conv=torch.randn(NUM_SLOTS, DIM, W - 1))
+              for _ in range(LAYERS)]
+    scratch = gdn.GDNStepScratch.__new__(gdn.GDNStepScratch)
+    scratch.layers = layers
+    scratch.slots = [torch.tensor(RUNNING, dtype=torch.int32) for _ in layers]
+    scratch.checkpoints = [BlockCheckpoints(path_lengths=lengths, slots=torch.tensor(targets, dtype=torch.int32))
+                           for _ in layers]
+    scratch.factors = TreeFactors(k=torch.randn(LAYERS, n, HK, DK), u=torch.randn(LAYERS, n, HV, DV),
+                                  g_cum=-torch.rand(LAYERS, n, HV))
+    scratch.conv_inputs = torch.randn(LAYERS, n, DIM)
+    forest = SimpleNamespace(
+        gdn_scratch=scratch, accepted_device=None, accepted_paths=PATHS,
+        accepted=torch.tensor([p[-1] for p in PATHS], dtype=torch.int32),
+        parent=torch.tensor([p for tree in PARENTS for p in tree], dtype=torch.int32), cu_seqlens=cu)
+    return forest, scratch, layers
+
+
+def _expected(layer, scratch, forest, i, nodes):
+    f = TreeFactors(k=scratch.factors.k[i], u=scratch.factors.u[i], g_cum=scratch.factors.g_cum[i])
+    idx = torch.tensor(RUNNING)
+    acc = torch.tensor(nodes, dtype=torch.int32)
+    return (commit_accepted(layer.ssm[idx], f, acc, forest.parent, forest.cu_seqlens),
+            commit_conv_state(layer.conv[idx], scratch.conv_inputs[i], forest.parent, forest.cu_seqlens, acc))
+
+
+def test_commit_writes_the_boundary_state_into_its_block(monkeypatch):
+    monkeypatch.setattr(gdn, "_cache_views", lambda layer: (layer.ssm, layer.conv))
+    # request 0 reaches its boundary after 3 of its 5 path tokens; request 1's boundary is past its path (3 > 2);
+    # request 2's boundary block is vLLM's null block (0): nothing is written
+    lengths, targets = [3, 3, 2], [1, 4, 0]
+    forest, scratch, layers = _step(lengths, targets)
+    before = [(layer.ssm.clone(), layer.conv.clone()) for layer in layers]
+    boundary = [[p[m - 1] if 0 < m <= len(p) else -1 for p, m in zip(PATHS, lengths)]]
+    expected = [(_expected(layer, scratch, forest, i, boundary[0]), _expected(layer, scratch, forest, i,
+                                                                            [p[-1] for p in PATHS]))
+                for i, layer in enumerate(layers)]
+    gdn.commit_step(forest)
+    for layer, (ssm0, conv0), ((ssm_b, conv_b), (ssm_f, conv_f)) in zip(layers, before, expected):
+        torch.testing.assert_close(layer.ssm[1], ssm_b[0])          # the state after 3 tokens of request 0's path
+        torch.testing.assert_close(layer.conv[1], conv_b[0])
+        torch.testing.assert_close(layer.ssm[RUNNING], ssm_f)      # the whole paths in the running slots
+        torch.testing.assert_close(layer.conv[RUNNING], conv_f)
+        untouched = [s for s in range(NUM_SLOTS) if s not in (1, *RUNNING)]
+        assert torch.equal(layer.ssm[untouched], ssm0[untouched]) and torch.equal(layer.conv[untouched],
+                                                                                 conv0[untouched])
+
+
+def test_without_block_checkpoints_only_the_running_slots_change(monkeypatch):
+    monkeypatch.setattr(gdn, "_cache_views", lambda layer: (layer.ssm, layer.conv))
+    forest, scratch, layers = _step([0, 0, 0], [0, 0, 0])
+    before = [layer.ssm.clone() for layer in layers]
+    gdn.commit_step(forest)
+    untouched = [s for s in range(NUM_SLOTS) if s not in RUNNING]
+    for layer, ssm0 in zip(layers, before):
+        assert torch.equal(layer.ssm[untouched], ssm0[untouched])

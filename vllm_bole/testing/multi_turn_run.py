@@ -1,0 +1,58 @@
+"""Run multi-turn conversations through one vLLM engine and write each turn's outputs and prefix-cache counters.
+
+    python -m vllm_bole.testing.multi_turn_run --spec SPEC.json --out OUT.json
+
+SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "prompts": [[ids] per conversation],
+"replies": [[[ids] per conversation] per later turn], "max_tokens": n, "logprobs": k}. Turn 1 sends every
+conversation's prompt at once (greedy, ``ignore_eos``); each later turn sends every conversation's history (its
+prompts, outputs and replies so far) plus that turn's reply, again all at once, so conversations interleave in the
+batch and each turn's prompt extends the previous turn's prompt and output. OUT: per turn, the outputs in the
+``engine_run`` format (``tokens``, ``logprobs``, ``prompt_ids``) and the turn's increase of vLLM's
+``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``; at the end, ``vllm:kv_cache_usage_perc``.
+"""
+
+from vllm_bole.testing.engine_run import same_cpu_attention_as_bole, spec_cli
+
+
+def _counters(llm) -> dict:
+    names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:kv_cache_usage_perc")
+    return {m.name: m.value for m in llm.get_metrics() if m.name in names}
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from vllm_bole.testing.tiny_models import engine_kwargs
+
+    same_cpu_attention_as_bole()
+    llm = LLM(model=spec["model"], disable_log_stats=False,
+              **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                            logprobs=spec.get("logprobs"))
+    history = [list(p) for p in spec["prompts"]]
+    turns = []
+    for turn in range(1 + len(spec["replies"])):
+        if turn:
+            history = [h + list(reply) for h, reply in zip(history, spec["replies"][turn - 1])]
+        before = _counters(llm)
+        outs = llm.generate([{"prompt_token_ids": h} for h in history], params, use_tqdm=False)
+        after = _counters(llm)
+        results = []
+        for h, o in zip(history, outs):
+            c = o.outputs[0]
+            results.append({"tokens": list(c.token_ids), "prompt_ids": list(o.prompt_token_ids),
+                            "logprobs": [{int(t): lp.logprob for t, lp in step.items()} for step in c.logprobs or []]})
+            h += list(c.token_ids)
+        turns.append({"outputs": results,
+                      **{k.split(":")[1]: after[k] - before.get(k, 0)
+                         for k in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}})
+    return {"turns": turns, "kv_cache_usage_end": _counters(llm).get("vllm:kv_cache_usage_perc"),
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+
+
+def main() -> None:
+    spec_cli(run, __doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    main()
