@@ -100,13 +100,9 @@ def _with_prefix_caching(cfg, engine_args):
     if mode not in (None, "none", "align"):   # ("none" is the unset default; vLLM then picks "align")
         raise BoleConfigError(
             f"mamba_cache_mode: speculative method 'bole' caches prefixes in mode 'align' only, got {mode!r}")
-    if engine_args.async_scheduling is True:
-        raise BoleConfigError(
-            "async_scheduling: speculative method 'bole' with enable_prefix_caching schedules synchronously; "
-            "set async_scheduling=False")
     off = [k for k in ("early_drafting", "cuda_graphs") if getattr(cfg, k)]
-    if off:
-        logger.info("Bole with prefix caching: synchronous steps, %s off", " and ".join(off))
+    if off:   # (synchronous scheduling: _async_unsupported)
+        logger.info("Bole with prefix caching: %s off", " and ".join(off))
     return dataclasses.replace(cfg, early_drafting=False, cuda_graphs=False)
 
 
@@ -117,7 +113,8 @@ def _async_unsupported(cfg, parallel_config, engine_args) -> str | None:
     if reason:
         return reason
     if engine_args.enable_prefix_caching:
-        return "enable_prefix_caching: Bole's steps walk on the host with prefix caching"
+        return ("async_scheduling: speculative method 'bole' with enable_prefix_caching schedules synchronously; "
+                "set async_scheduling=False")
     if parallel_config.tensor_parallel_size > 1:
         return ("async_scheduling: speculative method 'bole' supports it with tensor_parallel_size 1 only, got "
                 f"{parallel_config.tensor_parallel_size}; set async_scheduling=False")

@@ -275,17 +275,16 @@ def _commit_block_boundaries(forest, scratch, slots, views, factors, conv_inputs
         nodes[b] = forest.accepted_paths[b][lengths[b] - 1]
     nodes = nodes.to(dev)
     real = targets > 0
-    nodes = torch.where(real.all(dim=0), nodes, -1)   # (a request's groups agree on null blocks; all(): surely)
+    # a request's boundary block is null in every KV-cache group or in none; a null one is left alone
+    nodes = torch.where(real.all(dim=0), nodes, -1)
     dst = torch.where(real, targets, slots)                                                  # [L, B]
     picked = torch.tensor(rows, device=dev)
     for (ssm, conv), src_l, dst_l in zip(views, slots, dst):
         src_i, dst_i = src_l[picked].long(), dst_l[picked].long()
         ssm[dst_i] = ssm[src_i]
         conv[dst_i] = conv[src_i]
-    kernels.commit_accepted_inplace([v[0] for v in views], dst.contiguous(), factors, nodes, forest.parent,
-                                    forest.cu_seqlens)
-    kernels.commit_conv_state_inplace([v[1] for v in views], dst.contiguous(), conv_inputs, forest.parent,
-                                      forest.cu_seqlens, nodes)
+    kernels.commit_accepted_inplace([v[0] for v in views], dst, factors, nodes, forest.parent, forest.cu_seqlens)
+    kernels.commit_conv_state_inplace([v[1] for v in views], dst, conv_inputs, forest.parent, forest.cu_seqlens, nodes)
 
 
 def _cache_views(layer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,11 +33,19 @@ logger = init_logger(__name__)
 class _NoPlaceholderPadding:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.cache_config.enable_prefix_caching:
-            keep_state_blocks_until_cached(self)
         # A constant per-batch-size schedule disables placeholder padding without changing how many draft
         # tokens a request may carry.
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
+
+
+class _PrefixCachedStates:
+    """Prefix caching: GDN state blocks stay until published, so the commit can fill a boundary's block that a step
+    crossed (``_vllm_compat.keep_state_blocks_until_cached``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.cache_config.enable_prefix_caching:
+            keep_state_blocks_until_cached(self)
 
 
 class _TreeGrammars:
@@ -101,7 +109,7 @@ class _TreeGrammars:
         return GrammarOutput(structured, bitmask)
 
 
-class BoleScheduler(_TreeGrammars, _NoPlaceholderPadding, Scheduler):
+class BoleScheduler(_TreeGrammars, _NoPlaceholderPadding, _PrefixCachedStates, Scheduler):
     pass
 
 
@@ -149,7 +157,7 @@ class Placeholders:
 check_overrides(AsyncScheduler, SCHEDULER_OVERRIDES)
 
 
-class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, AsyncScheduler):
+class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, _PrefixCachedStates, AsyncScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.bole_refresh_budget_rule()
