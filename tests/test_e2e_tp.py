@@ -2,8 +2,8 @@
 node with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Each rank holds half of the GDN and attention heads and a shard of
 the LM heads; every rank verifies, walks and drafts the same trees (the logits are gathered before the walk and the
 drafter's top-k), so the outputs must equal vLLM's without speculation at size 1: greedy with planted deep trees
-and with the MTP drafter on the tiny Qwen3.5 (through preemptions, and with a request that runs into
-max_model_len) and on the tiny Qwen3-Next, and seeded sampled requests token for token (the seed's noise is read
+and with the MTP drafter on the tiny Qwen3.5 (through preemptions, with a request that runs into
+max_model_len, and early drafting on) and on the tiny Qwen3-Next, and seeded sampled requests token for token (the seed's noise is read
 by output position, test_e2e_seeds.py), which checks the sampled walk more tightly than a distribution test.
 """
 
@@ -55,6 +55,8 @@ def test_tp2_greedy_trees_are_lossless(tmp, tiny_qwen3_5_dir):
     print(f"mtp tp2: preemptions {mtp['preemptions']}, counters {mtp['counters']}")
     assert_lossless(ref, mtp, max_near_ties=2)
     assert mtp["counters"]["mean_acceptance_length"] > 1.5, mtp["counters"]
+    # early drafting (the default) runs across ranks: the whole drafting queued before the walk
+    assert mtp["early_draft_steps"] > 0 and mtp["first_pass_steps"] >= mtp["early_draft_steps"], mtp
 
 
 def test_tp2_qwen3_next_is_lossless(tmp):

@@ -179,17 +179,23 @@ def run(spec: dict) -> dict:
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
-            "queued_trees": getattr(_runner(llm), "bole_queued_trees", None),
-            "stale_placeholders": getattr(_runner(llm), "bole_stale_placeholders", None),
-            "first_pass_steps": getattr(_runner(llm), "bole_first_pass_steps", None),
-            "early_draft_steps": getattr(_runner(llm), "bole_early_draft_steps", None),
-            "device_output_steps": getattr(_runner(llm), "bole_device_output_steps", None),
+            **_step_counts(llm),
             "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None),
             # tree steps the phase timer counted (VLLM_BOLE_PROFILE_STEPS)
             "profiled_steps": getattr(getattr(_runner(llm), "_bole_profiler", None), "steps", None),
             "budgets": _counts(getattr(_runner(llm), "bole_budgets", None)),
             "async_budgets": _counts(getattr(_runner(llm), "bole_async_budgets", None)),
             "scheduling": _scheduling(llm), "preemptions": _preemptions(llm)}
+
+
+def _step_counts(llm) -> dict:
+    """Bole's step counters (worker/model_runner.step_counts) of the first rank; every value None without Bole."""
+    names = ("first_pass_steps", "early_draft_steps", "device_output_steps", "queued_trees", "stale_placeholders")
+    from vllm_bole.plugin import is_bole_engine
+
+    if not is_bole_engine(llm.llm_engine.vllm_config):
+        return dict.fromkeys(names)
+    return llm.collective_rpc("bole_step_counts")[0]
 
 
 def _counts(counter) -> list | None:

@@ -107,10 +107,6 @@ class BoleModelRunnerMixin:
             # A lazy capture would run tensor-parallel all-reduces outside vLLM's graph_capture() context.
             logger.info("Bole's full CUDA graphs are off with tensor parallelism (vLLM's piecewise graphs run)")
             self._bole_graphs_allowed = False
-        if self._bole_first_pass_on and self.parallel_config.tensor_parallel_size > 1:
-            # Not yet run across ranks; the drafting after the walk is.
-            logger.info("Bole's drafting before the walk is off with tensor parallelism (early_drafting)")
-            self._bole_first_pass_on = False
         self.bole_drafter = make_drafter(self, self.bole_config)
         if self._bole_graphs_allowed:
             from .verify_graphs import VerifyGraphs
@@ -252,6 +248,12 @@ class BoleModelRunnerMixin:
                               verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
                                         self.model_config), nodes=self._bole_last_nodes,
                               captured=graphs != self._bole_clock_graphs)
+
+    def step_counts(self) -> dict:
+        """Steps by the path they took (reports and tests)."""
+        return {"first_pass_steps": self.bole_first_pass_steps, "early_draft_steps": self.bole_early_draft_steps,
+                "device_output_steps": self.bole_device_output_steps, "queued_trees": self.bole_queued_trees,
+                "stale_placeholders": self.bole_stale_placeholders}
 
     def bole_refresh_budget_rule(self) -> None:
         """``budget_rule`` as it applies with the calibration table as it is now (:func:`with_applicable_rule`:

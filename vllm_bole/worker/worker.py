@@ -27,3 +27,9 @@ class BoleWorker(_PlatformWorker):
         if not isinstance(self.model_runner, BoleModelRunnerMixin):
             raise RuntimeError(
                 "speculative method 'bole' needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+
+    def bole_step_counts(self) -> dict:
+        """The runner's step counters (``BoleModelRunnerMixin.step_counts``), for ``LLM.collective_rpc(
+        "bole_step_counts")``: the only way to read them when the workers run in other processes (tensor
+        parallelism)."""
+        return self.model_runner.step_counts()
