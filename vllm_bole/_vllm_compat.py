@@ -25,7 +25,10 @@ Patches:
    generator back by the Philox offset that one draw took (``GPUModelRunner._bookkeeping_sync``, also the CPU
    runner's); a CPU generator has no offset and raises, which kills the engine. For CPU generators Bole saves
    their state before the step samples and restores it instead, so the discarded draw leaves no trace.
-6. The private names of vLLM objects Bole reads, writes or overrides are all below ("Private vLLM names"): the
+6. ``kv_cache_utils.get_kv_cache_groups`` is wrapped so that a Bole engine splits its layers into KV-cache groups
+   of the size that holds a request in the fewest bytes (``worker/kv_groups.py``): the MTP layer's attention makes
+   9 attention layers against 24 GDN layers on the Qwen3.5-9B shape, and vLLM's groups of 9 pad every GDN group.
+7. The private names of vLLM objects Bole reads, writes or overrides are all below ("Private vLLM names"): the
    model runner's and scheduler's private methods Bole's classes override (checked when they are built), the MTP
    proposer's input buffers that Bole's drafter fills, the structured-output manager's bitmask, the runner's
    pending drafts and sampled-count copy, and two attributes of vLLM's GDN layer.
@@ -285,3 +288,46 @@ def keep_state_blocks_until_cached(scheduler) -> None:
             return _original(request_id, processed, num_prompt_tokens)
 
         manager.remove_skipped_blocks = remove_skipped_blocks
+
+
+# ---- KV-cache groups ------------------------------------------------------------------------------------------
+# vLLM splits a hybrid model's layers into KV-cache groups of one size (``kv_cache_utils.get_kv_cache_groups``);
+# every block id spans one page per layer slot of a group, so a type whose layer count the size does not divide
+# pays padding slots. Bole's engines choose their own split (worker/kv_groups.py); these are the vLLM functions
+# that builds on.
+def wrap_kv_cache_groups(is_bole, regroup) -> None:
+    """Make ``kv_cache_utils.get_kv_cache_groups`` return ``regroup(vllm_config, kv_cache_spec, groups)`` of
+    vLLM's groups when ``is_bole(vllm_config)``. The engine core (the KV-cache config) and the model runner (its
+    minimal profiling cache) both look the function up in that module when they call it, so both see the same
+    groups.
+
+    Idempotent: a second call does nothing.
+    """
+    from vllm.v1.core import kv_cache_utils
+
+    original = kv_cache_utils.get_kv_cache_groups
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    def get_kv_cache_groups(vllm_config, kv_cache_spec):
+        groups = original(vllm_config, kv_cache_spec)
+        return regroup(vllm_config, kv_cache_spec, groups) if is_bole(vllm_config) else groups
+
+    setattr(get_kv_cache_groups, _PATCHED_ATTR, True)
+    get_kv_cache_groups.__doc__ = original.__doc__
+    kv_cache_utils.get_kv_cache_groups = get_kv_cache_groups
+
+
+def kv_cache_group_specs(kv_cache_spec: dict, layer_names: list[list[str]]) -> list:
+    """vLLM's ``KVCacheGroupSpec`` of each list of layer names (their specs merged as vLLM merges them)."""
+    from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
+
+    return create_kv_cache_group_specs(kv_cache_spec, layer_names)
+
+
+def kv_bytes_per_request(vllm_config, groups) -> int:
+    """Bytes of the shared KV-cache pool that one request of ``max_model_len`` tokens holds with these groups,
+    padding slots included (what vLLM checks the KV cache against)."""
+    from vllm.v1.core.kv_cache_utils import _max_memory_usage_bytes_from_groups
+
+    return _max_memory_usage_bytes_from_groups(vllm_config, groups)

@@ -143,6 +143,9 @@ def register() -> None:
     _vllm_compat.wrap_create_speculative_config(apply_bole_engine_args)
     _vllm_compat.wrap_align_hybrid_block_size(is_bole_engine)
     _vllm_compat.wrap_validate_params(is_bole_engine)
+    from .worker.kv_groups import fewest_bytes_groups
+
+    _vllm_compat.wrap_kv_cache_groups(is_bole_engine, fewest_bytes_groups)
     _REGISTERED = True
 
 
