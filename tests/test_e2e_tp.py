@@ -31,9 +31,10 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("e2e_tp")
 
 
-# A KV cache of 10 blocks holds about three of these requests: vLLM preempts and recomputes them as they grow. The
-# last request starts 30 tokens short of max_model_len (256) and runs into it.
-CACHE = {"num_gpu_blocks_override": 10, "max_num_seqs": 8}
+# A KV cache of 16 blocks holds two or three of these requests under Bole's KV-cache groups (test_preemption.py):
+# vLLM preempts and recomputes them as they grow. The last request starts 30 tokens short of max_model_len (256)
+# and runs into it.
+CACHE = {"num_gpu_blocks_override": 16, "max_num_seqs": 8}
 
 
 def test_tp2_greedy_trees_are_lossless(tmp, tiny_qwen3_5_dir):

@@ -1,8 +1,9 @@
 """Preemption with Bole equals vLLM without speculation (CPU, tiny Qwen3.5, greedy).
 
-A KV cache of 10 blocks (128 tokens each) holds about three of these requests, so vLLM preempts running requests
-as they grow and later recomputes them from their tokens; their trees, queued drafts and placeholders must not
-outlive the preemption.
+A KV cache of 20 blocks (128 tokens each; under Bole's KV-cache groups a block holds one layer's page, and a
+request takes a block per GDN layer plus one per 128 tokens for each of the two attention layers, the target's and
+the MTP layer's) holds about three of these requests, so vLLM preempts running requests as they grow and later
+recomputes them from their tokens; their trees, queued drafts and placeholders must not outlive the preemption.
 """
 
 import pytest
@@ -12,7 +13,7 @@ from e2e_support import (assert_lossless, random_requests, run_engine, sync_and_
 
 pytestmark = pytest.mark.vllm
 
-CACHE = {"num_gpu_blocks_override": 10, "max_num_seqs": 8}
+CACHE = {"num_gpu_blocks_override": 20, "max_num_seqs": 8}
 
 
 def test_preempted_requests_are_lossless(tmp_path, tiny_qwen3_5_dir):
