@@ -4,6 +4,7 @@
     python -m vllm_bole.testing.train_small [--size small|tiny]       # train once into the cache, print its dir
     python -m vllm_bole.testing.train_small --check DIR              # load in vLLM with MTP, report counters
     python -m vllm_bole.testing.train_small --measure DIR --report R.json   # acceptance table through vLLM
+    python -m vllm_bole.testing.train_small --measure DIR --chains "" --draft-vocab 512,1024   # draft vocabularies
 
 The target is ``transformers``' own ``Qwen3_5ForCausalLM`` (Gated DeltaNet and gated full attention in the 3:1
 pattern of ``TinyShape.layer_types``, M-RoPE with the tiny models' ``rope_parameters``), so the trained weights
@@ -440,23 +441,46 @@ def _engine(spec: dict, out_dir: Path, name: str) -> dict:
     return json.loads(out_path.read_text())
 
 
-def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2, 3, 4), work_dir=None,
-            log=print) -> dict:
+def frequent_ids(model_dir: str, size: int, corpus=None) -> list[int]:
+    """What ``vllm-bole draft-vocab`` keeps from the training files (never the held-out ones): the ``size`` most
+    frequent token ids under the checkpoint's tokenizer, most frequent first."""
+    from transformers import AutoTokenizer
+
+    from vllm_bole.calibration.draft_vocab import count_tokens, most_frequent
+
+    train_files, _ = corpus_files(corpus)
+    return most_frequent(count_tokens(AutoTokenizer.from_pretrained(model_dir), train_files), size)
+
+
+def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2, 3, 4), draft_vocabs=(),
+            work_dir=None, log=print) -> dict:
     """Greedy decoding of :func:`code_prompts` without speculation, with vLLM's MTP chain for each ``k`` in
     ``chains`` and with Bole (its default, and depth 8 / topk 4 / 32 nodes per request): spec-decode counters
-    (mean acceptance length = 1 + accepted / drafts) and whether each run's tokens equal the plain run's."""
+    (mean acceptance length = 1 + accepted / drafts) and whether each run's tokens equal the plain run's. Each
+    size N in ``draft_vocabs`` adds the depth 8 / topk 4 row with ``draft_vocab`` N (the N lowest ids) and with
+    the N ids :func:`frequent_ids` counts; ``draft_vocab_coverage`` is the share of the plain run's output tokens
+    inside each subset."""
     prompts = code_prompts(model_dir, count)
     requests = [{"prompt": p, "max_tokens": max_tokens} for p in prompts]
     batch = len(prompts)
     base = {"model": model_dir, "kind": "qwen3_5", "requests": requests, "logprobs": 2}
     engine = {"max_num_seqs": batch}
+    wide = {"method": "bole", "num_speculative_tokens": 8, "topk": 4, "budget": 32 * batch}
     configs = {"plain": {}}
     configs |= {f"mtp_k{k}": {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} for k in chains}
     configs |= {"bole_default": {"speculative_config": {"method": "bole"}},
-                "bole_d8_t4_b32": {"speculative_config": {"method": "bole", "num_speculative_tokens": 8, "topk": 4,
-                                                          "budget": 32 * batch}}}
+                "bole_d8_t4_b32": {"speculative_config": wide}}
     work = Path(work_dir or tempfile.mkdtemp(prefix="train-small-measure-"))
     work.mkdir(parents=True, exist_ok=True)
+    subsets = {}
+    for n in draft_vocabs:
+        subsets[f"lowest{n}"] = set(range(n))
+        configs[f"bole_d8_t4_b32_lowest{n}"] = {"speculative_config": wide | {"draft_vocab": n}}
+        ids = frequent_ids(model_dir, n)
+        subsets[f"frequent{n}"] = set(ids)
+        (work / f"frequent{n}.json").write_text(json.dumps(ids))
+        configs[f"bole_d8_t4_b32_frequent{n}"] = {"speculative_config": wide | {
+            "draft_vocab": str(work / f"frequent{n}.json")}}
     rows, plain = {}, None
     for name, extra in configs.items():
         t0 = time.perf_counter()
@@ -474,7 +498,10 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    produced = [t for out in plain for t in out]
+    coverage = {name: round(sum(t in ids for t in produced) / len(produced), 4) for name, ids in subsets.items()}
     return {"model": model_dir, "prompts": len(prompts), "max_tokens": max_tokens, "batch": batch, "rows": rows,
+            **({"draft_vocab_coverage": coverage} if coverage else {}),
             "sample": [{"prompt": tok.decode(p), "output": tok.decode(o)} for p, o in zip(prompts[:3], plain[:3])]}
 
 
@@ -539,12 +566,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check", metavar="DIR", help="load DIR in vLLM with MTP and print a JSON report")
     parser.add_argument("--measure", metavar="DIR", help="acceptance through vLLM on held-out code prompts")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--chains", default="1,2,3,4", help="--measure: vLLM MTP chain lengths ('' for none)")
+    parser.add_argument("--draft-vocab", default="",
+                        help="--measure: draft_vocab sizes to add (each as the lowest ids and as the most frequent)")
     parser.add_argument("--report", help="write the --check / --measure JSON here too")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.check or args.measure:
-        report = check(args.check) if args.check else measure(args.measure, max_tokens=args.max_tokens)
+        sizes = lambda text: tuple(int(x) for x in text.split(",") if x)   # noqa: E731
+        report = check(args.check) if args.check else measure(
+            args.measure, max_tokens=args.max_tokens, chains=sizes(args.chains), draft_vocabs=sizes(args.draft_vocab))
         text = json.dumps(report, indent=1)
         if args.report:
             Path(args.report).write_text(text + "\n")
