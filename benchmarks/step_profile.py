@@ -64,8 +64,8 @@ def _gpu_busy_ms(prof) -> float:
 def _set_first_pass(runner, mode: str | None) -> None:
     """Drafting before the walk on or off between generate calls (``--first-pass``); None: leave it."""
     if mode is not None:
-        runner._bole_first_pass_on = mode == "on"
-        runner._bole_early_on = True
+        runner._bole_early_drafting = mode == "on"
+        runner._bole_draft_before_walk = True
 
 
 def _torch_profile(llm, batch: int, args, out_dir: Path, tag: str) -> dict:
@@ -266,7 +266,7 @@ def main() -> None:
     rows = []
     for batch, mode in [(b, m) for b in args.batch for m in modes]:
         _set_first_pass(runner, mode)
-        if bole and not runner._bole_first_pass_on:   # the step profiler times the phases of drafting after the walk
+        if bole and not runner._bole_early_drafting:   # the step profiler times the phases of drafting after the walk
             runner._bole_profiler = StepProfiler(args.profile_steps)
             print(f"B={batch}: profiled pass", flush=True)
             _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
@@ -276,7 +276,7 @@ def main() -> None:
         tokens, elapsed = _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
         row = {"B": batch, "spec": spec, "tok_s": tokens / elapsed, "seconds": elapsed}
         if bole:   # how many steps really drafted before the walk (it turns off after a failure)
-            row |= {"first_pass": mode or ("on" if runner._bole_first_pass_on else "off"),
+            row |= {"first_pass": mode or ("on" if runner._bole_early_drafting else "off"),
                     "early_draft_steps": runner.bole_early_draft_steps - early_before}
         if spec:
             after = spec_decode_counters(llm.get_metrics())

@@ -31,7 +31,7 @@ logger = init_logger(__name__)
 
 
 @dataclass
-class FirstPass:
+class EarlyDraft:
     """A step whose drafting started behind its target forward (:func:`launch`)."""
 
     # the rows' argmax, or the walk's paths and tokens, on their way to the host; None: the tokens stay on the device
@@ -45,7 +45,7 @@ class FirstPass:
         return self.host.wait()
 
 
-def launch(runner, scheduler_output) -> FirstPass | None:
+def launch(runner, scheduler_output) -> EarlyDraft | None:
     """Queue the drafter's first pass over every verified node right behind the target forward, while the
     host is idle until the walk (``MTPTreeDrafter.first_pass_all_rows``), for steps whose requests are all
     trees, greedy or sampled without other settings: a row's input is the target's token after it (the argmax,
@@ -55,7 +55,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
     the step does not qualify (the drafter then catches up after the walk)."""
     drafter, forest, state = runner.bole_drafter, runner._bole_forest, runner.execute_model_state
     num_reqs = runner.input_batch.num_reqs
-    if (forest is None or not runner._bole_first_pass_on or not drafter.drafts_early
+    if (forest is None or not runner._bole_early_drafting or not drafter.drafts_early
             or not forest.tree_only
             or forest.plain_decodes or forest.tree_req_indices != list(range(num_reqs))
             or state.logits is None or state.spec_decode_common_attn_metadata is None
@@ -71,7 +71,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
         # from the walk (tree_sampler.SeededDraws): its steps walk on the host.
         return None
     cm = state.spec_decode_common_attn_metadata
-    early = (runner._bole_early_on and drafter.beam is not None and runner._bole_profiler is None
+    early = (runner._bole_draft_before_walk and drafter.beam is not None and runner._bole_profiler is None
              and runner.bole_config.selection == "per_request" and input_fits_in_drafter(runner, cm)
              and (metadata.max_num_logprobs is None or runner.model_config.logprobs_mode == "raw_logprobs"))
     if sampled and not early:   # the host walk would draw again: the first pass would read other tokens
@@ -119,7 +119,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
         rows = drafter.first_pass_all_rows(cm, forest, after, runner.positions[:n], slots, seq_lens,
                                            state.hidden_states[:n], runner.bole_rope(n))
     runner.bole_first_pass_steps += 1
-    first = FirstPass(host=host, rows=rows, walk=walk, next_tokens=next_tokens)
+    first = EarlyDraft(host=host, rows=rows, walk=walk, next_tokens=next_tokens)
     if walk is not None:
         try:
             _draft_before_walk(runner, forest, walk, rows, cm, max(seq_lens), Placeholders.of(scheduler_output))
@@ -127,7 +127,7 @@ def launch(runner, scheduler_output) -> FirstPass | None:
         except Exception as e:   # drafts only: this step drafts after the walk, with its catch-up
             logger.warning("Bole's drafting before the walk is off: it failed (%s: %s); drafting after it",
                            type(e).__name__, e)
-            runner._bole_early_on = False
+            runner._bole_draft_before_walk = False
             forest.accepted_device, runner._bole_pending, first.rows = None, None, None
     return first
 
@@ -176,7 +176,7 @@ def device_output(runner, forest) -> SamplerOutput:
     runner.bole_device_output_steps += 1
     if runner.bole_walk_log is not None:   # (the paths stay on the device)
         runner.bole_walk_log.unrecorded_steps += 1
-    walk = runner._bole_first_pass.walk
+    walk = runner._bole_early_draft.walk
     if runner.bole_config.budget_rule == "throughput":   # the paths reach the acceptance model by a copy
         runner._bole_device_walks.send(walk.rows, walk.length, forest.parent, forest.cu_seqlens)
     return SamplerOutput(sampled_token_ids=walk.emitted, logprobs_tensors=None)
@@ -185,7 +185,7 @@ def device_output(runner, forest) -> SamplerOutput:
 def walked_output(runner, logits, forest) -> SamplerOutput:
     """The step's tokens from the device walk (:func:`launch`): its copy waits for the forward
     and the walk only, not for the drafting queued behind them."""
-    first = runner._bole_first_pass
+    first = runner._bole_early_draft
     w = first.walk.rows.shape[1]
     table = first.wait().tolist()
     starts = forest.query_starts

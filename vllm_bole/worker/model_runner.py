@@ -85,15 +85,15 @@ class BoleModelRunnerMixin:
         self.bole_refresh_budget_rule()
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
         self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
-        # This step's drafting queued behind its target forward (early_drafting.FirstPass), if any
-        self._bole_first_pass = None
+        # This step's drafting queued behind its target forward (early_drafting.EarlyDraft), if any
+        self._bole_early_draft = None
         self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
         self.bole_early_draft_steps = 0   # steps whose whole drafting and commit were queued before the walk
         self.bole_device_output_steps = 0   # of those, steps whose tokens stayed on the device (async scheduling)
         # speculative_config.early_drafting: the drafter's first pass over every node before the walk; otherwise
         # it catches up after the walk
-        self._bole_first_pass_on = self.bole_config.early_drafting
-        self._bole_early_on = True   # off after a failure of the drafting before the walk
+        self._bole_early_drafting = self.bole_config.early_drafting
+        self._bole_draft_before_walk = True   # off after a failure of the drafting before the walk
         # Under async scheduling: per request, the tokens the last host-walked step emitted (_fill_placeholders)
         self._bole_host_emitted: dict[str, list[int]] = {}
         # CPU: this step's seeded prompt chunks, their generator states before the step sampled (_bookkeeping_sync)
@@ -156,13 +156,13 @@ class BoleModelRunnerMixin:
         # commit of a step whose drafter did not run (vLLM skips it when the batch does not fit the drafter).
         self._commit()
         self._finish_drafts()
-        self._bole_first_pass = None
+        self._bole_early_draft = None
         try:
             with profiled(self._bole_profiler, "forward"):
                 output = super().execute_model(scheduler_output, intermediate_tensors)
             if output is None and self.execute_model_state is not None:
                 with torch.inference_mode():   # as vLLM's execute_model and sample_tokens run
-                    self._bole_first_pass = early_drafting.launch(self, scheduler_output)
+                    self._bole_early_draft = early_drafting.launch(self, scheduler_output)
             return output
         finally:
             set_current_forest(None)
@@ -488,7 +488,7 @@ class BoleModelRunnerMixin:
 
     def _walk_trees(self, logits, spec_decode_metadata):
         forest = self._bole_forest
-        first = self._bole_first_pass
+        first = self._bole_early_draft
         if first is not None and first.walk is not None and first.host is None:
             # Async scheduling: the tokens stay on the device; nothing here waits for the host trees.
             return early_drafting.device_output(self, forest)
@@ -531,7 +531,7 @@ class BoleModelRunnerMixin:
         if processed:
             targets |= self._processed_targets(logits, processed, row_start, num_rows, tree_of, metadata, seeded)
         if greedy:
-            first = self._bole_first_pass
+            first = self._bole_early_draft
             if first is not None:   # already on its way to the host (the drafter's first pass runs behind it)
                 argmax = first.wait().tolist()
             else:
@@ -660,8 +660,8 @@ class BoleModelRunnerMixin:
             # the drafter's levels (propose_draft_token_ids), so its host work overlaps them on the device.
             if forest.accepted_device is None:   # (else committed before the walk: early_drafting)
                 self._bole_commit = forest
-            if self._bole_first_pass is not None and self._bole_first_pass.rows is not None \
-                    and not self._bole_first_pass.drafted:
+            if self._bole_early_draft is not None and self._bole_early_draft.rows is not None \
+                    and not self._bole_early_draft.drafted:
                 # The first pass wrote the drafter's K/V at every node's slot: the levels read the accepted
                 # path's at contiguous slots, so it moves now (the commit leaves the drafter's layers out).
                 compact_accepted_kv(self, forest, only=self.bole_drafter.own_kv_layers())
@@ -702,14 +702,14 @@ class BoleModelRunnerMixin:
                                 common_attn_metadata, slot_mappings):
         # (The last step's drafts were finished when this step's execute_model began.)
         if self.bole_async:
-            first = self._bole_first_pass
+            first = self._bole_early_draft
             self._async_next_tokens(sampled_token_ids, None if first is None else first.next_tokens)
-        if self._bole_first_pass is not None and self._bole_first_pass.drafted:
+        if self._bole_early_draft is not None and self._bole_early_draft.drafted:
             return self._no_draft_ids()   # drafted before the walk (early_drafting): pending already
         with profiled(self._bole_profiler, "draft"):
             step = self._draft_step(scheduler_output, sampled_token_ids, hidden_states, common_attn_metadata)
-            if self._bole_first_pass is not None:
-                step.all_rows = self._bole_first_pass.rows
+            if self._bole_early_draft is not None:
+                step.all_rows = self._bole_early_draft.rows
             self._plan_quotas(step, Placeholders.of(scheduler_output), queued=False)
             finish = self.bole_drafter.propose_deferred(step)
             if step.quotas is not None and step.queued is None:
@@ -879,7 +879,7 @@ class BoleModelRunnerMixin:
         return DraftStep(req_ids=req_ids, contexts=RequestContexts(contexts), hidden_states=hidden_states,
                          first_pass=first_pass, common_attn_metadata=common_attn_metadata,
                          # the catch-up reads it; none runs after a first pass over every verified node
-                         rope=self.bole_rope(row) if getattr(self._bole_first_pass, "rows", None) is None else None)
+                         rope=self.bole_rope(row) if getattr(self._bole_early_draft, "rows", None) is None else None)
 
     def bole_rope(self, rows: int) -> torch.Tensor | None:
         """The ``[3, rows]`` M-RoPE positions of the step's first ``rows`` rows as the target ran them (a copy: the
