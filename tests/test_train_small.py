@@ -106,3 +106,20 @@ def test_vllm_runs_the_trained_mtp(trained, tmp_path):
     counters = result["counters"]
     assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == 2 * counters["num_drafts"]
     assert counters["num_accepted_tokens"] > 0, counters
+
+
+@pytest.mark.vllm
+def test_bole_default_is_lossless_on_the_stand_in(trained, tmp_path):
+    """Bole as a user starts it (``{"method": "bole"}``) on the trained checkpoint: greedy outputs equal vLLM's
+    without speculation (bf16 near-ties aside), drafted by the checkpoint's own MTP head."""
+    from e2e_support import assert_lossless
+
+    out, _ = trained
+    requests = [{"prompt": p, "max_tokens": 32} for p in train_small.code_prompts(str(out), count=8, prompt_tokens=32)]
+    base = {"model": str(out), "kind": "qwen3_5", "requests": requests, "logprobs": 2}
+    plain = train_small._engine(base | {"engine": {"max_num_seqs": 8}}, tmp_path, "plain")
+    bole = train_small._engine(base | {"engine": {"max_num_seqs": 8, "speculative_config": {"method": "bole"}}},
+                               tmp_path, "bole")
+    assert_lossless(plain, bole, max_near_ties=2)
+    counters = bole["counters"]
+    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0, counters
