@@ -3,15 +3,18 @@
 Each turn's prompt is the previous turn's prompt and output plus a reply, so a turn reads the GDN states its
 conversation's earlier turns left at block boundaries, among them boundaries that steps of several accepted tokens
 crossed (written by the commit into the boundary's block, ``attention/gdn.py``). Greedy outputs equal vLLM's
-without speculation, with and without prefix caching; Bole's hits are those of vLLM's MTP rule (the last matching
-block is recomputed for the drafter: one block fewer than without speculation); the KV cache is back to empty.
+without speculation, with and without prefix caching; Bole's queries are those of vLLM without speculation and its
+hits those of vLLM's MTP rule (the last matching block is recomputed for the drafter: one block fewer than without
+speculation); the KV cache is back to empty. Then requests sharing cached blocks are preempted and aborted.
 """
 
 import json
+import random
 
 import pytest
 
-from e2e_support import assert_same_logprobs, bole_engine, first_divergences, run_engine, vocab_size
+from e2e_support import (assert_same_logprobs, bole_engine, first_divergences, run_engine, vocab_size,
+                          write_oracle)
 from vllm_bole.testing.tiny_models import tiny_model_dir
 
 pytestmark = pytest.mark.vllm
@@ -19,9 +22,38 @@ pytestmark = pytest.mark.vllm
 PROMPT_LENS, REPLY_LEN, MAX_TOKENS, TURNS = (100, 104, 108), 40, 200, 3
 
 
-def _spec(model, prompts, replies, **engine):
-    return {"model": model, "prompts": prompts, "replies": replies, "max_tokens": MAX_TOKENS, "logprobs": 2,
-            "engine": {"max_model_len": 1024, **engine}}
+def _conversations(vocab: int) -> tuple[list, list]:
+    """Each conversation's first prompt and its replies of the later turns."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in PROMPT_LENS]
+    replies = [[[rng.randrange(10, vocab) for _ in range(REPLY_LEN)] for _ in PROMPT_LENS] for _ in range(TURNS - 1)]
+    return prompts, replies
+
+
+def _spec(model, prompts, replies, kind="qwen3_5", **engine):
+    return {"model": model, "kind": kind, "prompts": prompts, "replies": replies, "max_tokens": MAX_TOKENS,
+            "logprobs": 2, "engine": {"max_model_len": 1024, **engine}}
+
+
+def _write_oracle(tmp_path, plain: dict) -> None:
+    """The planted drafter hides the reference's tokens in its trees: deep acceptance, paths crossing boundaries."""
+    oracle = [{"prompt": t["prompt_ids"], "output": t["tokens"]} for turn in plain["turns"] for t in turn["outputs"]]
+    (tmp_path / "oracle.json").write_text(json.dumps(oracle))
+
+
+def _assert_counters(plain: dict, run: dict, dropped_blocks: int) -> None:
+    """Each turn's queries are its prompts' tokens; its hits, every full block of each prompt but ``dropped_blocks``
+    (the first turn's prompts are shorter than a block)."""
+    block = run["block_size"]
+    for turn, ref in enumerate(plain["turns"]):
+        lens = [len(t["prompt_ids"]) for t in ref["outputs"]]
+        # vLLM counts the tokens of each lookup: once per request here, where every request is scheduled at its
+        # first lookup (one that waits is looked up and counted again each step) and in a step with outputs (the
+        # offline engine drops the counts of a step without).
+        counts = {k: v for k, v in run["turns"][turn].items() if k != "outputs"}
+        assert counts["prefix_cache_queries"] == sum(lens), (turn, counts, sum(lens))
+        hits = sum(n // block - dropped_blocks for n in lens) * block if turn else 0
+        assert counts["prefix_cache_hits"] == hits, (turn, counts, hits)
 
 
 def _assert_same_conversations(ref: dict, test: dict) -> None:
@@ -41,21 +73,15 @@ def _assert_same_conversations(ref: dict, test: dict) -> None:
 
 
 def test_multi_turn_conversations_with_prefix_caching(tmp_path):
-    import random
-
     model = tiny_model_dir("qwen3_5")
-    vocab, rng = vocab_size(model), random.Random(7)
-    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in PROMPT_LENS]
-    replies = [[[rng.randrange(10, vocab) for _ in range(REPLY_LEN)] for _ in PROMPT_LENS] for _ in range(TURNS - 1)]
+    prompts, replies = _conversations(vocab_size(model))
 
     plain = run_engine(tmp_path, "ar", _spec(model, prompts, replies, enable_prefix_caching=False),
                        runner="multi_turn_run")
     cached = run_engine(tmp_path, "ar_cached", _spec(model, prompts, replies, enable_prefix_caching=True),
                         runner="multi_turn_run")
     _assert_same_conversations(plain, cached)
-    # The planted drafter hides the reference's tokens in its trees: deep acceptance, paths crossing boundaries.
-    oracle = [{"prompt": t["prompt_ids"], "output": t["tokens"]} for turn in plain["turns"] for t in turn["outputs"]]
-    (tmp_path / "oracle.json").write_text(json.dumps(oracle))
+    _write_oracle(tmp_path, plain)
     planted = run_engine(tmp_path, "bole_planted", _spec(
         model, prompts, replies, enable_prefix_caching=True,
         **bole_engine(tmp_path, "bole_planted", depth=6, topk=2, budget=64)), runner="multi_turn_run")
@@ -66,15 +92,74 @@ def test_multi_turn_conversations_with_prefix_caching(tmp_path):
         _assert_same_conversations(plain, bole)
         assert bole["kv_cache_usage_end"] == 0, bole["kv_cache_usage_end"]
 
-    block = cached["block_size"]
-    stats = [json.loads(line) for line in (tmp_path / "bole_planted.stats.jsonl").read_text().splitlines()]
+    _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
+    # Without speculation every full block hits. Bole: vLLM's MTP rule leaves one block out; the rest were written by
+    # its commit (turn 2: 128 and the boundaries after it were crossed inside steps of the first turn's decode).
+    _assert_counters(plain, cached, dropped_blocks=0)
+    for bole in (planted, mtp):
+        _assert_counters(plain, bole, dropped_blocks=1)
+
+
+def _assert_deep_trees(stats_path) -> None:
+    stats = [json.loads(line) for line in stats_path.read_text().splitlines()]
     assert max(s["depth"] for s in stats) >= 5, "the planted trees should reach deep"
-    n = len(PROMPT_LENS)
-    for turn in (1, 2):
-        # Full blocks of each conversation's prompt this turn; without speculation all of them hit.
-        full = [len(t["prompt_ids"]) // block for t in plain["turns"][turn]["outputs"]]
-        assert cached["turns"][turn]["prefix_cache_hits"] == sum(full) * block
-        # Bole: vLLM's MTP rule leaves one block out; the rest were written by its commit (turn 2: 128 and the
-        # boundaries after it were crossed inside steps of the first turn's decode).
-        for bole in (planted, mtp):
-            assert bole["turns"][turn]["prefix_cache_hits"] == (sum(full) - n) * block, (turn, bole["turns"][turn])
+
+
+def test_qwen3_next_multi_turn_with_prefix_caching(tmp_path):
+    """The same conversations on the tiny Qwen3-Next (MoE, GDN + attention): Bole with prefix caching equals vLLM
+    without speculation, with the queries and hits it has on Qwen3.5."""
+    model = tiny_model_dir("qwen3_next")
+    prompts, replies = _conversations(json.load(open(f"{model}/config.json"))["vocab_size"])
+    plain = run_engine(tmp_path, "ar", _spec(model, prompts, replies, "qwen3_next", enable_prefix_caching=False),
+                       runner="multi_turn_run")
+    _write_oracle(tmp_path, plain)
+    planted = run_engine(tmp_path, "bole_planted", _spec(
+        model, prompts, replies, "qwen3_next", enable_prefix_caching=True,
+        **bole_engine(tmp_path, "bole_planted", depth=6, topk=2, budget=64)), runner="multi_turn_run")
+    _assert_same_conversations(plain, planted)
+    assert planted["kv_cache_usage_end"] == 0, planted["kv_cache_usage_end"]
+    _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
+    _assert_counters(plain, planted, dropped_blocks=1)
+
+
+# Every request starts with the same system prompt (two full blocks); 20 blocks of KV cache hold one or two of them
+# (each takes blocks in every KV-cache group: per 128 tokens in the attention groups, one or two in each GDN group),
+# so most wait and vLLM preempts running ones as they grow.
+SYSTEM_LEN, SUFFIX_LENS, SHARED_MAX_TOKENS = 300, (10, 40, 25, 70, 5, 55), 40
+SMALL_CACHE = {"enable_prefix_caching": True, "num_gpu_blocks_override": 20, "max_model_len": 512}
+
+
+def test_preempted_and_aborted_requests_sharing_cached_blocks(tmp_path):
+    """Requests that share cached blocks are preempted (their own blocks freed, the shared ones kept for the others
+    and hit again on resuming) and two are aborted (after 3 and after 6 engine steps: one mid-generation, one still
+    waiting), in two rounds (the second reads the first's cached blocks); then two more requests with the same system
+    prompt run in the space left. The others' greedy outputs equal vLLM's without speculation, the engine frees every
+    block once (one freed twice fails vLLM's block-pool assertion when it is handed out again) and ends with an empty
+    KV cache."""
+    model = tiny_model_dir("qwen3_5")
+    vocab, rng = vocab_size(model), random.Random(11)
+    system = [rng.randrange(10, vocab) for _ in range(SYSTEM_LEN)]
+    prompts = [system + [rng.randrange(10, vocab) for _ in range(n)] for n in SUFFIX_LENS + (30, 15)]
+    requests = [{"prompt": p, "max_tokens": SHARED_MAX_TOKENS} for p in prompts]
+    ref = run_engine(tmp_path, "ref", {"model": model, "requests": requests, "logprobs": 1,
+                                        "engine": {"max_model_len": 512}})
+    write_oracle(tmp_path, requests, ref)
+    engine = bole_engine(tmp_path, "bole", depth=6, topk=2, budget=64, **SMALL_CACHE)
+    n, abort = len(SUFFIX_LENS), [1, 4]
+    out = run_engine(tmp_path, "bole", {"model": model, "engine": engine, "requests": requests[:n], "abort": abort,
+                                        "after_steps": [3, 6], "after": requests[n:], "logprobs": 1},
+                     runner="abort_run")
+    print("counters", out["counters"], "aborted with outputs", [r["aborted_outputs"] for r in out["rounds"]])
+    assert any(0 < k < SHARED_MAX_TOKENS for r in out["rounds"] for k in r["aborted_outputs"]), "none aborted midway"
+    kept = [i for i in range(n) if i not in abort]
+    for rnd in out["rounds"]:
+        want = {"outputs": [ref["outputs"][i] for i in kept]}
+        assert [o["tokens"] for o in rnd["outputs"]] == [o["tokens"] for o in want["outputs"]], rnd["after_steps"]
+        assert_same_logprobs(want, rnd)
+    want = {"outputs": ref["outputs"][n:]}
+    assert [o["tokens"] for o in out["after"]] == [o["tokens"] for o in want["outputs"]]
+    counters = out["counters"]
+    assert counters["num_preemptions"] > 0, counters
+    assert counters["prefix_cache_hits"] > 0, counters
+    assert counters["kv_cache_usage_perc"] == 0 and out["held"]["kv_cache_usage"] == 0, (counters, out["held"])
+    assert not out["held"]["scheduler_requests"], out["held"]

@@ -8,13 +8,16 @@ SPEC: {"model": dir, "kind": "qwen3_5", "engine": {LLM kwargs}, "cpu_async_sched
 runs k engine steps, aborts the requests of ``abort`` and runs the rest to completion; then the ``after`` requests
 run alone, in the slots the aborted ones left. Under async scheduling an engine step returns while the next one is
 queued, so an abort lands while the aborted request's next tree is drafted or queued. OUT: per round the outputs of
-the requests not aborted (in request order), the ``after`` outputs, and the request ids that the scheduler, the
-model runner and Bole's per-request state still hold at the end (``held``).
+the requests not aborted (in request order) and how many tokens the aborted ones had emitted (``aborted_outputs``);
+the ``after`` outputs; the request ids that the scheduler, the model runner and Bole's per-request state still hold
+at the end (``held``); vLLM's prefix-cache, KV-usage and preemption metrics at the end (``counters``,
+:func:`multi_turn_run.counters`).
 """
 
 from .._vllm_compat import engine_core_of
 from .engine_run import (_prompt, _runner, _sampling_params, force_cpu_async_scheduling, same_cpu_attention_as_bole,
                          spec_cli)
+from .multi_turn_run import counters
 
 
 def _drain(engine, wanted: set[str], outputs: dict, max_steps: int = 10_000) -> None:
@@ -31,6 +34,13 @@ def _output(out) -> dict:
     c = out.outputs[0]
     top = [{int(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
     return {"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top}
+
+
+def output_counts(llm, ids) -> list[int | None]:
+    """Output tokens the scheduler holds of each request of ``ids`` (None: not there), e.g. just before an abort."""
+    requests = engine_core_of(llm).scheduler.requests   # (vLLM adds a suffix to each request id)
+    return [next((r.num_output_tokens for key, r in requests.items() if key.startswith(f"{rid}-")), None)
+            for rid in ids]
 
 
 def held_state(llm) -> dict:
@@ -57,7 +67,8 @@ def run(spec: dict) -> dict:
     if spec.get("cpu_async_scheduling"):
         force_cpu_async_scheduling()
     same_cpu_attention_as_bole()
-    llm = LLM(model=spec["model"], **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
+    llm = LLM(model=spec["model"], disable_log_stats=False,
+              **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
     engine = llm.llm_engine
     rounds = []
     for k in spec["after_steps"]:
@@ -70,10 +81,12 @@ def run(spec: dict) -> dict:
                 if out.finished:
                     outputs[out.request_id] = _output(out)
         aborted = [ids[i] for i in spec["abort"]]
+        aborted_outputs = output_counts(llm, aborted)
         engine.abort_request(aborted)
         kept = [rid for rid in ids if rid not in aborted]
         _drain(engine, set(kept), outputs)
-        rounds.append({"after_steps": k, "aborted": aborted, "outputs": [outputs.get(rid) for rid in kept]})
+        rounds.append({"after_steps": k, "aborted": aborted, "aborted_outputs": aborted_outputs,
+                       "outputs": [outputs.get(rid) for rid in kept]})
     after_ids = [f"after-{i}" for i in range(len(spec.get("after", [])))]
     for rid, r in zip(after_ids, spec.get("after", [])):
         engine.add_request(rid, _prompt(r), _sampling_params(SamplingParams, r, spec.get("logprobs")))
@@ -82,7 +95,7 @@ def run(spec: dict) -> dict:
     _drain(engine, set(), {})
     return {"rounds": rounds, "after": [after.get(rid) for rid in after_ids], "held": held_state(llm),
             "scheduling": {"async_scheduling": bool(engine.vllm_config.scheduler_config.async_scheduling)},
-            "queued_trees": getattr(_runner(llm), "bole_queued_trees", None)}
+            "queued_trees": getattr(_runner(llm), "bole_queued_trees", None), "counters": counters(llm)}
 
 
 def main() -> None:

@@ -14,9 +14,13 @@ batch and each turn's prompt extends the previous turn's prompt and output. OUT:
 from vllm_bole.testing.engine_run import same_cpu_attention_as_bole, spec_cli
 
 
-def _counters(llm) -> dict:
-    names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:kv_cache_usage_perc")
-    return {m.name: m.value for m in llm.get_metrics() if m.name in names}
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc", "num_preemptions")
+
+
+def counters(llm) -> dict:
+    """vLLM's prefix-cache, KV-cache usage and preemption metrics (``vllm:`` left off their names); the engine
+    needs ``disable_log_stats=False``."""
+    return {name: m.value for m in llm.get_metrics() if (name := m.name.removeprefix("vllm:")) in COUNTERS}
 
 
 def run(spec: dict) -> dict:
@@ -34,9 +38,9 @@ def run(spec: dict) -> dict:
     for turn in range(1 + len(spec["replies"])):
         if turn:
             history = [h + list(reply) for h, reply in zip(history, spec["replies"][turn - 1])]
-        before = _counters(llm)
+        before = counters(llm)
         outs = llm.generate([{"prompt_token_ids": h} for h in history], params, use_tqdm=False)
-        after = _counters(llm)
+        after = counters(llm)
         results = []
         for h, o in zip(history, outs):
             c = o.outputs[0]
@@ -44,9 +48,8 @@ def run(spec: dict) -> dict:
                             "logprobs": [{int(t): lp.logprob for t, lp in step.items()} for step in c.logprobs or []]})
             h += list(c.token_ids)
         turns.append({"outputs": results,
-                      **{k.split(":")[1]: after[k] - before.get(k, 0)
-                         for k in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}})
-    return {"turns": turns, "kv_cache_usage_end": _counters(llm).get("vllm:kv_cache_usage_perc"),
+                      **{k: after[k] - before.get(k, 0) for k in ("prefix_cache_queries", "prefix_cache_hits")}})
+    return {"turns": turns, "kv_cache_usage_end": counters(llm).get("kv_cache_usage_perc"),
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
 
 
