@@ -2,7 +2,7 @@
 # The tests that mean more on a GPU: Triton kernels against their references, and tiny engines with Bole's CUDA
 # graphs against vLLM without speculation, several engines side by side.
 #   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless calibration lossless-all
-#                                                      serving multimodal
+#                                                      serving sampling prefix-caching multimodal
 #                                                      (default: kernels lossless serving)
 # GROUP_TIMEOUT=SECONDS limits each group. Each group writes LOG_DIR/<group>.log, one line per test as it ends
 # (pytest -v: a run cut short still says which passed), and a one-line summary to stdout. Engine tests start two to four engines one after another (100-170 s
@@ -21,7 +21,10 @@
 #                 calibrated, synchronously and asynchronously); over 15 minutes
 #   lossless-all  every test of tests/test_e2e_lossless.py and tests/test_async_scheduling.py, the same way (25
 #                 items: more than 15 minutes with 3 workers)
-#   serving       logits processors, preemption, structured outputs, sampling
+#   serving       logits processors, preemption, structured outputs (the sampling tests are a group of their
+#                 own: together they ran past 440 s on an H100)
+#   sampling      sampled trees against the reference distribution
+#   prefix-caching  multi-turn conversations with prefix caching, preemption and aborts of shared blocks
 #   multimodal    image prompts (a tiny Qwen3.5 with a vision tower): planted and MTP trees lossless, and the MTP
 #                 drafter's rows at the target's M-RoPE positions (rows written outside the level graphs)
 set -uo pipefail
@@ -71,10 +74,15 @@ for group in "${GROUPS_RUN[@]}"; do
         tests/test_e2e_lossless.py tests/test_async_scheduling.py ;;
     serving)
       run_group serving "${XDIST[@]}" tests/test_logits_processors.py tests/test_preemption.py \
-        tests/test_structured_outputs.py tests/test_e2e_sampling.py ;;
+        tests/test_structured_outputs.py ;;
+    sampling)
+      run_group sampling "${XDIST[@]}" tests/test_e2e_sampling.py ;;
+    prefix-caching)
+      run_group prefix-caching "${XDIST[@]}" tests/test_e2e_prefix_caching.py ;;
     multimodal)
       run_group multimodal tests/test_e2e_multimodal.py ;;
     *)
-      echo "unknown group $group (kernels, lossless, calibration, lossless-all, serving, multimodal)" >&2; exit 2 ;;
+      echo "unknown group $group (kernels, lossless, calibration, lossless-all, serving, sampling, prefix-caching," \
+        "multimodal)" >&2; exit 2 ;;
   esac
 done
