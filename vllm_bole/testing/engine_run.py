@@ -190,11 +190,11 @@ def run(spec: dict) -> dict:
 
 def _step_counts(llm) -> dict:
     """Bole's step counters (worker/model_runner.step_counts) of the first rank; every value None without Bole."""
-    names = ("first_pass_steps", "early_draft_steps", "device_output_steps", "queued_trees", "stale_placeholders")
     from vllm_bole.plugin import is_bole_engine
+    from vllm_bole.worker.model_runner import STEP_COUNTS
 
     if not is_bole_engine(llm.llm_engine.vllm_config):
-        return dict.fromkeys(names)
+        return dict.fromkeys(STEP_COUNTS)
     return llm.collective_rpc("bole_step_counts")[0]
 
 

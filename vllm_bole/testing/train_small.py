@@ -441,15 +441,15 @@ def _engine(spec: dict, out_dir: Path, name: str) -> dict:
     return json.loads(out_path.read_text())
 
 
-def frequent_ids(model_dir: str, size: int, corpus=None) -> list[int]:
-    """What ``vllm-bole draft-vocab`` keeps from the training files (never the held-out ones): the ``size`` most
-    frequent token ids under the checkpoint's tokenizer, most frequent first."""
+def training_token_counts(model_dir: str, corpus=None):
+    """Token id counts of the training files (never the held-out ones) under the checkpoint's tokenizer, as
+    ``vllm-bole draft-vocab`` counts them (its ``most_frequent`` then keeps a draft vocabulary)."""
     from transformers import AutoTokenizer
 
-    from vllm_bole.calibration.draft_vocab import count_tokens, most_frequent
+    from vllm_bole.calibration.draft_vocab import count_tokens
 
     train_files, _ = corpus_files(corpus)
-    return most_frequent(count_tokens(AutoTokenizer.from_pretrained(model_dir), train_files), size)
+    return count_tokens(AutoTokenizer.from_pretrained(model_dir), train_files)
 
 
 def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2, 3, 4), draft_vocabs=(),
@@ -458,8 +458,8 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
     ``chains`` and with Bole (its default, and depth 8 / topk 4 / 32 nodes per request): spec-decode counters
     (mean acceptance length = 1 + accepted / drafts) and whether each run's tokens equal the plain run's. Each
     size N in ``draft_vocabs`` adds the depth 8 / topk 4 row with ``draft_vocab`` N (the N lowest ids) and with
-    the N ids :func:`frequent_ids` counts; ``draft_vocab_coverage`` is the share of the plain run's output tokens
-    inside each subset."""
+    the N most frequent ids of :func:`training_token_counts`; ``draft_vocab_coverage`` is the share of the plain
+    run's output tokens inside each subset."""
     prompts = code_prompts(model_dir, count)
     requests = [{"prompt": p, "max_tokens": max_tokens} for p in prompts]
     batch = len(prompts)
@@ -472,11 +472,14 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
                 "bole_d8_t4_b32": {"speculative_config": wide}}
     work = Path(work_dir or tempfile.mkdtemp(prefix="train-small-measure-"))
     work.mkdir(parents=True, exist_ok=True)
+    from vllm_bole.calibration.draft_vocab import most_frequent
+
     subsets = {}
+    counts = training_token_counts(model_dir) if draft_vocabs else None
     for n in draft_vocabs:
         subsets[f"lowest{n}"] = set(range(n))
         configs[f"bole_d8_t4_b32_lowest{n}"] = {"speculative_config": wide | {"draft_vocab": n}}
-        ids = frequent_ids(model_dir, n)
+        ids = most_frequent(counts, n)
         subsets[f"frequent{n}"] = set(ids)
         (work / f"frequent{n}.json").write_text(json.dumps(ids))
         configs[f"bole_d8_t4_b32_frequent{n}"] = {"speculative_config": wide | {

@@ -33,7 +33,8 @@ def fewest_bytes_groups(vllm_config, kv_cache_spec: dict, groups: list) -> list:
         return groups
     spec_of = {name: g.kv_cache_spec for g in groups for name in g.layer_names}   # page sizes already unified
     by_spec = _layers_by_spec([name for name in kv_cache_spec if name in spec_of], spec_of)
-    best, best_bytes = groups, kv_bytes_per_request(vllm_config, groups)
+    vllm_bytes = kv_bytes_per_request(vllm_config, groups)
+    best, best_bytes = groups, vllm_bytes
     for size in range(1, max(len(layers) for layers in by_spec) + 1):
         candidate = kv_cache_group_specs(spec_of, split_layers(by_spec, size))
         if len(candidate) > MAX_GROUPS_FACTOR * len(groups):
@@ -44,7 +45,7 @@ def fewest_bytes_groups(vllm_config, kv_cache_spec: dict, groups: list) -> list:
     if best is not groups:
         logger.info("Bole KV-cache groups: %d groups of %d layers instead of vLLM's %d of %d (%.1f%% less KV "
                     "memory per request)", len(best), _size(best), len(groups), _size(groups),
-                    100 * (1 - best_bytes / kv_bytes_per_request(vllm_config, groups)))
+                    100 * (1 - best_bytes / vllm_bytes))
     return best
 
 

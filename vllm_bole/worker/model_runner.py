@@ -51,6 +51,10 @@ from .tree_grammar import PARENTS_ATTR
 logger = init_logger(__name__)
 
 
+# The runner's step counters (attributes bole_<name>), as BoleModelRunnerMixin.step_counts reports them
+STEP_COUNTS = ("first_pass_steps", "early_draft_steps", "device_output_steps", "queued_trees", "stale_placeholders")
+
+
 class BoleModelRunnerMixin:
     """Mixed in front of the platform's V1 model runner class (see :func:`bole_runner_class`)."""
 
@@ -250,10 +254,8 @@ class BoleModelRunnerMixin:
                               captured=graphs != self._bole_clock_graphs)
 
     def step_counts(self) -> dict:
-        """Steps by the path they took (reports and tests)."""
-        return {"first_pass_steps": self.bole_first_pass_steps, "early_draft_steps": self.bole_early_draft_steps,
-                "device_output_steps": self.bole_device_output_steps, "queued_trees": self.bole_queued_trees,
-                "stale_placeholders": self.bole_stale_placeholders}
+        """Steps by the path they took (reports and tests): ``bole_<name>`` for each name of :data:`STEP_COUNTS`."""
+        return {name: getattr(self, f"bole_{name}") for name in STEP_COUNTS}
 
     def bole_refresh_budget_rule(self) -> None:
         """``budget_rule`` as it applies with the calibration table as it is now (:func:`with_applicable_rule`:
