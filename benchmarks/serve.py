@@ -7,9 +7,9 @@
         --goodput ttft:1000 tpot:30 --plot                                # GPU, the 9B shape (dummy weights)
 
 For each configuration of ``--configs``, one at a time, it starts ``python -m vllm.entrypoints.openai.api_server``
-(``benchmarks/soak.py``'s ``start_server``) with the same server arguments except the speculative config, sends a
-warm-up load (``--warmup-prompts`` at rate inf, not recorded), then runs vLLM's ``vllm bench serve`` client
-(``vllm.benchmarks.serve``, in process) once per rate of ``--request-rates`` (requests per second, Poisson
+(``benchmarks/soak.py``'s ``start_server``) with the same server arguments except the speculative config, sends
+warm-up loads that are not recorded (``--warmup-prompts`` at rate inf, then ``--warmup-concurrency``'s small
+batches), then runs vLLM's ``vllm bench serve`` client (``vllm.benchmarks.serve``, in process) once per rate of ``--request-rates`` (requests per second, Poisson
 arrivals, ``--burstiness`` 1; ``inf`` sends all ``--num-prompts`` at once: the server's saturation) on the
 ``random`` dataset (``--input-len``, ``--output-len``, ``--random-range-ratio``; ``ignore_eos``, ``--temperature``
 0), and stops the server. Every configuration sees the same prompts and arrival times at a rate (same seed).
@@ -100,6 +100,16 @@ def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v.strip()]
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
 def _rates(text: str) -> list[float]:
     try:
         rates = [float(v) for v in text.split(",") if v.strip()]
@@ -132,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SLOs for vLLM's goodput, e.g. ttft:1000 tpot:30 (ms)")
     p.add_argument("--warmup-prompts", type=int, default=32,
                    help="per server, before the rates: this many prompts at rate inf, not recorded (0: none)")
+    p.add_argument("--warmup-concurrency", type=_ints, default=[1, 4, 16], metavar="C,...",
+                   help="then, for each C, C prompts at most C in flight (not recorded; '' none): small batches "
+                        "compile and capture what a burst at rate inf never runs (Bole does so on first use)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench-args", default="",
                    help="more `vllm bench serve` arguments (one shell-quoted string), e.g. "
@@ -173,7 +186,7 @@ def apply_smoke(opts, given: set[str]) -> None:
     """The tiny Qwen3.5 on CPU, small enough to run in about three minutes on two cores (options given on the
     command line win)."""
     smoke = {"configs": "ar,bole", "request_rates": [1.0, 2.0, math.inf], "num_prompts": 6, "input_len": 32,
-             "output_len": 32, "warmup_prompts": 2, "max_model_len": 256, "max_num_seqs": 8,
+             "output_len": 32, "warmup_prompts": 2, "warmup_concurrency": [1], "max_model_len": 256, "max_num_seqs": 8,
              "max_num_batched_tokens": 128}
     for key, value in smoke.items():
         if key not in given:
@@ -346,7 +359,10 @@ def _rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def bench_argv(opts, server: soak.Server, tokenizer: str | None, rate: float, num_prompts: int) -> list[str]:
+def bench_argv(opts, server: soak.Server, tokenizer: str | None, rate: float, num_prompts: int,
+               concurrency: int | None = None) -> list[str]:
+    """``vllm bench serve`` arguments for one load; ``concurrency``: its cap on requests in flight (None:
+    ``--max-concurrency``, 0: none)."""
     argv = ["--backend", "vllm", "--base-url", server.base, "--model", server.model, "--dataset-name", "random",
             "--random-input-len", str(opts.input_len), "--random-output-len", str(opts.output_len),
             "--random-range-ratio", str(opts.random_range_ratio), "--num-prompts", str(num_prompts),
@@ -355,8 +371,9 @@ def bench_argv(opts, server: soak.Server, tokenizer: str | None, rate: float, nu
             "--metric-percentiles", PERCENTILES, "--disable-tqdm", "--ready-check-timeout-sec", "60"]
     if tokenizer:
         argv += ["--tokenizer", tokenizer]
-    if opts.max_concurrency:
-        argv += ["--max-concurrency", str(opts.max_concurrency)]
+    concurrency = opts.max_concurrency if concurrency is None else concurrency
+    if concurrency:
+        argv += ["--max-concurrency", str(concurrency)]
     if opts.goodput:
         argv += ["--goodput", *opts.goodput]
     return argv + shlex.split(opts.bench_args)
@@ -443,11 +460,16 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
     old_offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # the client loads the tokenizer; everything is local
     try:
-        if opts.warmup_prompts:
+        if opts.warmup_prompts or opts.warmup_concurrency:
             t = time.monotonic()
-            warm = run_bench(bench_argv(opts, server, tokenizer, math.inf, opts.warmup_prompts), bench_log)
-            entry["warmup"] = {"prompts": opts.warmup_prompts, "completed": warm.get("completed"),
-                               "failed": warm.get("failed"), "wall_s": round(time.monotonic() - t, 1)}
+            loads = [(opts.warmup_prompts, 0)] if opts.warmup_prompts else []
+            loads += [(c, c) for c in opts.warmup_concurrency if not opts.max_num_seqs or c <= opts.max_num_seqs]
+            warm = [run_bench(bench_argv(opts, server, tokenizer, math.inf, n, concurrency=c), bench_log)
+                    for n, c in loads]
+            entry["warmup"] = {"prompts": sum(n for n, _ in loads), "loads": [list(x) for x in loads],
+                               "completed": sum(w.get("completed") or 0 for w in warm),
+                               "failed": sum(w.get("failed") or 0 for w in warm),
+                               "wall_s": round(time.monotonic() - t, 1)}
         for rate in opts.request_rates:
             if not server.alive():
                 entry["error"] = f"server exited before rate {_rate_label(rate)}:\n{server.log_tail(3000)}"

@@ -63,7 +63,8 @@ def test_smoke(tmp_path, capsys):
     assert "--speculative-config" not in ar["server_cmd"]
     spec = json.loads(bole["server_cmd"][bole["server_cmd"].index("--speculative-config") + 1])
     assert spec["method"] == "bole" and spec["synthetic_acceptance"]["rates"]
-    assert bole["start_s"] > 0 and bole["warmup"]["completed"] == 2
+    assert bole["start_s"] > 0 and bole["warmup"]["completed"] == 3    # the smoke's 2 at rate inf, then 1 alone
+    assert bole["warmup"]["loads"] == [[2, 0], [1, 1]]
 
     assert [c["rate"] for c in data["comparison"]] == ["1", "2", "inf"]
     for comp in data["comparison"]:
