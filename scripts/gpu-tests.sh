@@ -12,8 +12,8 @@
 #                 vocabulary served from a table under the default budget rule, async scheduling, a request at
 #                 max_model_len), with graph stand-ins forced wherever a larger graph fits
 #                 (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one was used);
-#                 a test per worker (LOSSLESS_WORKERS, 6), each starting two engines (about 300 s a test on the H200
-#                 at 23e612d, when a file per worker and the calibration test in the group left 3 of 7 unfinished
+#                 a test per worker (LOSSLESS_WORKERS, 6), each starting two engines (about 300 s a test on an H200
+#                 or H100; with a file per worker and the calibration test in the group, 3 of 7 were unfinished
 #                 after 660 s). The rule "throughput" is in charge in the draft-vocabulary test (a made-up
 #                 table with curves for the tiny model).
 #   calibration   tests/test_calibration.py::test_calibrate_then_serve_auto_budget alone: a calibration, then

@@ -180,7 +180,7 @@ def test_results_with_configurations_no_longer_offered(tmp_path):
         "bole", "bole_vocab32k_coarse", "bole_async", "bole_vocab32k", "bole_tput_vocab32k", "wide"}
 
 
-@pytest.mark.parametrize("name", ["e2e.json", "e2e_async_23e612d.json"])
+@pytest.mark.parametrize("name", ["e2e.json", "e2e_h200.json"])
 def test_stored_results_still_report(tmp_path, name):
     data = json.loads((ROOT / "benchmarks/results" / name).read_text())
     rows = e2e.build_rows(data["configs"])
