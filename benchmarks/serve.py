@@ -561,7 +561,7 @@ def markdown(rows: list[dict], names: list[str], bole_names: set[str], comps: li
 
 def details_markdown(rows: list[dict], names: list[str]) -> str:
     lines = ["| config | rate | done | TTFT p50 / p99 ms | TPOT p99 ms | ITL p50 / p99 ms | req/s | goodput req/s "
-             "| acceptance length |", "|---|---|---|---|---|---|---|---|---|"]
+             "| acceptance length | drafts / accepted per request-step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (names.index(r["config"]) if r["config"] in names else 99,
                                          _rate_key(r["rate"]))):
         lines.append(f"| {r['config']} | {r['rate']} | {r.get('completed')}/{r['num_prompts']} "
@@ -569,8 +569,17 @@ def details_markdown(rows: list[dict], names: list[str]) -> str:
                      f"| {_f(r.get('tpot_p99_ms'), '.2f')} "
                      f"| {_f(r.get('itl_p50_ms'), '.2f')} / {_f(r.get('itl_p99_ms'), '.2f')} "
                      f"| {_f(r.get('request_throughput'), '.2f')} | {_f(r.get('request_goodput'), '.2f')} "
-                     f"| {_f(r.get('spec_decode_acceptance_length'), '.2f')} |")
+                     f"| {_f(r.get('spec_decode_acceptance_length'), '.2f')} "
+                     f"| {_f(_per_draft(r, 'spec_decode_draft_tokens'), '.2f')} / "
+                     f"{_f(_per_draft(r, 'spec_decode_accepted_tokens'), '.2f')} |")
     return "\n".join(lines)
+
+
+def _per_draft(row: dict, key: str) -> float | None:
+    """``key``'s count per draft: a request's share of a step (vLLM counts a draft per request per step), e.g.
+    the nodes each request verified, which Bole's budget sets and a chain fixes at k."""
+    drafts = row.get("spec_decode_num_drafts")
+    return row[key] / drafts if drafts and row.get(key) is not None else None
 
 
 def plot(data: dict, path: Path) -> bool:

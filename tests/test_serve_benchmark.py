@@ -165,3 +165,17 @@ def test_merge_keeps_other_configs():
     assert configs["ar"]["run"] == "a" and configs["bole"]["run"] == "b"
     assert sorted((r["config"], r["tpot_p50_ms"]) for r in rows) == [("ar", 10.0), ("bole", 4.0), ("mtp3", 6.0)]
     assert serve.merge({}, {"bole_x": {}, "mtp1": {}, "ar": {}}, [], {"bole_x"})[2] == ["ar", "mtp1", "bole_x"]
+
+
+def test_details_show_each_requests_share_of_a_step():
+    """Nodes verified and tokens accepted per request per step (vLLM counts one draft per request per step): a
+    chain's drafts are its k, Bole's what its budget gave each request."""
+    row = {"config": "bole", "rate": "32", "num_prompts": 64, "completed": 64, "spec_decode_num_drafts": 4907,
+           "spec_decode_draft_tokens": 15714, "spec_decode_accepted_tokens": 11537}
+    table = serve.details_markdown([row, {**row, "config": "ar", "spec_decode_num_drafts": None,
+                                          "spec_decode_draft_tokens": None, "spec_decode_accepted_tokens": None}],
+                                   ["ar", "bole"])
+    lines = table.splitlines()
+    assert lines[0].endswith("| acceptance length | drafts / accepted per request-step |")
+    assert lines[2].startswith("| ar | 32 |") and lines[2].endswith("| – / – |")
+    assert lines[3].startswith("| bole | 32 |") and lines[3].endswith("| 3.20 / 2.35 |")
