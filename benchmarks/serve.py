@@ -424,17 +424,35 @@ def row_ok(row: dict) -> bool:
             and all(isinstance(row.get(k), (int, float)) and row[k] > 0 for k in REQUIRED))
 
 
+BUDGET_INTERVAL = re.compile(r"Bole budget: (\d+) steps in the last [\d.]+ s, (\d+)% chosen by the throughput rule")
+
+
 def _budget_lines(log: Path | None) -> list[str]:
-    """The Bole budget lines of a server log (which table applied, or the fallback)."""
+    """The Bole budget lines of a server log (which table applied, or the fallback), without the per-interval
+    ones (:func:`rule_share`)."""
     if log is None or not log.exists():
         return []
     lines = []
     for line in log.read_text(errors="replace").splitlines():
-        if "Bole budget" in line:
+        if "Bole budget" in line and not BUDGET_INTERVAL.search(line):
             text = line.split("] ", 1)[-1].strip()
             if text not in lines:
                 lines.append(text)
     return lines[:5]
+
+
+def rule_share(log_text: str) -> dict | None:
+    """The steps of Bole's per-interval budget lines in ``log_text`` (``BudgetLog``) and the share of them whose
+    budget the throughput rule chose (the others took the calibrated B_ver); None without such lines."""
+    found = [(int(m.group(1)), int(m.group(2))) for m in BUDGET_INTERVAL.finditer(log_text)]
+    steps = sum(n for n, _ in found)
+    if not steps:
+        return None
+    return {"steps": steps, "by_rule": round(sum(n * pct for n, pct in found) / 100 / steps, 3)}
+
+
+def _log_size(log: Path) -> int:
+    return log.stat().st_size if log.exists() else 0
 
 
 def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer: str | None, on_gpu: bool,
@@ -474,7 +492,7 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
             if not server.alive():
                 entry["error"] = f"server exited before rate {_rate_label(rate)}:\n{server.log_tail(3000)}"
                 break
-            t = time.monotonic()
+            t, logged = time.monotonic(), _log_size(log)
             try:
                 result = run_bench(bench_argv(opts, server, tokenizer, rate, opts.num_prompts), bench_log)
             except Exception as e:  # noqa: BLE001 - recorded in the row, the sweep goes on
@@ -482,6 +500,9 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
             # Every output token should come (ignore_eos), when the lengths are fixed.
             expected = None if opts.bench_args or opts.random_range_ratio else opts.num_prompts * opts.output_len
             row = row_of(name, rate, opts.num_prompts, result, time.monotonic() - t, expected)
+            with open(log, "rb") as f:   # the budget lines the server logged during this rate
+                f.seek(logged)
+                row["bole_budget_rule"] = rule_share(f.read().decode(errors="replace"))
             rows.append(row)
             if on_row is not None:
                 on_row(entry, rows)
@@ -561,7 +582,8 @@ def markdown(rows: list[dict], names: list[str], bole_names: set[str], comps: li
 
 def details_markdown(rows: list[dict], names: list[str]) -> str:
     lines = ["| config | rate | done | TTFT p50 / p99 ms | TPOT p99 ms | ITL p50 / p99 ms | req/s | goodput req/s "
-             "| acceptance length | drafts / accepted per request-step |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| acceptance length | drafts / accepted per request-step | budgets by the throughput rule |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (names.index(r["config"]) if r["config"] in names else 99,
                                          _rate_key(r["rate"]))):
         lines.append(f"| {r['config']} | {r['rate']} | {r.get('completed')}/{r['num_prompts']} "
@@ -571,8 +593,13 @@ def details_markdown(rows: list[dict], names: list[str]) -> str:
                      f"| {_f(r.get('request_throughput'), '.2f')} | {_f(r.get('request_goodput'), '.2f')} "
                      f"| {_f(r.get('spec_decode_acceptance_length'), '.2f')} "
                      f"| {_f(_per_draft(r, 'spec_decode_draft_tokens'), '.2f')} / "
-                     f"{_f(_per_draft(r, 'spec_decode_accepted_tokens'), '.2f')} |")
+                     f"{_f(_per_draft(r, 'spec_decode_accepted_tokens'), '.2f')} "
+                     f"| {_share(r.get('bole_budget_rule'))} |")
     return "\n".join(lines)
+
+
+def _share(rule: dict | None) -> str:
+    return "–" if not rule else f"{100 * rule['by_rule']:.0f}% of {rule['steps']} steps"
 
 
 def _per_draft(row: dict, key: str) -> float | None:

@@ -418,6 +418,12 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
     assert c["num_drafts"] > 0 and out["acceptance_steps"] > 0, out
     assert c["num_accepted_tokens"] == 0 and c["num_draft_tokens"] <= b_ver * c["num_drafts"] // 2
     assert c["num_draft_tokens"] >= 3 * c["num_drafts"] // 2   # B_ver, 3 nodes per step, at least
+    # The scheduler's budget lines count every planned step, the nodes it gave and how many the rule chose.
+    log = out["budget_log"]
+    assert log["steps"] == sum(count for _, _, count in out["budgets"]), (log, out["budgets"])
+    assert log["nodes"] == sum(min(n, b * depth * topk) * count for b, n, count in out["budgets"])
+    assert log["requests"] == sum(b * count for b, _, count in out["budgets"])
+    assert 0 < log["by_rule"] <= log["steps"], log
 
     # ... and under async scheduling, with the MTP drafter: the scheduler places each step's quotas before the
     # step runs, from the model runner's budget once that has a clock and acceptance measurements (the
@@ -436,6 +442,8 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
     planned = {n for b, n, _ in out["budgets"] if b == 2}
     assert 3 in planned and planned <= given | {3}, (out["budgets"], out["async_budgets"])
     assert out["stale_placeholders"] == 0 and out["counters"]["num_accepted_tokens"] == 0, out
+    log = out["budget_log"]   # the scheduler's own choices: the runner's once it had them, B_ver before
+    assert 0 < log["by_rule"] < log["steps"], log
 
     # The default rule in charge of real trees is lossless: the planted drafter (the true continuation in the
     # tree) with the table and no synthetic acceptance, scheduled synchronously (the runner picks each budget)

@@ -208,6 +208,36 @@ def test_async_quota_takes_the_runners_budget_when_it_has_one():
     assert asked == [(4, 100), (4, 100), (6, 50)]
 
 
+def test_budget_log_says_how_often_the_rule_chose(caplog):
+    """The scheduler counts each step's budget and who chose it, and logs one line per stats interval: the
+    throughput rule's share (the others took the calibrated B_ver), the nodes each request got, the batches."""
+    import logging
+
+    from vllm_bole.config import BoleConfig
+    from vllm_bole.spec_decode.budget import BudgetLog
+    from vllm_bole.worker import scheduler as sched_mod
+
+    cfg = BoleConfig(budget=36)   # 8 levels x topk 4: at most 32 nodes a request
+    log = BudgetLog(interval_s=10.0)
+    clock = iter([0.0, 1.0, 2.0, 3.0, 10.5, 11.0])
+    source = {4: 96, 6: None, 1: 64}
+    lines = []
+    real_record = log.record
+    log.record = lambda *a: lines.append(real_record(*a[:3], next(clock)))
+    for batch in (4, 4, 6, 6, 1, 4):
+        sched_mod.async_budget(cfg, batch, 100, source=lambda b, c: source[b], log=log)
+    # 4 requests x 24, 4 x 24, 6 x 6 (B_ver 36 split), 6 x 6, then 1 x 32 (capped) ends the interval at 10.5 s
+    assert lines[:4] == [None] * 4 and lines[5] is None
+    assert lines[4] == ("Bole budget: 5 steps in the last 10.5 s, 60% chosen by the throughput rule; "
+                        f"{(24 * 8 + 6 * 12 + 32) / 21:.2f} nodes per request, batch 1-6")
+    assert (log.steps, log.by_rule, log.nodes, log.requests) == (1, 1, 96, 4)   # a new interval from 10.5 s
+    # Through vLLM's logger, at INFO.
+    with caplog.at_level(logging.INFO, logger="vllm_bole"):
+        BudgetLog(interval_s=0.0).record(2, 6, False, 5.0)
+    assert any("0% chosen by the throughput rule; 3.00 nodes per request, batch 2-2" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_async_budget_source_is_held_weakly():
     """The scheduler reads the runner's method through a weak reference: a runner that is gone leaves no source
     (the scheduler then warns once and uses the calibrated budget)."""

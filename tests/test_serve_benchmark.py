@@ -176,6 +176,25 @@ def test_details_show_each_requests_share_of_a_step():
                                           "spec_decode_draft_tokens": None, "spec_decode_accepted_tokens": None}],
                                    ["ar", "bole"])
     lines = table.splitlines()
-    assert lines[0].endswith("| acceptance length | drafts / accepted per request-step |")
-    assert lines[2].startswith("| ar | 32 |") and lines[2].endswith("| – / – |")
-    assert lines[3].startswith("| bole | 32 |") and lines[3].endswith("| 3.20 / 2.35 |")
+    assert lines[0].endswith("| acceptance length | drafts / accepted per request-step | budgets by the throughput "
+                             "rule |")
+    assert lines[2].startswith("| ar | 32 |") and lines[2].endswith("| – / – | – |")
+    assert lines[3].startswith("| bole | 32 |") and lines[3].endswith("| 3.20 / 2.35 | – |")
+    row["bole_budget_rule"] = {"steps": 300, "by_rule": 0.25}
+    assert serve.details_markdown([row], ["bole"]).endswith("| 3.20 / 2.35 | 25% of 300 steps |")
+
+
+def test_rule_share_reads_the_servers_budget_lines(tmp_path):
+    """The steps of Bole's per-interval budget lines logged during a rate, and the share the throughput rule chose
+    (weighted by steps); the start-up lines stay in the configuration's ``budget_log``."""
+    text = "\n".join([
+        "(EngineCore pid=1) INFO 12-05 16:48:29 [budget.py:61] Bole budget 'auto': t.json for M on GPU, batch sizes [1]",
+        "(EngineCore pid=1) INFO 12-05 16:48:39 [budget.py:180] Bole budget: 300 steps in the last 10.0 s, 0% chosen "
+        "by the throughput rule; 2.00 nodes per request, batch 60-64",
+        "(EngineCore pid=1) INFO 12-05 16:48:49 [budget.py:180] Bole budget: 100 steps in the last 10.1 s, 100% chosen "
+        "by the throughput rule; 4.00 nodes per request, batch 64-64"])
+    assert serve.rule_share(text) == {"steps": 400, "by_rule": 0.25}
+    assert serve.rule_share(text.splitlines()[0]) is None
+    log = tmp_path / "server.log"
+    log.write_text(text)
+    assert serve._budget_lines(log) == ["Bole budget 'auto': t.json for M on GPU, batch sizes [1]"]

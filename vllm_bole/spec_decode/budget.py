@@ -130,6 +130,56 @@ def async_budget_source():
     return None if _ASYNC_SOURCE is None else _ASYNC_SOURCE()
 
 
+# Synchronous scheduling: the runner's budget choice of a step, ``(batch size, nodes, by the throughput rule)``,
+# travels to the scheduler's BudgetLog on the step's draft token ids.
+BUDGET_ATTR = "bole_budget_choice"
+
+
+class BudgetLog:
+    """What set recent steps' node budgets, one INFO line every ``interval_s`` (vLLM's stats interval,
+    ``VLLM_LOG_STATS_INTERVAL``) that had steps: how many, the share the throughput rule chose (the others took
+    the calibrated B_ver, or a fixed budget), the nodes per request and the batch sizes. Online the rule needs
+    measured steps of one batch size (:class:`StepClock`), so this says how often it was in charge."""
+
+    def __init__(self, interval_s: float | None = None):
+        if interval_s is None:
+            import vllm.envs as vllm_envs
+
+            interval_s = vllm_envs.VLLM_LOG_STATS_INTERVAL
+        self.interval_s = interval_s
+        self.totals = {"steps": 0, "by_rule": 0, "nodes": 0, "requests": 0}   # since the start (reports, tests)
+        self._start: float | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps = self.by_rule = self.nodes = self.requests = 0
+        self.batches = (None, None)
+
+    def record(self, batch_size: int, nodes: int, by_rule: bool, now: float) -> str | None:
+        """One step's budget: the tree nodes it gives the batch, ``by_rule`` whether the throughput rule chose
+        it; returns the line it logged, if any."""
+        if self._start is None:
+            self._start = now
+        self.steps += 1
+        self.by_rule += bool(by_rule)
+        self.nodes += nodes
+        self.requests += batch_size
+        for key, value in (("steps", 1), ("by_rule", bool(by_rule)), ("nodes", nodes), ("requests", batch_size)):
+            self.totals[key] += value
+        lo, hi = self.batches
+        self.batches = (batch_size if lo is None else min(lo, batch_size), max(hi or 0, batch_size))
+        if now - self._start < self.interval_s:
+            return None
+        line = (f"Bole budget: {self.steps} steps in the last {now - self._start:.1f} s, "
+                f"{100 * self.by_rule / self.steps:.0f}% chosen by the throughput rule; "
+                f"{self.nodes / max(self.requests, 1):.2f} nodes per request, "
+                f"batch {self.batches[0]}-{self.batches[1]}")
+        logger.info(line)
+        self._start = now
+        self._reset()
+        return line
+
+
 def verify_ms(bole_config, batch_size: int, nodes: int, context_len: int | None = None,
               model_config=None) -> float | None:
     """The calibrated target forward of a step verifying ``nodes`` nodes (None without a table)."""

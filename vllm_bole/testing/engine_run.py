@@ -143,6 +143,15 @@ def _scheduling(llm) -> dict:
             "scheduler": type(core.scheduler).__name__}
 
 
+def _budget_log(llm) -> dict | None:
+    """The Bole scheduler's budget counts since the start (``BudgetLog.totals``: steps, how many the throughput
+    rule chose, nodes, request-steps); None without them."""
+    from vllm_bole._vllm_compat import engine_core_of
+
+    log = getattr(engine_core_of(llm).scheduler, "_budget_log", None)
+    return None if log is None else dict(log.totals)
+
+
 def same_cpu_attention_as_bole() -> None:
     """On CPUs with AMX vLLM's attention runs its AMX kernel, whose blocked cache layout Bole's tree rows cannot
     read, so Bole's layers run the plain-layout kernel there (``attention/tree_attn_cpu.py``). Engines built after
@@ -185,7 +194,7 @@ def run(spec: dict) -> dict:
             "profiled_steps": getattr(getattr(_runner(llm), "_bole_profiler", None), "steps", None),
             "budgets": _counts(getattr(_runner(llm), "bole_budgets", None)),
             "async_budgets": _counts(getattr(_runner(llm), "bole_async_budgets", None)),
-            "scheduling": _scheduling(llm), "preemptions": _preemptions(llm)}
+            "scheduling": _scheduling(llm), "budget_log": _budget_log(llm), "preemptions": _preemptions(llm)}
 
 
 def _step_counts(llm) -> dict:

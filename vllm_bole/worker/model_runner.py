@@ -29,8 +29,8 @@ from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel, DeviceWalks
-from ..spec_decode.budget import (StepClock, auto_budgets, node_budget, set_async_budget_source, verify_ms,
-                                  with_applicable_rule)
+from ..spec_decode.budget import (BUDGET_ATTR, StepClock, auto_budgets, node_budget, set_async_budget_source,
+                                  verify_ms, with_applicable_rule)
 from ..spec_decode.device_beam import device_constant
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting
 from ..spec_decode.make_drafter import make_drafter
@@ -79,6 +79,7 @@ class BoleModelRunnerMixin:
         self.bole_stale_placeholders = 0  # placeholder drafts whose queued trees were gone (verified as a chain)
         self.bole_budgets = collections.Counter()   # (batch size, node budget) of every planned step
         self.bole_async_budgets = collections.Counter()   # (batch size, budget) given to the async scheduler
+        self._bole_budget_choice = None   # synchronous scheduling: the step's, for the scheduler's BudgetLog
         self._bole_clock = StepClock()   # budget_rule "step"/"throughput": the step time besides the target forward
         self._bole_clock_graphs = 0      # CUDA graphs held at the clock's last tick (bole_graph_counts)
         self._bole_chosen: dict[int, int] = {}   # "throughput": batch size -> the budget last chosen (not a probe)
@@ -229,13 +230,15 @@ class BoleModelRunnerMixin:
         if self.bole_config.budget_rule != "decode":   # the step just run verified the last drafts
             self._tick_clock(num_reqs, context_len)
             rest_ms = self._bole_clock.rest_ms(num_reqs)
+        rest = None
         if self.bole_config.budget_rule == "throughput" and self._bole_acceptance.ready:
-            # the rest as it grows with the trees
-            step.budget = self._throughput_budget(num_reqs, context_len, self._bole_clock.rest_model(num_reqs))
+            rest = self._bole_clock.rest_model(num_reqs)   # the rest as it grows with the trees
+            step.budget = self._throughput_budget(num_reqs, context_len, rest)
         else:
             step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
                                       context_len=context_len, rest_ms=rest_ms)
         self.bole_budgets[num_reqs, step.budget] += 1
+        self._bole_budget_choice = (num_reqs, min(step.budget, num_reqs * step.per_request), rest is not None)
 
     def _mean_context(self, num_reqs: int) -> int | None:
         """The batch's mean context length (picks the calibration table's KV bucket)."""
@@ -807,6 +810,8 @@ class BoleModelRunnerMixin:
                      if self._structured(req_id) and req_id in self._bole_trees}
             if trees:
                 setattr(drafts, PARENTS_ATTR, trees)
+            setattr(drafts, BUDGET_ATTR, self._bole_budget_choice)
+        self._bole_budget_choice = None
         return drafts
 
     def _structured_trees(self):

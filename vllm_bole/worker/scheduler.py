@@ -13,6 +13,7 @@ the model runner's, :func:`async_quotas`), gives the remainder one node each to 
 request (``BoleModelRunnerMixin._plan_quotas``), so every placeholder has its queued node.
 """
 
+import time
 from dataclasses import dataclass
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -23,7 +24,7 @@ from vllm.v1.outputs import DraftTokenIds
 from .._vllm_compat import SCHEDULER_OVERRIDES, check_overrides, keep_state_blocks_until_cached
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
-from ..spec_decode.budget import async_budget_source, node_budget, with_applicable_rule
+from ..spec_decode.budget import BUDGET_ATTR, BudgetLog, async_budget_source, node_budget, with_applicable_rule
 from ..spec_decode.tree_sampler import walks_tree
 from .tree_grammar import PARENTS_ATTR, REQUEST_ATTR, tree_grammar_bitmask, tree_parents
 
@@ -109,17 +110,38 @@ class _TreeGrammars:
         return GrammarOutput(structured, bitmask)
 
 
-class BoleScheduler(_TreeGrammars, _NoPlaceholderPadding, _PrefixCachedStates, Scheduler):
+class _BudgetLines:
+    """With vLLM's stats logging on, a line per stats interval on what set the steps' node budgets
+    (:class:`~vllm_bole.spec_decode.budget.BudgetLog`): the async scheduler chooses them itself, the synchronous
+    steps' come from the runner with their draft token ids."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._budget_log = BudgetLog() if self.log_stats else None
+
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        choice = getattr(draft_token_ids, BUDGET_ATTR, None)
+        if self._budget_log is not None and choice is not None:
+            self._budget_log.record(*choice, time.monotonic())
+        super().update_draft_token_ids(draft_token_ids)
+
+
+class BoleScheduler(_BudgetLines, _TreeGrammars, _NoPlaceholderPadding, _PrefixCachedStates, Scheduler):
     pass
 
 
-def async_budget(bole_config, batch_size: int, context_len: int | None, model_config=None, source=None) -> int:
+def async_budget(bole_config, batch_size: int, context_len: int | None, model_config=None, source=None,
+                 log: BudgetLog | None = None) -> int:
     """Nodes of the next step of ``batch_size`` decodes under async scheduling: ``source(batch_size,
     context_len)`` when given and known (``budget_rule "throughput"``: the model runner's choice from its step
-    clock and acceptance model), else the calibrated B_ver (``"decode"``)."""
+    clock and acceptance model), else the calibrated B_ver (``"decode"``). ``log``: where the step is counted."""
     budget = source(batch_size, context_len) if source is not None else None
+    by_rule = budget is not None
     if budget is None:
         budget = node_budget(bole_config, batch_size, context_len=context_len, model_config=model_config)
+    if log is not None:
+        log.record(batch_size, batch_size * async_quotas(budget, bole_config.max_nodes_per_request, batch_size)[0],
+                   by_rule, time.monotonic())
     return budget
 
 
@@ -157,7 +179,7 @@ class Placeholders:
 check_overrides(AsyncScheduler, SCHEDULER_OVERRIDES)
 
 
-class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, _PrefixCachedStates, AsyncScheduler):
+class BoleAsyncScheduler(_BudgetLines, _TreeGrammars, _NoPlaceholderPadding, _PrefixCachedStates, AsyncScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.bole_refresh_budget_rule()
@@ -195,7 +217,7 @@ class BoleAsyncScheduler(_TreeGrammars, _NoPlaceholderPadding, _PrefixCachedStat
         if scheduled and self.num_spec_tokens:
             context = [self.requests[r].num_computed_tokens for r in scheduled]
             budget = async_budget(self.bole_config, len(scheduled), sum(context) // len(context),
-                                  self.vllm_config.model_config, self._budget_source())
+                                  self.vllm_config.model_config, self._budget_source(), self._budget_log)
             scheduler_output.num_spec_tokens_to_schedule, _ = async_quotas(budget, self.num_spec_tokens,
                                                                            len(scheduled))
         super()._update_after_schedule(scheduler_output)
