@@ -28,6 +28,9 @@ Patches:
 6. ``kv_cache_utils.get_kv_cache_groups`` is wrapped so that a Bole engine splits its layers into KV-cache groups
    of the size that holds a request in the fewest bytes (``worker/kv_groups.py``): the MTP layer's attention makes
    9 attention layers against 24 GDN layers on the Qwen3.5-9B shape, and vLLM's groups of 9 pad every GDN group.
+   With it, the start-up check that one request of ``max_model_len`` fits the KV cache counts the block vLLM's
+   block pool keeps as its null block (:func:`wrap_kv_cache_check`): vLLM 0.26 checks the request against every
+   block, so a cache of exactly one request's blocks starts and its longest requests wait forever.
 7. The private names of vLLM objects Bole reads, writes or overrides are all below ("Private vLLM names"): the
    model runner's and scheduler's private methods Bole's classes override (checked when they are built), the MTP
    proposer's input buffers that Bole's drafter fills, the structured-output manager's bitmask, the runner's
@@ -316,6 +319,74 @@ def wrap_kv_cache_groups(is_bole, regroup) -> None:
     setattr(get_kv_cache_groups, _PATCHED_ATTR, True)
     get_kv_cache_groups.__doc__ = original.__doc__
     kv_cache_utils.get_kv_cache_groups = get_kv_cache_groups
+    wrap_kv_cache_check(is_bole)   # the groups' start-up check and kv_groups' pricing of them
+
+
+def wrap_kv_cache_check(is_bole) -> None:
+    """Make vLLM's start-up check that one request of ``max_model_len`` fits the KV cache count, when
+    ``is_bole(vllm_config)``, the null block: ``BlockPool`` keeps block 0 out of every allocation, and the check
+    (``kv_cache_utils._max_memory_usage_bytes_from_groups`` against the cache, in ``get_kv_cache_configs``) counts
+    the request's blocks against all of them. On the tiny Qwen3.5 with prefix caching (3 GDN groups of 2 state
+    blocks each, 2 attention groups of 4 blocks at 512 tokens), 14 blocks passed and a 382-token prompt waited
+    forever: it needs 14 of the 13 the pool hands out. The estimate of the longest ``max_model_len`` that fits and
+    ``kv_bytes_per_request`` count the same block; a cache short of it fails at start in one line that names the
+    setting to raise.
+
+    Idempotent: a second call does nothing.
+    """
+    from functools import partial
+
+    from vllm.utils.math_utils import cdiv
+    from vllm.utils.mem_utils import format_gib
+    from vllm.v1.core import kv_cache_utils
+
+    request_bytes = kv_cache_utils._max_memory_usage_bytes_from_groups
+    check = kv_cache_utils._check_enough_kv_cache_memory
+    if getattr(request_bytes, _PATCHED_ATTR, False):
+        return
+
+    def bytes_with_null_block(vllm_config, kv_cache_groups):
+        nbytes = request_bytes(vllm_config, kv_cache_groups)
+        if nbytes and is_bole(vllm_config):
+            nbytes += kv_cache_utils._pool_bytes_per_block(vllm_config, kv_cache_groups)   # the null block
+        return nbytes
+
+    def _check_enough_kv_cache_memory(available_memory, get_needed_memory, max_model_len, estimate_max_model_len):
+        # get_kv_cache_configs passes partial(_max_memory_usage_bytes_from_groups, vllm_config, groups)
+        needs = get_needed_memory
+        bole = isinstance(needs, partial) and needs.func is bytes_with_null_block and is_bole(needs.args[0])
+        if not bole or available_memory <= 0:
+            return check(available_memory, get_needed_memory, max_model_len, estimate_max_model_len)
+        vllm_config, groups = needs.args
+        per_block = kv_cache_utils._pool_bytes_per_block(vllm_config, groups)
+        needed, held = cdiv(needs(), per_block), available_memory // per_block
+        if needed <= held:
+            return
+        cache = vllm_config.cache_config
+        if cache.num_gpu_blocks_override is not None:
+            size, setting = f"num_gpu_blocks_override={cache.num_gpu_blocks_override}", "`num_gpu_blocks_override`"
+            setting += f" to {needed}"
+        elif cache.kv_cache_memory_bytes is not None:
+            size, setting = f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}", "`kv_cache_memory_bytes`"
+            setting += f" to at least {needed * per_block}"
+        else:
+            size, setting = (f"{format_gib(available_memory)} GiB",
+                             "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend)")
+        estimated = estimate_max_model_len(available_memory)
+        raise ValueError(
+            f"To serve at least one request with the model's max seq len ({max_model_len}), speculative method "
+            f"'bole' needs {needed} KV cache blocks ({needed - 1} for the request in {len(groups)} KV cache groups "
+            f"and the null block), more than the {held} of the KV cache ({size}). "
+            + (f"Based on the available memory, the estimated maximum model length is {estimated}. " if estimated
+               else "")
+            + f"Try increasing {setting} or decreasing `max_model_len` when initializing the engine.")
+
+    for wrapper in (bytes_with_null_block, _check_enough_kv_cache_memory):
+        setattr(wrapper, _PATCHED_ATTR, True)
+    bytes_with_null_block.__doc__ = request_bytes.__doc__
+    _check_enough_kv_cache_memory.__doc__ = check.__doc__
+    kv_cache_utils._max_memory_usage_bytes_from_groups = bytes_with_null_block
+    kv_cache_utils._check_enough_kv_cache_memory = _check_enough_kv_cache_memory
 
 
 def kv_cache_group_specs(kv_cache_spec: dict, layer_names: list[list[str]]) -> list:
@@ -327,7 +398,8 @@ def kv_cache_group_specs(kv_cache_spec: dict, layer_names: list[list[str]]) -> l
 
 def kv_bytes_per_request(vllm_config, groups) -> int:
     """Bytes of the shared KV-cache pool that one request of ``max_model_len`` tokens holds with these groups,
-    padding slots included (what vLLM checks the KV cache against)."""
+    padding slots included, and for a Bole engine the pool's null block (what the start-up check holds the KV cache
+    to, :func:`wrap_kv_cache_check`)."""
     from vllm.v1.core.kv_cache_utils import _max_memory_usage_bytes_from_groups
 
     return _max_memory_usage_bytes_from_groups(vllm_config, groups)

@@ -7,9 +7,11 @@ type's layer count as the size, so on the Qwen3.5-9B shape the MTP layer's atten
 3 pad nothing: 3 attention groups and 8 GDN groups, 60 pages per 2048-token request instead of 63 (plain vLLM
 without the MTP layer: 56).
 
-Every size is tried through vLLM's own accounting (the bytes one request of ``max_model_len`` holds); more groups
-cost host time every step (each has its own block table to allocate, copy and map), so ties go to fewer groups
-and a split never has more than ``MAX_GROUPS_FACTOR`` times vLLM's groups.
+Every size is tried through vLLM's own accounting (the bytes one request of ``max_model_len`` holds: per GDN group
+one state block, two with prefix caching, as vLLM's "align" mode holds them; and the pool's null block, which the
+start-up check counts for a Bole engine, ``_vllm_compat.wrap_kv_cache_check``); more groups cost host time every
+step (each has its own block table to allocate, copy and map), so ties go to fewer groups and a split never has more
+than ``MAX_GROUPS_FACTOR`` times vLLM's groups.
 """
 
 from collections import defaultdict
