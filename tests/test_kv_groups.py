@@ -5,12 +5,10 @@ without weights.
 
 The measured GPU runs at 18 GiB (docs/results.md): AR 159.6, Bole with vLLM's groups 141.7, MTP k=3 60.2."""
 
-from pathlib import Path
-
 import pytest
-import torch
 
-MODEL = Path(__file__).parent.parent / "benchmarks" / "models" / "qwen3.5-9b-shape"
+from shape_specs import engine_config, layer_specs
+
 GIB = 1 << 30
 
 
@@ -21,49 +19,12 @@ def _registered():
     plugin.register()
 
 
-def _engine_config(spec):
-    """The 9B shape's config with its hybrid pages aligned as on a GPU (16-token kernel blocks)."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    cfg = EngineArgs(model=str(MODEL), skip_tokenizer_init=True, load_format="dummy", max_model_len=2048,
-                     block_size=16, language_model_only=True, speculative_config=spec,
-                     enable_prefix_caching=False).create_engine_config()
-    Platform._align_hybrid_block_size(cfg, CPUAttentionBackend)
-    return cfg
-
-
-def _layer_specs(cfg, spec_blocks: int, mtp: bool) -> dict:
-    """Layer name -> KV-cache spec, as the attention and GDN layers (and the MTP layer's attention) give them."""
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
-    from vllm_bole._vllm_compat import attr_override
-
-    cc, text = cfg.cache_config, cfg.model_config.hf_text_config
-    attn = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=text.num_key_value_heads,
-                             head_size=text.head_dim, dtype=torch.bfloat16)
-    model_cls, _ = ModelRegistry.resolve_model_cls(cfg.model_config.architecture, model_config=cfg.model_config)
-    with attr_override(cfg, "speculative_config", cfg.speculative_config if spec_blocks else None):
-        shapes = model_cls.get_mamba_state_shape_from_config(cfg)   # Bole's GDN layers: no draft conv columns
-        dtypes = model_cls.get_mamba_state_dtype_from_config(cfg)
-    gdn = MambaSpec(shapes=shapes, dtypes=dtypes, block_size=cc.mamba_block_size or cc.block_size,
-                    page_size_padded=cc.mamba_page_size_padded, mamba_type="gdn_attention",
-                    mamba_cache_mode=cc.mamba_cache_mode, num_speculative_blocks=spec_blocks)
-    specs = {f"language_model.model.layers.{i}.attn": attn if kind == "full_attention" else gdn
-             for i, kind in enumerate(text.layer_types)}
-    if mtp:
-        specs["mtp.layers.0.self_attn.attn"] = attn
-    return specs
-
-
 def _concurrency(spec, spec_blocks: int, mtp: bool, gib: float):
     """(max concurrency of 2048-token requests, KV-cache config) at ``gib`` of KV cache."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity, get_kv_cache_configs
 
-    cfg = _engine_config(spec)
-    kv_config = get_kv_cache_configs(cfg, [_layer_specs(cfg, spec_blocks, mtp)], [int(gib * GIB)])[0]
+    cfg = engine_config(spec)
+    kv_config = get_kv_cache_configs(cfg, [layer_specs(cfg, spec_blocks, mtp)], [int(gib * GIB)])[0]
     return get_kv_cache_capacity(cfg, kv_config)[1], kv_config
 
 

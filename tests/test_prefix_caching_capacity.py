@@ -13,8 +13,8 @@ import random
 import pytest
 
 from e2e_support import assert_same_logprobs, bole_engine, run_engine, vocab_size, write_oracle
+from shape_specs import engine_config, layer_specs
 
-MODEL_SHAPE = "qwen3.5-9b-shape"
 ENGINE = {"enable_prefix_caching": True, "max_model_len": 512}
 TIGHT = 14   # blocks of one request of 512 tokens, without the null block
 
@@ -27,38 +27,9 @@ def _registered():
 
 
 def _shape_config(spec, prefix_caching: bool, spec_blocks: int = 0):
-    """The Qwen3.5-9B shape's config (2048 tokens) with its hybrid pages aligned as on a GPU, and its layer specs as
-    the layers give them (tests/test_kv_groups.py; with the MTP layer's attention)."""
-    from pathlib import Path
-
-    import torch
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
-    from vllm_bole._vllm_compat import attr_override
-
-    model = Path(__file__).parent.parent / "benchmarks" / "models" / MODEL_SHAPE
-    cfg = EngineArgs(model=str(model), skip_tokenizer_init=True, load_format="dummy", max_model_len=2048,
-                     block_size=16, language_model_only=True, speculative_config=spec,
-                     enable_prefix_caching=prefix_caching).create_engine_config()
-    Platform._align_hybrid_block_size(cfg, CPUAttentionBackend)
-    cc, text = cfg.cache_config, cfg.model_config.hf_text_config
-    attn = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=text.num_key_value_heads,
-                             head_size=text.head_dim, dtype=torch.bfloat16)
-    model_cls, _ = ModelRegistry.resolve_model_cls(cfg.model_config.architecture, model_config=cfg.model_config)
-    with attr_override(cfg, "speculative_config", cfg.speculative_config if spec_blocks else None):
-        shapes = model_cls.get_mamba_state_shape_from_config(cfg)   # Bole's GDN layers: no draft conv columns
-        dtypes = model_cls.get_mamba_state_dtype_from_config(cfg)
-    gdn = MambaSpec(shapes=shapes, dtypes=dtypes, block_size=cc.mamba_block_size or cc.block_size,
-                    page_size_padded=cc.mamba_page_size_padded, mamba_type="gdn_attention",
-                    mamba_cache_mode=cc.mamba_cache_mode, num_speculative_blocks=spec_blocks)
-    specs = {f"language_model.model.layers.{i}.attn": attn if kind == "full_attention" else gdn
-             for i, kind in enumerate(text.layer_types)}
-    specs["mtp.layers.0.self_attn.attn"] = attn
-    return cfg, specs
+    """The Qwen3.5-9B shape's config (2048 tokens) and its layer specs, the MTP layer's attention included."""
+    cfg = engine_config(spec, prefix_caching)
+    return cfg, layer_specs(cfg, spec_blocks, mtp=True)
 
 
 @pytest.mark.parametrize("prefix_caching,state_blocks", [(True, 2), (False, 1)])
