@@ -141,7 +141,7 @@ def test_async_quota_is_the_budget_split_evenly(budget, batch, per_request, expe
     from vllm_bole.config import BoleConfig
     from vllm_bole.worker.scheduler import async_budget, async_quotas
 
-    assert async_budget(BoleConfig(budget=budget), batch, context_len=100) == budget
+    assert async_budget(BoleConfig(budget=budget), batch, context_len=100) == (budget, False)
     assert async_quotas(budget, per_request, batch)[0] == expect
     assert async_quotas(budget, per_request, 0) == (0, frozenset())
 
@@ -202,9 +202,9 @@ def test_async_quota_takes_the_runners_budget_when_it_has_one():
         asked.append((batch, context_len))
         return 96 if batch == 4 else None
 
-    assert async_quotas(async_budget(cfg, 4, 100, source=source), 32, 4)[0] == 24
-    assert async_quotas(async_budget(cfg, 4, 100, source=source), 16, 4)[0] == 16   # at most num_spec_tokens
-    assert async_quotas(async_budget(cfg, 6, 50, source=source), 32, 6)[0] == 6     # no budget yet: 36 // 6
+    assert async_quotas(async_budget(cfg, 4, 100, source=source)[0], 32, 4)[0] == 24
+    assert async_quotas(async_budget(cfg, 4, 100, source=source)[0], 16, 4)[0] == 16   # at most num_spec_tokens
+    assert async_quotas(async_budget(cfg, 6, 50, source=source)[0], 32, 6)[0] == 6     # no budget yet: 36 // 6
     assert asked == [(4, 100), (4, 100), (6, 50)]
 
 
@@ -222,15 +222,16 @@ def test_budget_log_says_how_often_the_rule_chose(caplog):
     clock = iter([0.0, 1.0, 2.0, 3.0, 10.5, 11.0])
     source = {4: 96, 6: None, 1: 64}
     lines = []
-    real_record = log.record
-    log.record = lambda *a: lines.append(real_record(*a[:3], next(clock)))
-    for batch in (4, 4, 6, 6, 1, 4):
-        sched_mod.async_budget(cfg, batch, 100, source=lambda b, c: source[b], log=log)
+    for batch in (4, 4, 6, 6, 1, 4):   # as the async scheduler counts a step: its quota times its requests
+        budget, by_rule = sched_mod.async_budget(cfg, batch, 100, source=lambda b, c: source[b])
+        k, _ = sched_mod.async_quotas(budget, cfg.max_nodes_per_request, batch)
+        lines.append(log.record(batch, k * batch, by_rule, next(clock)))
     # 4 requests x 24, 4 x 24, 6 x 6 (B_ver 36 split), 6 x 6, then 1 x 32 (capped) ends the interval at 10.5 s
     assert lines[:4] == [None] * 4 and lines[5] is None
     assert lines[4] == ("Bole budget: 5 steps in the last 10.5 s, 60% chosen by the throughput rule; "
                         f"{(24 * 8 + 6 * 12 + 32) / 21:.2f} nodes per request, batch 1-6")
-    assert (log.steps, log.by_rule, log.nodes, log.requests) == (1, 1, 96, 4)   # a new interval from 10.5 s
+    assert log.interval() == {"steps": 1, "by_rule": 1, "nodes": 96, "requests": 4}   # a new interval from 10.5 s
+    assert log.totals == {"steps": 6, "by_rule": 4, "nodes": 392, "requests": 25}
     # Through vLLM's logger, at INFO.
     with caplog.at_level(logging.INFO, logger="vllm_bole"):
         BudgetLog(interval_s=0.0).record(2, 6, False, 5.0)

@@ -147,36 +147,33 @@ class BudgetLog:
 
             interval_s = vllm_envs.VLLM_LOG_STATS_INTERVAL
         self.interval_s = interval_s
-        self.totals = {"steps": 0, "by_rule": 0, "nodes": 0, "requests": 0}   # since the start (reports, tests)
+        self.totals = dict.fromkeys(("steps", "by_rule", "nodes", "requests"), 0)   # since the start
+        self._since = dict(self.totals)   # the totals when the interval began
         self._start: float | None = None
-        self._reset()
+        self._batches: tuple[int, int] | None = None   # the interval's smallest and largest batch
 
-    def _reset(self) -> None:
-        self.steps = self.by_rule = self.nodes = self.requests = 0
-        self.batches = (None, None)
+    def interval(self) -> dict:
+        """The counts of the interval so far (the totals since it began)."""
+        return {key: value - self._since[key] for key, value in self.totals.items()}
 
     def record(self, batch_size: int, nodes: int, by_rule: bool, now: float) -> str | None:
         """One step's budget: the tree nodes it gives the batch, ``by_rule`` whether the throughput rule chose
         it; returns the line it logged, if any."""
         if self._start is None:
             self._start = now
-        self.steps += 1
-        self.by_rule += bool(by_rule)
-        self.nodes += nodes
-        self.requests += batch_size
-        for key, value in (("steps", 1), ("by_rule", bool(by_rule)), ("nodes", nodes), ("requests", batch_size)):
+        for key, value in (("steps", 1), ("by_rule", int(by_rule)), ("nodes", nodes), ("requests", batch_size)):
             self.totals[key] += value
-        lo, hi = self.batches
-        self.batches = (batch_size if lo is None else min(lo, batch_size), max(hi or 0, batch_size))
+        lo, hi = self._batches or (batch_size, batch_size)
+        self._batches = (min(lo, batch_size), max(hi, batch_size))
         if now - self._start < self.interval_s:
             return None
-        line = (f"Bole budget: {self.steps} steps in the last {now - self._start:.1f} s, "
-                f"{100 * self.by_rule / self.steps:.0f}% chosen by the throughput rule; "
-                f"{self.nodes / max(self.requests, 1):.2f} nodes per request, "
-                f"batch {self.batches[0]}-{self.batches[1]}")
+        c = self.interval()
+        line = (f"Bole budget: {c['steps']} steps in the last {now - self._start:.1f} s, "
+                f"{100 * c['by_rule'] / c['steps']:.0f}% chosen by the throughput rule; "
+                f"{c['nodes'] / max(c['requests'], 1):.2f} nodes per request, "
+                f"batch {self._batches[0]}-{self._batches[1]}")
         logger.info(line)
-        self._start = now
-        self._reset()
+        self._start, self._since, self._batches = now, dict(self.totals), None
         return line
 
 

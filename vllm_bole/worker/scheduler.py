@@ -130,19 +130,15 @@ class BoleScheduler(_BudgetLines, _TreeGrammars, _NoPlaceholderPadding, _PrefixC
     pass
 
 
-def async_budget(bole_config, batch_size: int, context_len: int | None, model_config=None, source=None,
-                 log: BudgetLog | None = None) -> int:
-    """Nodes of the next step of ``batch_size`` decodes under async scheduling: ``source(batch_size,
-    context_len)`` when given and known (``budget_rule "throughput"``: the model runner's choice from its step
-    clock and acceptance model), else the calibrated B_ver (``"decode"``). ``log``: where the step is counted."""
+def async_budget(bole_config, batch_size: int, context_len: int | None, model_config=None,
+                 source=None) -> tuple[int, bool]:
+    """Nodes of the next step of ``batch_size`` decodes under async scheduling, and whether ``source`` chose them:
+    ``source(batch_size, context_len)`` when given and known (``budget_rule "throughput"``: the model runner's
+    choice from its step clock and acceptance model), else the calibrated B_ver (``"decode"``)."""
     budget = source(batch_size, context_len) if source is not None else None
-    by_rule = budget is not None
-    if budget is None:
-        budget = node_budget(bole_config, batch_size, context_len=context_len, model_config=model_config)
-    if log is not None:
-        log.record(batch_size, batch_size * async_quotas(budget, bole_config.max_nodes_per_request, batch_size)[0],
-                   by_rule, time.monotonic())
-    return budget
+    if budget is not None:
+        return budget, True
+    return node_budget(bole_config, batch_size, context_len=context_len, model_config=model_config), False
 
 
 def async_quotas(budget: int, num_spec_tokens: int, batch_size: int, drafting=()) -> tuple[int, frozenset]:
@@ -215,11 +211,14 @@ class BoleAsyncScheduler(_BudgetLines, _TreeGrammars, _NoPlaceholderPadding, _Pr
         scheduled = scheduler_output.num_scheduled_tokens
         budget = 0
         if scheduled and self.num_spec_tokens:
+            n = len(scheduled)
             context = [self.requests[r].num_computed_tokens for r in scheduled]
-            budget = async_budget(self.bole_config, len(scheduled), sum(context) // len(context),
-                                  self.vllm_config.model_config, self._budget_source(), self._budget_log)
-            scheduler_output.num_spec_tokens_to_schedule, _ = async_quotas(budget, self.num_spec_tokens,
-                                                                           len(scheduled))
+            budget, by_rule = async_budget(self.bole_config, n, sum(context) // n, self.vllm_config.model_config,
+                                           self._budget_source())
+            k, _ = async_quotas(budget, self.num_spec_tokens, n)
+            scheduler_output.num_spec_tokens_to_schedule = k
+            if self._budget_log is not None:
+                self._budget_log.record(n, k * n, by_rule, time.monotonic())
         super()._update_after_schedule(scheduler_output)
         drafting = []
         for req_id in scheduled:
