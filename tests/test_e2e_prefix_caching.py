@@ -3,9 +3,10 @@
 Each turn's prompt is the previous turn's prompt and output plus a reply, so a turn reads the GDN states its
 conversation's earlier turns left at block boundaries, among them boundaries that steps of several accepted tokens
 crossed (written by the commit into the boundary's block, ``attention/gdn.py``). Greedy outputs equal vLLM's
-without speculation, with and without prefix caching; Bole's queries are those of vLLM without speculation and its
-hits those of vLLM's MTP rule (the last matching block is recomputed for the drafter: one block fewer than without
-speculation); the KV cache is back to empty. Then requests sharing cached blocks are preempted and aborted.
+without speculation, with and without prefix caching; Bole's queries and hits are those of vLLM without speculation
+(not those of vLLM's rule for its MTP drafter, which computes the last matching block again); the KV cache is back
+to empty. Second turns after first prompts of several blocks hit every block the first turn computed, also where a
+boundary was crossed in a request's last step. Then requests sharing cached blocks are preempted and aborted.
 """
 
 import json
@@ -22,16 +23,16 @@ pytestmark = pytest.mark.vllm
 PROMPT_LENS, REPLY_LEN, MAX_TOKENS, TURNS = (100, 104, 108), 40, 200, 3
 
 
-def _conversations(vocab: int) -> tuple[list, list]:
+def _conversations(vocab: int, prompt_lens=PROMPT_LENS, turns=TURNS) -> tuple[list, list]:
     """Each conversation's first prompt and its replies of the later turns."""
     rng = random.Random(7)
-    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in PROMPT_LENS]
-    replies = [[[rng.randrange(10, vocab) for _ in range(REPLY_LEN)] for _ in PROMPT_LENS] for _ in range(TURNS - 1)]
+    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in prompt_lens]
+    replies = [[[rng.randrange(10, vocab) for _ in range(REPLY_LEN)] for _ in prompt_lens] for _ in range(turns - 1)]
     return prompts, replies
 
 
-def _spec(model, prompts, replies, kind="qwen3_5", **engine):
-    return {"model": model, "kind": kind, "prompts": prompts, "replies": replies, "max_tokens": MAX_TOKENS,
+def _spec(model, prompts, replies, kind="qwen3_5", max_tokens=MAX_TOKENS, **engine):
+    return {"model": model, "kind": kind, "prompts": prompts, "replies": replies, "max_tokens": max_tokens,
             "logprobs": 2, "engine": {"max_model_len": 1024, **engine}}
 
 
@@ -93,11 +94,11 @@ def test_multi_turn_conversations_with_prefix_caching(tmp_path):
         assert bole["kv_cache_usage_end"] == 0, bole["kv_cache_usage_end"]
 
     _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
-    # Without speculation every full block hits. Bole: vLLM's MTP rule leaves one block out; the rest were written by
-    # its commit (turn 2: 128 and the boundaries after it were crossed inside steps of the first turn's decode).
+    # Every full block hits, with Bole too: boundaries after the first prompts' were crossed inside steps of the
+    # first turn's decode (written by the commit).
     _assert_counters(plain, cached, dropped_blocks=0)
     for bole in (planted, mtp):
-        _assert_counters(plain, bole, dropped_blocks=1)
+        _assert_counters(plain, bole, dropped_blocks=0)
 
 
 def _assert_deep_trees(stats_path) -> None:
@@ -119,7 +120,52 @@ def test_qwen3_next_multi_turn_with_prefix_caching(tmp_path):
     _assert_same_conversations(plain, planted)
     assert planted["kv_cache_usage_end"] == 0, planted["kv_cache_usage_end"]
     _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
-    _assert_counters(plain, planted, dropped_blocks=1)
+    _assert_counters(plain, planted, dropped_blocks=0)
+
+
+# First prompts of one to three blocks, and outputs crossing two or three boundaries: 57, 185 and 313 tokens end
+# their first turn (200 output tokens) exactly on a boundary, whose block the last step completes.
+LONG_PROMPT_LENS, LONG_MAX_TOKENS = (300, 200, 150, 60, 57, 59, 61, 63, 185, 313), 200
+
+
+def _second_turn_hit(prompt: int, output: int, block: int) -> int:
+    """vLLM's prefix-cache hit without speculation, in tokens, on the second turn of a conversation whose first turn
+    prefilled ``prompt`` tokens (not a multiple of ``block``), within one step's token budget, and generated
+    ``output`` (the reply makes the second prompt longer than both): every block the first turn computed (it never
+    computes its last token), as the last block boundary with a cached GDN state. Such a state is cached where a
+    prefill chunk ended on the boundary (vLLM ends a prompt's first chunk at its last block boundary,
+    ``Scheduler._mamba_block_aligned_split``) or a decode step reached it (crossed inside a step of several tokens:
+    the commit writes it, and it is published, after a request's last step too)."""
+    computed = prompt + output - 1
+    cached = {prompt // block * block, *range((prompt // block + 1) * block, computed + 1, block)}
+    return max((b for b in cached if 0 < b <= computed // block * block), default=0)
+
+
+def test_second_turn_hits_at_prefill_and_last_step_boundaries(tmp_path):
+    """Two turns of conversations whose first prompts span one to three blocks. Without speculation and with Bole
+    each second turn hits every block the first turn computed (3200 tokens with 128-token blocks; with vLLM's rule
+    for an MTP drafter, the last matching block dropped and the boundary before it cached only where a chunk or step
+    ended on or crossed it, Bole hit 1024 of the first 2304). Where a last step completes a block with accepted
+    drafts, the scheduler publishes it as the request finishes (``tests/test_prefix_cache_publish.py``: whether a last
+    step here does depends on where the steps fall)."""
+    model = tiny_model_dir("qwen3_5")
+    prompts, replies = _conversations(vocab_size(model), LONG_PROMPT_LENS, turns=2)
+    cached = run_engine(tmp_path, "ar_cached", _spec(model, prompts, replies, max_tokens=LONG_MAX_TOKENS,
+                                                     enable_prefix_caching=True), runner="multi_turn_run")
+    _write_oracle(tmp_path, cached)
+    planted = run_engine(tmp_path, "bole_planted", _spec(
+        model, prompts, replies, max_tokens=LONG_MAX_TOKENS, enable_prefix_caching=True,
+        **bole_engine(tmp_path, "bole_planted", depth=6, topk=2, budget=64)), runner="multi_turn_run")
+    _assert_same_conversations(cached, planted)
+    assert planted["kv_cache_usage_end"] == 0, planted["kv_cache_usage_end"]
+    _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
+    block = planted["block_size"]
+    hits = [_second_turn_hit(n, LONG_MAX_TOKENS, block) for n in LONG_PROMPT_LENS]
+    for run in (cached, planted):
+        first, second = ({k: v for k, v in turn.items() if k != "outputs"} for turn in run["turns"])
+        lens = [len(t["prompt_ids"]) for t in run["turns"][1]["outputs"]]
+        assert (first["prefix_cache_queries"], second["prefix_cache_queries"]) == (sum(LONG_PROMPT_LENS), sum(lens))
+        assert (first["prefix_cache_hits"], second["prefix_cache_hits"]) == (0, sum(hits)), (first, second, hits)
 
 
 # Every request starts with the same system prompt (two full blocks); 20 blocks of KV cache hold one or two of them

@@ -293,6 +293,51 @@ def keep_state_blocks_until_cached(scheduler) -> None:
         manager.remove_skipped_blocks = remove_skipped_blocks
 
 
+def publish_blocks_when_finished(scheduler) -> None:
+    """Prefix caching: a finishing request's computed full blocks are published before its blocks are freed.
+
+    vLLM publishes the blocks of a request's tokens when it allocates the request's next step, up to the token
+    that step computes first, so a block completed by the accepted drafts of the request's last step was freed
+    unpublished: for a GDN group, the boundary block that the commit wrote and ``keep_state_blocks_until_cached``
+    kept. The tokens counted here are computed in every group (the accepted path's K/V moved, its GDN states
+    committed in the step; with prefix caching Bole schedules synchronously, so no step is in flight)."""
+    original = scheduler._free_request
+
+    def _free_request(request, *args, **kwargs):
+        # (a request truncated at a stop keeps computed tokens past its last one: they are not its tokens)
+        scheduler.kv_cache_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+        return original(request, *args, **kwargs)
+
+    scheduler._free_request = _free_request
+
+
+def hit_as_without_drafter(scheduler) -> None:
+    """Prefix caching: this scheduler looks prefixes up and ends prefill chunks as vLLM does without a drafter.
+
+    For an EAGLE/MTP drafter vLLM drops the last matching block of every hit (the drafter's KV entry just before
+    the first computed token was computed with the token that followed in the request that cached it, which may
+    differ) and ends a prompt's first chunk one block before its last boundary to match
+    (``Scheduler._mamba_block_aligned_split``). Bole verifies every draft, so such an entry costs acceptance at one
+    position and never an output token; keeping the block saves its recomputation on every hit."""
+    coordinator = scheduler.kv_cache_manager.coordinator
+    coordinator.eagle_group_ids = set()
+    if hasattr(coordinator, "attention_groups"):   # the hybrid coordinator caches the bit per spec group
+        coordinator.attention_groups = [g._replace(use_eagle=False) for g in coordinator.attention_groups]
+    for manager in coordinator.single_type_managers:
+        manager.use_eagle = False
+    original = scheduler._mamba_block_aligned_split
+
+    def split(*args, **kwargs):
+        # (use_eagle otherwise also shifts encoder-input scheduling for the drafter's look-ahead: kept)
+        eagle, scheduler.use_eagle = scheduler.use_eagle, False
+        try:
+            return original(*args, **kwargs)
+        finally:
+            scheduler.use_eagle = eagle
+
+    scheduler._mamba_block_aligned_split = split
+
+
 # ---- KV-cache groups ------------------------------------------------------------------------------------------
 # vLLM splits a hybrid model's layers into KV-cache groups of one size (``kv_cache_utils.get_kv_cache_groups``);
 # every block id spans one page per layer slot of a group, so a type whose layer count the size does not divide

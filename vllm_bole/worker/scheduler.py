@@ -21,7 +21,8 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
-from .._vllm_compat import SCHEDULER_OVERRIDES, check_overrides, keep_state_blocks_until_cached
+from .._vllm_compat import (SCHEDULER_OVERRIDES, check_overrides, hit_as_without_drafter,
+                             keep_state_blocks_until_cached, publish_blocks_when_finished)
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import BUDGET_ATTR, BudgetLog, async_budget_source, node_budget, with_applicable_rule
@@ -41,12 +42,16 @@ class _NoPlaceholderPadding:
 
 class _PrefixCachedStates:
     """Prefix caching: GDN state blocks stay until published, so the commit can fill a boundary's block that a step
-    crossed (``_vllm_compat.keep_state_blocks_until_cached``)."""
+    crossed (``_vllm_compat.keep_state_blocks_until_cached``), a finishing request publishes the blocks that its
+    last step completed (``_vllm_compat.publish_blocks_when_finished``), and hits are as long as without a drafter
+    (``_vllm_compat.hit_as_without_drafter``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.cache_config.enable_prefix_caching:
             keep_state_blocks_until_cached(self)
+            publish_blocks_when_finished(self)
+            hit_as_without_drafter(self)
 
 
 class _TreeGrammars:
