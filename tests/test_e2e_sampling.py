@@ -176,3 +176,47 @@ def test_sampled_penalty_requests_match_reference_distribution(tmp, model, promp
                                              [key(i, t) for i, t in enumerate(got)])
         print(f"{name} {label}: chi2 {stat:.1f}, dof {dof}, p {p:.3g}")
         assert p > P_MIN, (label, stat, dof, p)
+
+
+# A prompt longer than a block (128 tokens on CPU): with prefix caching every request after the first ones reads
+# the first block's KV and GDN state from the cache.
+LONG_PROMPT_LEN = 150
+
+
+@pytest.fixture(scope="module")
+def long_prompt():
+    rng = random.Random(98)
+    return [rng.randrange(10, 1000) for _ in range(LONG_PROMPT_LEN)]
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp, model, long_prompt):
+    """Sampled continuations of the long prompt without speculation and without prefix caching, plus the greedy
+    one (the planted drafter's oracle, in its own folder). Unseeded: the prompts are prefilled in chunks, and vLLM
+    rewinds a seeded request's generator after a chunk, which its CPU generators cannot do."""
+    greedy = {"prompt": long_prompt, "max_tokens": MAX_TOKENS + 1}
+    ref = run_engine(tmp, "long_ref", {"model": model, "engine": {"max_num_seqs": 64},
+                                       "requests": _sampled_requests(long_prompt, seeds=False) + [greedy]})
+    (tmp / "long_oracle").mkdir(exist_ok=True)
+    write_oracle(tmp / "long_oracle", [greedy], {"outputs": [ref["outputs"].pop()]})
+    return ref
+
+
+def test_sampled_outputs_with_prefix_caching_match_reference_distribution(tmp, model, long_prompt, long_reference):
+    """Planted trees over a prompt read from the prefix cache: the 1st, 2nd and 3rd tokens follow vLLM's
+    distribution without speculation and without the cache."""
+    name = "sampled_planted_prefix_cached"
+    engine = bole_engine(tmp / "long_oracle", name, depth=2, topk=3, budget=512, max_num_seqs=64,
+                         enable_prefix_caching=True)
+    out = run_engine(tmp, name, {"model": model, "engine": engine,
+                                 "requests": _sampled_requests(long_prompt, seeds=False)})
+    ref, got, counters = _tokens(long_reference), _tokens(out), out["counters"]
+    cached = [o["cached_tokens"] for o in out["outputs"]]
+    print(f"{name}: counters {counters}; requests with a cache hit {sum(c > 0 for c in cached)}")
+    assert sum(c == 128 for c in cached) > NUM_REQUESTS // 2, Counter(cached)
+    assert counters["accepted_per_pos"][1] > 0, counters
+    samples = {"t1": lambda t: t[0], "t2": lambda t: t[1], "t3": lambda t: t[2], "(t1,t2)": lambda t: (t[0], t[1])}
+    for label, key in samples.items():
+        stat, p, dof = chi_square_two_sample([key(t) for t in ref], [key(t) for t in got])
+        print(f"{name} {label}: chi2 {stat:.1f}, dof {dof}, p {p:.3g}")
+        assert p > P_MIN, (label, stat, dof, p)

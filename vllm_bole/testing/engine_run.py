@@ -184,7 +184,7 @@ def run(spec: dict) -> dict:
         prompt_top = [{int(t): lp.logprob for t, lp in step.items()} for step in (o.prompt_logprobs or [])[1:]]
         results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top,
                         "prompt_ids": list(o.prompt_token_ids), "choices": [list(x.token_ids) for x in o.outputs],
-                        "prompt_logprobs": prompt_top})
+                        "prompt_logprobs": prompt_top, "cached_tokens": o.num_cached_tokens})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
