@@ -1,6 +1,9 @@
 """Prefix caching: the commit writes the GDN state and conv window of the block boundary an accepted path reaches
 into that boundary's block (``attention/gdn.py`` ``commit_step``), besides the whole path's into the running slot.
 
+The boundary's node comes from the host walk's paths or, with ``early_drafting``, from the device walk's
+(``_device_boundary_nodes``: the host may not know the paths yet); both give the same states.
+
 The end-to-end test (``test_e2e_prefix_caching.py``) cannot see a wrong boundary state on the tiny models: their
 logits hardly depend on the GDN state (with the boundary write left out, turn 2 read stale states from its cache
 hits and the chosen tokens' logprobs stayed within 3.1e-3 of the reference, against 2.4e-3 with it). Here the
@@ -9,6 +12,7 @@ written states are compared with the reference commit of each path's prefix.
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from vllm_bole.attention import gdn
@@ -25,7 +29,12 @@ PATHS = [[0, 1, 2, 4, 5], [0, 1], [0, 1, 3]]
 RUNNING = [3, 6, 9]
 
 
-def _step(lengths, targets):
+# Rows of the step's flat token arrays before each tree's root (a prefill ahead of the trees): the device walk's
+# paths are flat rows.
+ROW_OFFSET = 5
+
+
+def _step(lengths, targets, walk="host"):
     torch.manual_seed(0)
     n = sum(map(len, PARENTS))
     cu = torch.tensor([0, *torch.tensor(list(map(len, PARENTS))).cumsum(0).tolist()], dtype=torch.int32)
@@ -43,6 +52,13 @@ def _step(lengths, targets):
         gdn_scratch=scratch, accepted_device=None, accepted_paths=PATHS,
         accepted=torch.tensor([p[-1] for p in PATHS], dtype=torch.int32),
         parent=torch.tensor([p for tree in PARENTS for p in tree], dtype=torch.int32), cu_seqlens=cu)
+    if walk == "device":   # as early_drafting leaves it: the paths on the device only
+        starts = [ROW_OFFSET + c for c in cu[:-1].tolist()]
+        width = max(map(len, PATHS)) + 1
+        rows = [[start + node for node in p] + [-1] * (width - len(p)) for p, start in zip(PATHS, starts)]
+        forest.accepted_paths, forest.query_starts = None, starts
+        forest.accepted_device = torch.tensor([p[-1] for p in PATHS])
+        forest.accepted_rows_device = torch.tensor(rows)
     return forest, scratch, layers
 
 
@@ -54,12 +70,13 @@ def _expected(layer, scratch, forest, i, nodes):
             commit_conv_state(layer.conv[idx], scratch.conv_inputs[i], forest.parent, forest.cu_seqlens, acc))
 
 
-def test_commit_writes_the_boundary_state_into_its_block(monkeypatch):
+@pytest.mark.parametrize("walk", ["host", "device"])
+def test_commit_writes_the_boundary_state_into_its_block(monkeypatch, walk):
     monkeypatch.setattr(gdn, "_cache_views", lambda layer: (layer.ssm, layer.conv))
     # request 0 reaches its boundary after 3 of its 5 path tokens; request 1's boundary is past its path (3 > 2);
     # request 2's boundary block is vLLM's null block (0): nothing is written
     lengths, targets = [3, 3, 2], [1, 4, 0]
-    forest, scratch, layers = _step(lengths, targets)
+    forest, scratch, layers = _step(lengths, targets, walk)
     before = [(layer.ssm.clone(), layer.conv.clone()) for layer in layers]
     boundary = [[p[m - 1] if 0 < m <= len(p) else -1 for p, m in zip(PATHS, lengths)]]
     expected = [(_expected(layer, scratch, forest, i, boundary[0]), _expected(layer, scratch, forest, i,
@@ -71,7 +88,10 @@ def test_commit_writes_the_boundary_state_into_its_block(monkeypatch):
         torch.testing.assert_close(layer.conv[1], conv_b[0])
         torch.testing.assert_close(layer.ssm[RUNNING], ssm_f)      # the whole paths in the running slots
         torch.testing.assert_close(layer.conv[RUNNING], conv_f)
-        untouched = [s for s in range(NUM_SLOTS) if s not in (1, *RUNNING)]
+        if walk == "device":   # request 1's block holds the state before the step (its path fell short of it)
+            assert torch.equal(layer.ssm[4], ssm0[RUNNING[1]]) and torch.equal(layer.conv[4], conv0[RUNNING[1]])
+        written = (1, *RUNNING) if walk == "host" else (1, 4, *RUNNING)
+        untouched = [s for s in range(NUM_SLOTS) if s not in written]
         assert torch.equal(layer.ssm[untouched], ssm0[untouched]) and torch.equal(layer.conv[untouched],
                                                                                  conv0[untouched])
 

@@ -92,6 +92,9 @@ def test_multi_turn_conversations_with_prefix_caching(tmp_path):
     for bole in (planted, mtp):
         _assert_same_conversations(plain, bole)
         assert bole["kv_cache_usage_end"] == 0, bole["kv_cache_usage_end"]
+    # The MTP drafter drafts before the walk (early_drafting): its commit finds the boundaries' nodes on the device.
+    assert mtp["early_draft_steps"] > 0 and planted["early_draft_steps"] == 0, \
+        (mtp["early_draft_steps"], planted["early_draft_steps"])
 
     _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
     # Every full block hits, with Bole too: boundaries after the first prompts' were crossed inside steps of the

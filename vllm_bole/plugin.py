@@ -95,15 +95,15 @@ def config_needs_synchronous(cfg) -> str | None:
 def _with_prefix_caching(cfg, engine_args):
     """``cfg`` as prefix caching runs it: vLLM caches the GDN state of hybrid models in its "align" mode, and the
     commit writes the state of every block boundary an accepted path crosses (``attention/gdn.py``
-    ``commit_step``) from the host's walk, so the steps walk on the host and run eagerly."""
+    ``commit_step``) into the boundary's block, a slot that Bole's CUDA graphs do not take as an input: the steps
+    run eagerly."""
     mode = getattr(engine_args, "mamba_cache_mode", None)
     if mode not in (None, "none", "align"):   # ("none" is the unset default; vLLM then picks "align")
         raise BoleConfigError(
             f"mamba_cache_mode: speculative method 'bole' caches prefixes in mode 'align' only, got {mode!r}")
-    off = [k for k in ("early_drafting", "cuda_graphs") if getattr(cfg, k)]
-    if off:   # (synchronous scheduling: _async_unsupported)
-        logger.info("Bole with prefix caching: %s off", " and ".join(off))
-    return dataclasses.replace(cfg, early_drafting=False, cuda_graphs=False)
+    if cfg.cuda_graphs:   # (synchronous scheduling: _async_unsupported)
+        logger.info("Bole with prefix caching: cuda_graphs off")
+    return dataclasses.replace(cfg, cuda_graphs=False)
 
 
 def _async_unsupported(cfg, parallel_config, engine_args) -> str | None:

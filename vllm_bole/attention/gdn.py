@@ -265,15 +265,19 @@ def _commit_block_boundaries(forest, scratch, slots, views, factors, conv_inputs
     The boundary's block starts as a copy of the running slot's state from before the step, then commits the
     path up to the boundary. Rows whose block is vLLM's null block (0) copy and commit nothing."""
     lengths = scratch.checkpoints[0].path_lengths
-    rows = [b for b, path in enumerate(forest.accepted_paths) if 0 < lengths[b] <= len(path)]
+    dev = slots.device
+    if forest.accepted_device is None:   # the host walk's paths
+        rows = [b for b, path in enumerate(forest.accepted_paths) if 0 < lengths[b] <= len(path)]
+        nodes = torch.full((slots.shape[1],), -1, dtype=torch.int32)
+        for b in rows:
+            nodes[b] = forest.accepted_paths[b][lengths[b] - 1]
+        nodes = nodes.to(dev)
+    else:   # the device walk's: every row with a boundary in reach copies, and commits if its path reaches it
+        rows = [b for b, n in enumerate(lengths) if 0 < n]
+        nodes = _device_boundary_nodes(forest, lengths, dev) if rows else None
     if not rows:
         return
-    dev = slots.device
     targets = torch.stack([c.slots for c in scratch.checkpoints]).to(dev)                 # [L, B]
-    nodes = torch.full((slots.shape[1],), -1, dtype=torch.int32)
-    for b in rows:
-        nodes[b] = forest.accepted_paths[b][lengths[b] - 1]
-    nodes = nodes.to(dev)
     real = targets > 0
     # a request's boundary block is null in every KV-cache group or in none; a null one is left alone
     nodes = torch.where(real.all(dim=0), nodes, -1)
@@ -285,6 +289,20 @@ def _commit_block_boundaries(forest, scratch, slots, views, factors, conv_inputs
         conv[dst_i] = conv[src_i]
     kernels.commit_accepted_inplace([v[0] for v in views], dst, factors, nodes, forest.parent, forest.cu_seqlens)
     kernels.commit_conv_state_inplace([v[1] for v in views], dst, conv_inputs, forest.parent, forest.cu_seqlens, nodes)
+
+
+def _device_boundary_nodes(forest, lengths: list[int], device) -> torch.Tensor:
+    """Per tree request, the local node at path length ``lengths[b]`` (root first) of the device walk's accepted
+    path, -1 where the path is shorter or the length is 0; without waiting for the walk. A row whose path falls
+    short has copied the running state into its boundary's block and commits nothing there: that block is published
+    only once the computed tokens pass the boundary, so a later step's path writes it first."""
+    want = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
+    starts = torch.tensor(forest.query_starts, dtype=torch.long).to(device, non_blocking=True)
+    path = forest.accepted_rows_device                                     # [B, W] flat rows, -1 past the path
+    col = (want - 1).clamp(0, path.shape[1] - 1)
+    flat = path.gather(1, col[:, None]).squeeze(1)
+    reach = (want > 0) & (want <= path.shape[1]) & (flat >= 0)
+    return torch.where(reach, flat - starts, -1).to(torch.int32)
 
 
 def _cache_views(layer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,6 +101,7 @@ class StepForest:
     gdn_scratch: object = None
     accepted_paths: list[list[int]] | None = None  # per tree request, accepted local nodes, root first
     accepted_device: torch.Tensor | None = None    # per tree request, its deepest accepted node (a device walk)
+    accepted_rows_device: torch.Tensor | None = None   # [B, W] the device walk's paths, flat rows root first
     kv_compacted: bool = False           # every attention layer's accepted K/V moved already (early_drafting)
     depth_bound: int = 0                 # no node of the step lies deeper (host bound; roots at depth 0)
     # per tree request: row of its first node (the root) in the step's flat token arrays

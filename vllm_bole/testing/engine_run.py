@@ -188,7 +188,7 @@ def run(spec: dict) -> dict:
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
-            **_step_counts(llm),
+            **step_counts(llm),
             "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None),
             # tree steps the phase timer counted (VLLM_BOLE_PROFILE_STEPS)
             "profiled_steps": getattr(getattr(_runner(llm), "_bole_profiler", None), "steps", None),
@@ -197,7 +197,7 @@ def run(spec: dict) -> dict:
             "scheduling": _scheduling(llm), "budget_log": _budget_log(llm), "preemptions": _preemptions(llm)}
 
 
-def _step_counts(llm) -> dict:
+def step_counts(llm) -> dict:
     """Bole's step counters (worker/model_runner.step_counts) of the first rank; every value None without Bole."""
     from vllm_bole.plugin import is_bole_engine
     from vllm_bole.worker.model_runner import STEP_COUNTS

@@ -128,7 +128,8 @@ def launch(runner, scheduler_output) -> EarlyDraft | None:
             logger.warning("Bole's drafting before the walk is off: it failed (%s: %s); drafting after it",
                            type(e).__name__, e)
             runner._bole_draft_before_walk = False
-            forest.accepted_device, runner._bole_pending, first.rows = None, None, None
+            forest.accepted_device, forest.accepted_rows_device = None, None
+            runner._bole_pending, first.rows = None, None
     return first
 
 
@@ -149,7 +150,7 @@ def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int, pl
     drafter = runner.bole_drafter
     num_reqs = runner.input_batch.num_reqs
     runner.bole_early_draft_steps += 1
-    forest.accepted_device = walk.deepest
+    forest.accepted_device, forest.accepted_rows_device = walk.deepest, walk.rows
     # Profiling scopes (traces: benchmarks/step_profile.py --trace) for the host work queued here besides the
     # levels, which have their own.
     with record_function_or_nullcontext("bole: early_plan"):
