@@ -38,7 +38,6 @@ import json
 import math
 import os
 import random
-import re
 import shlex
 import sys
 import tempfile
@@ -160,29 +159,22 @@ async def complete(session, base: str, model: str, prompt: list[int], max_tokens
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, ids, usage, done = None, [], None, False
+    ttft, ids, usage = None, [], None
     async with session.post(base + "/v1/completions", json=body,
                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
         if r.status != 200:
             return {"error": f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:300]}"}
-        async for line in r.content:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
-            usage = chunk.get("usage") or usage
-            for c in chunk.get("choices") or ():
-                new = c.get("token_ids") or []
-                if new and ttft is None:
-                    ttft = time.perf_counter() - t0
-                ids += new
+        try:
+            async for chunk in soak.sse_events(r):
+                usage = chunk.get("usage") or usage
+                for c in chunk.get("choices") or ():
+                    new = c.get("token_ids") or []
+                    if new and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    ids += new
+        except RuntimeError as e:
+            return {"error": str(e)}
     latency = time.perf_counter() - t0
-    if not done:
-        return {"error": "stream ended without [DONE]"}
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     return {"ids": ids, "ttft": ttft, "latency": latency, "cached": cached,
             "prompt_tokens": (usage or {}).get("prompt_tokens")}
@@ -328,21 +320,10 @@ def table(rows: list[dict]) -> str:
 
 def run_config(name: str, opts, model: str | None, shared: list[str], on_gpu: bool, log_dir: Path,
                work: tuple, warm: tuple) -> tuple[dict, list[dict]]:
-    spec, flags, note = serve.config_setup(name, opts, on_gpu)
-    slug = re.sub(r"[^A-Za-z0-9_.+-]+", "_", name)[:60]
-    log = log_dir / f"{slug}.server.log"
-    entry = {"speculative_config": spec, "server_flags": flags, "note": note, "server_log": str(log)}
-    print(f"[{name}] starting the server ({json.dumps(spec) if spec else 'no speculation'})"
-          + (f"; {note}" if note else ""), flush=True)
     t0 = time.monotonic()
-    try:
-        server = soak.start_server(model, json.dumps(spec) if spec else "", [*shared, *flags], opts.max_model_len,
-                                   opts.max_num_batched_tokens, opts.max_num_seqs, 0, log, opts.startup_timeout)
-    except RuntimeError as e:
-        entry["error"] = str(e)[-4000:]
-        print(f"[{name}] the server did not start: {str(e)[-2000:]}", flush=True)
+    entry, server, log = serve.start_config_server(name, opts, model, shared, on_gpu, log_dir)
+    if server is None:
         return entry, []
-    entry["start_s"] = round(time.monotonic() - t0, 1)
     try:
         if opts.warmup_prompts:
             asyncio.run(run_conversations(server.base, server.model, *warm))

@@ -455,14 +455,14 @@ def _log_size(log: Path) -> int:
     return log.stat().st_size if log.exists() else 0
 
 
-def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer: str | None, on_gpu: bool,
-               log_dir: Path, run_id: str, on_row=None) -> tuple[dict, list[dict]]:
+def start_config_server(name: str, opts, model: str | None, shared: list[str], on_gpu: bool,
+                        log_dir: Path) -> tuple[dict, soak.Server | None, Path]:
+    """Start one configuration's server (log ``<log_dir>/<name>.server.log``): (its entry: speculative config,
+    flags, note, log, command and start time, or ``error``; the server, None if it did not start; the log)."""
     spec, flags, note = config_setup(name, opts, on_gpu)
     slug = re.sub(r"[^A-Za-z0-9_.+-]+", "_", name)[:60]
-    log, bench_log = log_dir / f"{slug}.server.log", log_dir / f"{slug}.client.log"
-    entry = {"speculative_config": spec, "server_flags": flags, "note": note, "run": run_id,
-             "server_log": str(log), "client_log": str(bench_log)}
-    rows: list[dict] = []
+    log = log_dir / f"{slug}.server.log"
+    entry = {"speculative_config": spec, "server_flags": flags, "note": note, "server_log": str(log)}
     t0 = time.monotonic()
     print(f"[{name}] starting the server ({json.dumps(spec) if spec else 'no speculation'})"
           + (f"; {note}" if note else ""), flush=True)
@@ -472,9 +472,21 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
     except RuntimeError as e:
         entry["error"] = str(e)[-4000:]
         print(f"[{name}] the server did not start: {str(e)[-2000:]}", flush=True)
-        return entry, rows
+        return entry, None, log
     entry["server_cmd"] = server.cmd
     entry["start_s"] = round(time.monotonic() - t0, 1)
+    return entry, server, log
+
+
+def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer: str | None, on_gpu: bool,
+               log_dir: Path, run_id: str, on_row=None) -> tuple[dict, list[dict]]:
+    t0 = time.monotonic()
+    entry, server, log = start_config_server(name, opts, model, shared, on_gpu, log_dir)
+    bench_log = log.with_name(log.name.replace(".server.log", ".client.log"))
+    entry |= {"run": run_id, "client_log": str(bench_log)}
+    rows: list[dict] = []
+    if server is None:
+        return entry, rows
     old_offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # the client loads the tokenizer; everything is local
     try:

@@ -388,6 +388,20 @@ async def _post(session, url: str, body, timeout: float) -> tuple[int, object]:
             return r.status, raw.decode(errors="replace")
 
 
+async def sse_events(response):
+    """The JSON events of an OpenAI streamed response as they arrive, up to ``[DONE]``; RuntimeError if the stream
+    ends without it."""
+    async for line in response.content:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+    raise RuntimeError("stream ended without [DONE]")
+
+
 async def _stream(session, url: str, body: dict, timeout: float) -> tuple[int, object]:
     """A streamed completion collected into one choice (text, token ids, finish reason) and usage."""
     import aiohttp
@@ -397,24 +411,14 @@ async def _stream(session, url: str, body: dict, timeout: float) -> tuple[int, o
         if r.status != 200:
             raw = await r.read()
             return r.status, raw.decode(errors="replace")
-        text, ids, finish, usage, done = [], [], None, None, False
-        async for line in r.content:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
+        text, ids, finish, usage = [], [], None, None
+        async for chunk in sse_events(r):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for c in chunk.get("choices") or ():
                 text.append(c.get("text") or "")
                 ids += c.get("token_ids") or []
                 finish = c.get("finish_reason") or finish
-        if not done:
-            raise RuntimeError("stream ended without [DONE]")
         return 200, {"choices": [{"text": "".join(text), "token_ids": ids, "finish_reason": finish}],
                      "usage": usage}
 
