@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import math
 import os
 import random
 import shlex
@@ -43,6 +42,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -223,12 +224,7 @@ def read_counters(base: str) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------------- summary
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return float(np.percentile(values, 100 * q)) if values else None
 
 
 def summarize(name: str, records: list[dict], counters: dict[str, float], wall_s: float, opts) -> dict:
@@ -265,11 +261,12 @@ def summarize(name: str, records: list[dict], counters: dict[str, float], wall_s
 
 
 def same_outputs(a: list[dict], b: list[dict]) -> int:
-    """How many conversations produced the same tokens in every turn under both configurations."""
+    """How many conversations produced the same tokens in every turn under both configurations (``requests``
+    records: by their outputs' digests)."""
     def by_conv(records):
         out: dict[int, list] = {}
-        for r in sorted(records, key=lambda r: (r["conversation"], r["turn"])):
-            out.setdefault(r["conversation"], []).append(r.get("ids"))
+        for r in records:
+            out.setdefault(r["conversation"], []).append(r["output_sha1"])
         return out
     x, y = by_conv(a), by_conv(b)
     return sum(1 for c in x if x[c] == y.get(c))
@@ -349,9 +346,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     opts = parser.parse_args(argv)
     if opts.smoke:
-        apply_smoke(opts, {a.dest for a in parser._actions for s in argv if s.split("=")[0] in a.option_strings})
-    # serve.py's configuration and model helpers read these of its own options.
-    opts.smoke = bool(opts.smoke)
+        apply_smoke(opts, serve.given_options(argv, parser))
     opts.max_model_len = opts.max_model_len or longest_context(opts) + 64
     import torch
 
@@ -381,12 +376,12 @@ def run(argv: list[str] | None = None) -> dict:
         if got:
             rows.append(got[0])
             records[name] = got[1]
-    if "ar" in records:   # greedy: with acceptance "real" every configuration should produce ar's tokens
-        for r in rows:
-            r["same_conversations_as_ar"] = same_outputs(records["ar"], records[r["config"]])
     requests = {n: [{k: v for k, v in r.items() if k != "ids"} | _output_digest(r.get("ids") or [])
                     for r in sorted(recs, key=lambda r: (r["conversation"], r["turn"]))]
                 for n, recs in records.items()}
+    if "ar" in requests:   # greedy: with acceptance "real" every configuration should produce ar's tokens
+        for r in rows:
+            r["same_conversations_as_ar"] = same_outputs(requests["ar"], requests[r["config"]])
     data = {
         "benchmark": "prefix caching (benchmarks/prefix_cache.py): multi-turn conversations, vLLM's OpenAI server",
         "ok": len(rows) == len(names) and all(r["ok"] for r in rows),

@@ -196,9 +196,9 @@ def apply_smoke(opts, given: set[str]) -> None:
     opts.fresh = True
 
 
-def _given(argv: list[str]) -> set[str]:
-    """Destinations of the options named on the command line."""
-    parser = build_parser()
+def given_options(argv: list[str], parser: argparse.ArgumentParser | None = None) -> set[str]:
+    """Destinations of the options named on the command line (of ``parser``, default this script's)."""
+    parser = parser or build_parser()
     out = set()
     for arg in argv:
         if arg.startswith("--"):
@@ -693,7 +693,7 @@ def run(argv: list[str] | None = None) -> dict:
         report(data, out, opts.plot)
         return data
     if opts.smoke:
-        apply_smoke(opts, _given(argv))
+        apply_smoke(opts, given_options(argv))
     t_start = time.monotonic()
     import torch
 
