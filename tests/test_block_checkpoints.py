@@ -32,9 +32,10 @@ RUNNING = [3, 6, 9]
 # Rows of the step's flat token arrays before each tree's root (a prefill ahead of the trees): the device walk's
 # paths are flat rows.
 ROW_OFFSET = 5
+PADDED_SLOT = 11
 
 
-def _step(lengths, targets, walk="host"):
+def _step(lengths, targets, walk="host", padded=False):
     torch.manual_seed(0)
     n = sum(map(len, PARENTS))
     cu = torch.tensor([0, *torch.tensor(list(map(len, PARENTS))).cumsum(0).tolist()], dtype=torch.int32)
@@ -42,9 +43,10 @@ def _step(lengths, targets, walk="host"):
               for _ in range(LAYERS)]
     scratch = gdn.GDNStepScratch.__new__(gdn.GDNStepScratch)
     scratch.layers = layers
-    scratch.slots = [torch.tensor(RUNNING, dtype=torch.int32) for _ in layers]
-    scratch.checkpoints = [BlockCheckpoints(path_lengths=lengths, slots=torch.tensor(targets, dtype=torch.int32))
-                           for _ in layers]
+    # a verification graph's slots cover its padded requests too (one more here, slot PADDED_SLOT)
+    scratch.slots = [torch.tensor(RUNNING + [PADDED_SLOT] * padded, dtype=torch.int32) for _ in layers]
+    scratch.checkpoints = [BlockCheckpoints(path_lengths=lengths, slots=torch.tensor(targets, dtype=torch.int32),
+                                            req_indices=[0, 1, 2]) for _ in layers]
     scratch.factors = TreeFactors(k=torch.randn(LAYERS, n, HK, DK), u=torch.randn(LAYERS, n, HV, DV),
                                   g_cum=-torch.rand(LAYERS, n, HV))
     scratch.conv_inputs = torch.randn(LAYERS, n, DIM)
@@ -70,13 +72,14 @@ def _expected(layer, scratch, forest, i, nodes):
             commit_conv_state(layer.conv[idx], scratch.conv_inputs[i], forest.parent, forest.cu_seqlens, acc))
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("walk", ["host", "device"])
-def test_commit_writes_the_boundary_state_into_its_block(monkeypatch, walk):
+def test_commit_writes_the_boundary_state_into_its_block(monkeypatch, walk, padded):
     monkeypatch.setattr(gdn, "_cache_views", lambda layer: (layer.ssm, layer.conv))
     # request 0 reaches its boundary after 3 of its 5 path tokens; request 1's boundary is past its path (3 > 2);
     # request 2's boundary block is vLLM's null block (0): nothing is written
     lengths, targets = [3, 3, 2], [1, 4, 0]
-    forest, scratch, layers = _step(lengths, targets, walk)
+    forest, scratch, layers = _step(lengths, targets, walk, padded)
     before = [(layer.ssm.clone(), layer.conv.clone()) for layer in layers]
     boundary = [[p[m - 1] if 0 < m <= len(p) else -1 for p, m in zip(PATHS, lengths)]]
     expected = [(_expected(layer, scratch, forest, i, boundary[0]), _expected(layer, scratch, forest, i,
@@ -104,3 +107,14 @@ def test_without_block_checkpoints_only_the_running_slots_change(monkeypatch):
     untouched = [s for s in range(NUM_SLOTS) if s not in RUNNING]
     for layer, ssm0 in zip(layers, before):
         assert torch.equal(layer.ssm[untouched], ssm0[untouched])
+
+
+def test_checkpoints_over_a_graphs_requests():
+    """A verification graph's forest holds plain decodes as one-node trees: its checkpoints are the metadata's tree
+    requests' in place, none (length 0, null block) for the others."""
+    tree_only = BlockCheckpoints(path_lengths=[3, 0, 5], slots=torch.tensor([7, 8, 9], dtype=torch.int32),
+                                 req_indices=[1, 2, 4])
+    assert tree_only.over([1, 2, 4]) is tree_only
+    over = tree_only.over([0, 1, 2, 3, 4])
+    assert over.path_lengths == [0, 3, 0, 0, 5] and over.slots.tolist() == [0, 7, 8, 0, 9]
+    assert over.req_indices == [0, 1, 2, 3, 4] and over.slots.dtype == torch.int32

@@ -207,14 +207,14 @@ def test_unsupported_setups(model, kw, field):
         apply_bole_engine_args(_Args({"method": "bole"}, **kw), model, _Parallel())
 
 
-def test_prefix_caching_runs_synchronously_without_graphs():
+def test_prefix_caching_runs_synchronously_with_graphs_and_early_drafting():
     from vllm_bole.config import ADDITIONAL_CONFIG_KEY
     from vllm_bole.plugin import apply_bole_engine_args
 
     args = _Args({"method": "bole"}, prefix=True)
     apply_bole_engine_args(args, _Model(["Qwen3NextForCausalLM"]), _Parallel())
     cfg = args.additional_config[ADDITIONAL_CONFIG_KEY]
-    assert args.async_scheduling is False and cfg["early_drafting"] is True and cfg["cuda_graphs"] is False
+    assert args.async_scheduling is False and cfg["early_drafting"] is True and cfg["cuda_graphs"] is True
 
 
 @pytest.mark.parametrize("setting,value,field", [("mamba_cache_mode", "all", "mamba_cache_mode"),

@@ -14,8 +14,8 @@ import random
 
 import pytest
 
-from e2e_support import (assert_same_logprobs, bole_engine, first_divergences, run_engine, vocab_size,
-                          write_oracle)
+from e2e_support import (assert_graphs_used, assert_same_logprobs, bole_engine, first_divergences, run_engine,
+                          vocab_size, write_oracle)
 from vllm_bole.testing.tiny_models import tiny_model_dir
 
 pytestmark = pytest.mark.vllm
@@ -95,6 +95,8 @@ def test_multi_turn_conversations_with_prefix_caching(tmp_path):
     # The MTP drafter drafts before the walk (early_drafting): its commit finds the boundaries' nodes on the device.
     assert mtp["early_draft_steps"] > 0 and planted["early_draft_steps"] == 0, \
         (mtp["early_draft_steps"], planted["early_draft_steps"])
+    assert_graphs_used(planted)   # (GPU: tree-only steps replayed their verification graphs)
+    assert_graphs_used(mtp, drafter=True)
 
     _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
     # Every full block hits, with Bole too: boundaries after the first prompts' were crossed inside steps of the
@@ -161,6 +163,7 @@ def test_second_turn_hits_at_prefill_and_last_step_boundaries(tmp_path):
         **bole_engine(tmp_path, "bole_planted", depth=6, topk=2, budget=64)), runner="multi_turn_run")
     _assert_same_conversations(cached, planted)
     assert planted["kv_cache_usage_end"] == 0, planted["kv_cache_usage_end"]
+    assert_graphs_used(planted)
     _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
     block = planted["block_size"]
     hits = [_second_turn_hit(n, LONG_MAX_TOKENS, block) for n in LONG_PROMPT_LENS]

@@ -17,25 +17,28 @@ from vllm_bole.worker import verify_graphs
 
 class _Scratch:
     def __init__(self):
-        self.layers, self.slots, self.resets = [], [], 0
+        self.layers, self.slots, self.checkpoints, self.resets = [], [], [], 0
 
     def reset(self):
         self.resets += 1
         self.layers.clear()
         self.slots.clear()
+        self.checkpoints.clear()
 
 
-def _setup(monkeypatch, mode=CUDAGraphMode.PIECEWISE):
+def _setup(monkeypatch, mode=CUDAGraphMode.PIECEWISE, mamba_cache_mode="none", gdn_spec=None):
     table = torch.arange(8 * 3, dtype=torch.int32).view(8, 3)
     runner = SimpleNamespace(
+        cache_config=SimpleNamespace(mamba_cache_mode=mamba_cache_mode),
         max_num_tokens=64, max_num_reqs=8, device=torch.device("cpu"), max_model_len=512,
         bole_config=SimpleNamespace(max_nodes_per_request=6),
         query_start_loc=SimpleNamespace(gpu=torch.zeros(9, dtype=torch.int32)),
         seq_lens=torch.zeros(8, dtype=torch.int32),
         input_batch=SimpleNamespace(block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=table),
                                                                  slot_mapping=SimpleNamespace(gpu=torch.arange(64)))]),
-        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["gdn.0", "attn.1"])]))
-    context = SimpleNamespace(cudagraph_runtime_mode=mode)
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["gdn.0", "attn.1"],
+                                                                         kv_cache_spec=gdn_spec)]))
+    context = SimpleNamespace(cudagraph_runtime_mode=mode, attn_metadata=None)
     monkeypatch.setattr(verify_graphs, "get_forward_context", lambda: context)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     seen = []   # what each run of the layers saw: (graph bounds, parents, cu_seqlens, mode)
@@ -363,3 +366,52 @@ def test_a_bad_capture_after_is_a_one_line_error(monkeypatch, value):
     assert envs.VLLM_BOLE_CAPTURE_AFTER == 5
     monkeypatch.delenv("VLLM_BOLE_CAPTURE_AFTER")
     assert envs.VLLM_BOLE_CAPTURE_AFTER == 3
+
+
+def test_with_prefix_caching_a_graph_reads_running_blocks_and_the_step_gets_its_checkpoints(monkeypatch):
+    """Prefix caching (vLLM's "align" mode): a request's running GDN state lives in the block of its last scheduled
+    token, so the graph reads each request's state slot from the persistent block table at the column of its
+    ``seq_len`` (vLLM's pick, ``mamba_get_block_table_tensor``); and the commit after the replay gets the step's block
+    checkpoints over the forest's requests, the plain decodes the graph runs as one-node trees having none."""
+    from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_bole.attention.gdn_metadata import BlockCheckpoints
+
+    spec = MambaSpec(block_size=4, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    graphs, runner, context, seen, current = _setup(monkeypatch, mamba_cache_mode="align", gdn_spec=spec)
+    layer, scratch, ids = SimpleNamespace(prefix="gdn.0"), _Scratch(), torch.zeros(8, dtype=torch.long)
+
+    def step(forest, seq_lens, checkpoints):
+        runner.seq_lens.zero_()
+        runner.seq_lens[:len(seq_lens)] = torch.tensor(seq_lens)
+        context.attn_metadata = {"gdn.0": SimpleNamespace(bole_checkpoints=checkpoints), "attn.1": SimpleNamespace()}
+        current[0] = forest
+
+        def call():
+            forest.gdn_scratch = scratch
+            scratch.layers.append(layer)
+            scratch.slots.append(forest.graph.state_slots("gdn.0"))
+            return torch.zeros(8, 4)
+
+        graphs.forward(forest, call, (ids, None, None, None, ()))
+
+    # Request 1's 3-node tree after 7 computed tokens (seq_len 10: block 2), plain decodes 0 and 2 (blocks 1 and 0),
+    # padded request 3 (seq_len 0: column 0); request 1 reaches the boundary at 8 after one path token, into block 4.
+    forest = _forest(graphs, [[-1, 0, 0]], [(0, "a", 0), (2, "c", 4)], [1], [1])
+    step(forest, [6, 10, 1], BlockCheckpoints(path_lengths=[1], slots=torch.tensor([4], dtype=torch.int32),
+                                              req_indices=[1]))
+    table = runner.input_batch.block_table[0].block_table.gpu
+    vllm_slots = mamba_get_block_table_tensor(table[:4], runner.seq_lens[:4], spec, "align")[:, 0]
+    assert scratch.slots[0].tolist() == vllm_slots.tolist() == [1, 5, 6, 9]
+    assert forest.tree_req_indices == [0, 1, 2] and scratch.layers == [layer]
+    (over,) = scratch.checkpoints
+    assert over.path_lengths == [0, 1, 0] and over.slots.tolist() == [0, 4, 0]
+
+    # The replay of the same key gets that step's checkpoints; without them (no boundary in reach), none.
+    step(_forest(graphs, [[-1], [-1, 0]], [(2, "c", 3)], [0, 1], [0, 1]), [5, 9, 2], BlockCheckpoints(
+        path_lengths=[2, 0], slots=torch.tensor([3, 0], dtype=torch.int32), req_indices=[0, 1]))
+    assert seen[-1][0] == "replay" and scratch.checkpoints[0].path_lengths == [2, 0, 0]
+    assert scratch.checkpoints[0].slots.tolist() == [3, 0, 0]
+    step(_forest(graphs, [[-1], [-1, 0]], [(2, "c", 3)], [0, 1], [0, 1]), [5, 9, 2], None)
+    assert seen[-1][0] == "replay" and scratch.checkpoints == [None]

@@ -4,7 +4,6 @@ Loaded by vLLM in every process (``vllm.general_plugins`` entry point ``bole``);
 changes nothing unless a Bole config is present.
 """
 
-import dataclasses
 
 from .config import ADDITIONAL_CONFIG_KEY, BOLE_METHOD, BoleConfigError, parse_bole_config
 from .logger import init_logger
@@ -40,7 +39,7 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
         raise BoleConfigError(
             "model: speculative method 'bole' needs the model's MTP head (mtp_num_hidden_layers > 0 in its config)")
     if engine_args.enable_prefix_caching:
-        cfg = _with_prefix_caching(cfg, engine_args)
+        _check_prefix_caching(engine_args)
     if target_parallel_config.pipeline_parallel_size > 1:
         raise BoleConfigError(
             "pipeline_parallel_size: speculative method 'bole' supports 1 only, got "
@@ -92,18 +91,14 @@ def config_needs_synchronous(cfg) -> str | None:
     return None
 
 
-def _with_prefix_caching(cfg, engine_args):
-    """``cfg`` as prefix caching runs it: vLLM caches the GDN state of hybrid models in its "align" mode, and the
-    commit writes the state of every block boundary an accepted path crosses (``attention/gdn.py``
-    ``commit_step``) into the boundary's block, a slot that Bole's CUDA graphs do not take as an input: the steps
-    run eagerly."""
+def _check_prefix_caching(engine_args) -> None:
+    """Bole caches the GDN state of hybrid models in vLLM's "align" mode only: the commit writes the state of every
+    block boundary an accepted path crosses into the boundary's block (``attention/gdn.py`` ``commit_step``).
+    Prefix caching schedules synchronously (:func:`_async_unsupported`)."""
     mode = getattr(engine_args, "mamba_cache_mode", None)
     if mode not in (None, "none", "align"):   # ("none" is the unset default; vLLM then picks "align")
         raise BoleConfigError(
             f"mamba_cache_mode: speculative method 'bole' caches prefixes in mode 'align' only, got {mode!r}")
-    if cfg.cuda_graphs:   # (synchronous scheduling: _async_unsupported)
-        logger.info("Bole with prefix caching: cuda_graphs off")
-    return dataclasses.replace(cfg, cuda_graphs=False)
 
 
 def _async_unsupported(cfg, parallel_config, engine_args) -> str | None:

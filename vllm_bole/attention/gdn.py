@@ -263,12 +263,14 @@ def _commit_block_boundaries(forest, scratch, slots, views, factors, conv_inputs
     """Prefix caching: the GDN state and conv window at the block boundary each accepted path reaches, written
     into that boundary's block (``gdn_metadata.BlockCheckpoints``), before the running slot gets the whole path.
     The boundary's block starts as a copy of the running slot's state from before the step, then commits the
-    path up to the boundary. Rows whose block is vLLM's null block (0) copy and commit nothing."""
+    path up to the boundary. Rows whose block is vLLM's null block (0) copy and commit nothing. The checkpoints
+    cover the forest's requests (a verification graph's: ``verify_graphs.step_checkpoints``)."""
     lengths = scratch.checkpoints[0].path_lengths
+    slots = slots[:, :len(lengths)]   # (a graph's slots cover its padded requests too)
     dev = slots.device
     if forest.accepted_device is None:   # the host walk's paths
         rows = [b for b, path in enumerate(forest.accepted_paths) if 0 < lengths[b] <= len(path)]
-        nodes = torch.full((slots.shape[1],), -1, dtype=torch.int32)
+        nodes = torch.full((len(lengths),), -1, dtype=torch.int32)
         for b in rows:
             nodes[b] = forest.accepted_paths[b][lengths[b] - 1]
         nodes = nodes.to(dev)

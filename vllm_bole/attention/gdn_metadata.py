@@ -22,6 +22,19 @@ class BlockCheckpoints:
 
     path_lengths: list[int]
     slots: torch.Tensor   # [tree requests] int32, device
+    req_indices: list[int]   # batch index of each tree request
+
+    def over(self, req_indices: list[int]) -> "BlockCheckpoints":
+        """The same checkpoints over the requests ``req_indices`` (batch indices, e.g. a verification graph's
+        forest, where plain decodes are one-node trees): none (length 0, null block) for a request without one."""
+        if req_indices == self.req_indices:
+            return self
+        row = {r: i for i, r in enumerate(self.req_indices)}
+        picked = [row.get(r, len(self.req_indices)) for r in req_indices]
+        padded = torch.cat([self.slots, self.slots.new_zeros(1)])
+        lengths = self.path_lengths + [0]
+        return BlockCheckpoints(path_lengths=[lengths[i] for i in picked],
+                                slots=padded[torch.tensor(picked, device=padded.device)], req_indices=list(req_indices))
 
 
 class BoleGDNMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -57,7 +70,7 @@ class BoleGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         # path length (root first) whose state is the boundary's; 0: no boundary before the running block
         lengths = torch.where(column < running, (column + 1) * bs - computed, 0)
         slots = cm.block_table_tensor[rows.to(cm.block_table_tensor.device), column.to(cm.block_table_tensor.device)]
-        return BlockCheckpoints(path_lengths=lengths.tolist(), slots=slots.to(torch.int32))
+        return BlockCheckpoints(path_lengths=lengths.tolist(), slots=slots.to(torch.int32), req_indices=rows.tolist())
 
     def update_block_table(self, metadata: GDNAttentionMetadata, blk_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> GDNAttentionMetadata:

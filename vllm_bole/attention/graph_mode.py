@@ -51,14 +51,25 @@ class GraphStep:
     # with its last value and seq_lens with 0); None: the layer's own metadata (the drafter's graphs).
     query_start_loc: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    # Prefix caching (vLLM's "align" mode): GDN layer name -> its group's block size; the running state of a
+    # request then lives in the block of its last scheduled token
+    state_block_sizes: dict[str, int] = field(default_factory=dict)
     _slots: dict = field(default_factory=dict, repr=False)
 
     def state_slots(self, layer_name: str) -> torch.Tensor:
-        """``[R]`` state slot of every request for one GDN layer: column 0 of its group's block table (vLLM
-        keeps one state block per request without prefix caching), read inside the graph."""
+        """``[R]`` state slot of every request for one GDN layer, read inside the graph from its group's block
+        table: column 0 (vLLM keeps one state block per request without prefix caching), or with prefix caching
+        the column of the last scheduled token, ``(seq_len - 1) // block_size``, as vLLM's
+        ``mamba_get_block_table_tensor`` picks it (padded requests, ``seq_len`` 0: column 0)."""
         table = self.block_tables[layer_name]
         if table.data_ptr() not in self._slots:
-            self._slots[table.data_ptr()] = table[:self.num_reqs, 0].contiguous()
+            block = self.state_block_sizes.get(layer_name)
+            if block is None:
+                slots = table[:self.num_reqs, 0].contiguous()
+            else:
+                column = ((self.seq_lens[:self.num_reqs] - 1) // block).clamp_(min=0)
+                slots = table[:self.num_reqs].gather(1, column[:, None].long()).squeeze(1)
+            self._slots[table.data_ptr()] = slots
         return self._slots[table.data_ptr()]
 
     def block_table(self, layer_name: str) -> torch.Tensor:

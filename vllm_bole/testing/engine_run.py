@@ -32,7 +32,7 @@ def _runner(llm):
         return None
 
 
-def _graph_summary(llm) -> dict | None:
+def graph_summary(llm) -> dict | None:
     """Bole's full CUDA graphs (GPU): verification graphs, drafter level graphs and the device-grown levels'
     whole-level graphs captured, and replays."""
     runner = _runner(llm)
@@ -186,7 +186,7 @@ def run(spec: dict) -> dict:
                         "prompt_ids": list(o.prompt_token_ids), "choices": [list(x.token_ids) for x in o.outputs],
                         "prompt_logprobs": prompt_top, "cached_tokens": o.num_cached_tokens})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
-            "mamba_state": _mamba_state_summary(llm), "bole_graphs": _graph_summary(llm),
+            "mamba_state": _mamba_state_summary(llm), "bole_graphs": graph_summary(llm),
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
             **step_counts(llm),
             "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None),

@@ -8,11 +8,11 @@ conversation's prompt at once (greedy, ``ignore_eos``); each later turn sends ev
 prompts, outputs and replies so far) plus that turn's reply, again all at once, so conversations interleave in the
 batch and each turn's prompt extends the previous turn's prompt and output. OUT: per turn, the outputs in the
 ``engine_run`` format (``tokens``, ``logprobs``, ``prompt_ids``) and the turn's increase of vLLM's
-``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``; at the end, ``vllm:kv_cache_usage_perc`` and Bole's step
-counters (``engine_run.step_counts``).
+``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``; at the end, ``vllm:kv_cache_usage_perc``, Bole's step
+counters (``engine_run.step_counts``) and its CUDA graphs' replays (``bole_graphs``, GPU).
 """
 
-from vllm_bole.testing.engine_run import same_cpu_attention_as_bole, spec_cli, step_counts
+from vllm_bole.testing.engine_run import graph_summary, same_cpu_attention_as_bole, spec_cli, step_counts
 
 
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc", "num_preemptions")
@@ -51,7 +51,8 @@ def run(spec: dict) -> dict:
         turns.append({"outputs": results,
                       **{k: after[k] - before.get(k, 0) for k in ("prefix_cache_queries", "prefix_cache_hits")}})
     return {"turns": turns, "kv_cache_usage_end": counters(llm).get("kv_cache_usage_perc"),
-            "block_size": llm.llm_engine.vllm_config.cache_config.block_size, **step_counts(llm)}
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size, "bole_graphs": graph_summary(llm),
+            **step_counts(llm)}
 
 
 def main() -> None:

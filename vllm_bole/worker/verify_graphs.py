@@ -32,6 +32,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
 from vllm.utils.math_utils import next_power_of_2
+from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..attention.graph_mode import GraphStep, StandIns, capture, leading_rows
 from ..attention.tree_attn_gpu import reads_prefix_itself
@@ -77,6 +78,7 @@ class VerifyGraphs:
         self.forest_buf = torch.zeros(self.capacity + runner.max_num_reqs + 1, dtype=torch.int32,
                                       device=runner.device)
         self._block_tables = None
+        self._state_block_sizes = None
         self._full_logged = False
         self.replays = 0   # verification steps run from a graph (the capturing step included)
         self.capture_ms = 0.0   # host time spent capturing (eager warm-up, synchronize, capture), all captures
@@ -103,13 +105,25 @@ class VerifyGraphs:
         return self.forest_buf[self.capacity:self.capacity + num_trees + 1]
 
     def block_tables(self) -> dict[str, torch.Tensor]:
-        """Every layer's persistent block table (GDN layers: column 0 is the state slot)."""
+        """Every layer's persistent block table (GDN layers: the state slot's column is
+        :meth:`state_block_sizes`')."""
         if self._block_tables is None:
             runner = self.runner
             self._block_tables = {
                 name: runner.input_batch.block_table[gid].block_table.gpu
                 for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups) for name in group.layer_names}
         return self._block_tables
+
+    def state_block_sizes(self) -> dict[str, int]:
+        """With prefix caching (``mamba_cache_mode`` "align"), each state layer's block size: its running state
+        moves along the block table (``GraphStep.state_slots``); otherwise empty (column 0)."""
+        if self._state_block_sizes is None:
+            runner = self.runner
+            align = runner.cache_config.mamba_cache_mode == "align"
+            groups = [g for g in runner.kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+            self._state_block_sizes = {name: g.kv_cache_spec.block_size
+                                       for g in groups if align for name in g.layer_names}
+        return self._state_block_sizes
 
     # ---- one step -------------------------------------------------------------------------------------
     def key(self, forest, inputs) -> tuple | None:
@@ -149,8 +163,10 @@ class VerifyGraphs:
             entry = self._capture(key, forest, call, inputs)
         self._enter(key, forest)
         scratch = forest.gdn_scratch = entry.scratch
-        # The commit after this step reads the layers and slot tensors of *this* graph's capture.
+        # The commit after this step reads the layers and slot tensors of *this* graph's capture, and the step's
+        # block checkpoints (prefix caching), which no layer's host code saw.
         scratch.layers[:], scratch.slots[:] = entry.gdn_layers, entry.gdn_slots
+        scratch.checkpoints[:] = step_checkpoints(entry.gdn_layers, forest.tree_req_indices)
         entry.graph.replay()
         self.replays += 1
         forest.cu_seqlens = self._cu_seqlens(forest.num_trees)
@@ -169,7 +185,7 @@ class VerifyGraphs:
         runner = self.runner
         forest.graph = GraphStep(num_tokens=tokens, num_reqs=reqs, max_nodes=bound, long_prefix=long_prefix,
                                  max_model_len=runner.max_model_len, block_tables=self.block_tables(),
-                                 scratch_storage=self.scratch_storage,
+                                 scratch_storage=self.scratch_storage, state_block_sizes=self.state_block_sizes(),
                                  query_start_loc=runner.query_start_loc.gpu[:reqs + 1],
                                  seq_lens=runner.seq_lens[:reqs])
         forest.parent = self.forest_buf[:tokens]
@@ -211,6 +227,21 @@ class VerifyGraphs:
             logger.info("Bole verifies tree-only steps from full CUDA graphs (captured per token count, "
                         "request count, prefix route and tree-size bound on first use)")
         return entry
+
+
+def step_checkpoints(layers, req_indices: list[int]) -> list:
+    """Per GDN layer, the block checkpoints of this step's metadata (``gdn_metadata.BlockCheckpoints``, prefix
+    caching; else None) over the forest's requests ``req_indices``."""
+    attn = get_forward_context().attn_metadata
+    over: dict[int, object] = {}   # the layers of one KV-cache group share their metadata
+    out = []
+    for layer in layers:
+        meta = attn.get(layer.prefix) if isinstance(attn, dict) else None
+        checkpoints = getattr(meta, "bole_checkpoints", None)
+        if checkpoints is not None and id(checkpoints) not in over:
+            over[id(checkpoints)] = checkpoints.over(req_indices)
+        out.append(None if checkpoints is None else over[id(checkpoints)])
+    return out
 
 
 def node_bound(max_nodes: int, tokens: int, cap: int) -> int:
