@@ -21,7 +21,9 @@ Recorded per configuration: the hit rate two ways (the share of prompt tokens se
 response's ``usage.prompt_tokens_details.cached_tokens``; and ``vllm:prefix_cache_hits`` over
 ``vllm:prefix_cache_queries``, which count lookups: a request that waits is looked up again), the hit rate of the
 turns after the first, TTFT and TPOT p50 / p99 (streamed: TTFT to the first token, TPOT over the rest of a request),
-output tok/s over the workload's wall time, and whether every request completed with all its tokens; and each
+output tok/s over the workload's wall time, tokens and draft nodes per request per step (vLLM's speculative-decoding
+counters), the share of Bole's budgets its throughput rule chose (its per-interval log lines over the server's whole
+run, warm-up included), and whether every request completed with all its tokens; and each
 request's prompt length, cached tokens, TTFT and latency (``requests``). Printed: a
 table per configuration and Bole's hit-rate difference against ``ar`` (points) and TTFT / TPOT ratios against the
 best MTP chain. Output: ``--out`` (default ``benchmarks/results/prefix_cache.json``; ``--smoke``:
@@ -55,7 +57,8 @@ from e2e import DEFAULT_BUDGET_TABLE, is_bole, is_chain, parse_variant  # noqa: 
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks/results/prefix_cache.json"
-COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:spec_decode_num_drafts",
+            "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 WORKLOAD_KEYS = ("model", "conversations", "turns", "system_len", "first_len", "append_len", "output_len",
                  "max_concurrency", "acceptance", "rates", "sibling_rates", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "kv_cache_gib", "seed", "server_args")
@@ -208,7 +211,7 @@ async def run_conversations(base: str, model: str, opts, system: list[int], conv
 
 
 def read_counters(base: str) -> dict[str, float]:
-    """vLLM's prefix-cache counters, summed over engines."""
+    """vLLM's prefix-cache and speculative-decoding counters, summed over engines (0 where a server has none)."""
     status, body = soak._get(base + "/metrics", timeout=10)
     if status != 200:
         raise RuntimeError(f"/metrics answered {status}")
@@ -227,6 +230,10 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, 100 * q)) if values else None
 
 
+def _per(counters: dict[str, float], name: str) -> float:
+    return counters[name] / counters["vllm:spec_decode_num_drafts"]
+
+
 def summarize(name: str, records: list[dict], counters: dict[str, float], wall_s: float, opts) -> dict:
     ok = [r for r in records if "error" not in r]
     want = opts.conversations * opts.turns
@@ -237,6 +244,7 @@ def summarize(name: str, records: list[dict], counters: dict[str, float], wall_s
     tpot = [(r["latency"] - r["ttft"]) * 1e3 / (len(r["ids"]) - 1) for r in ok
             if r["ttft"] is not None and len(r["ids"]) > 1]
     later_ttft = [r["ttft"] * 1e3 for r in later if r["ttft"] is not None]
+    drafts = counters["vllm:spec_decode_num_drafts"]
     row = {
         "config": name, "requests": want, "completed": len(ok), "failed": len(records) - len(ok),
         "missing": want - len(records),
@@ -252,6 +260,10 @@ def summarize(name: str, records: list[dict], counters: dict[str, float], wall_s
         "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99), "ttft_mean_ms": sum(ttft) / len(ttft)
         if ttft else None, "ttft_later_turns_p50_ms": _pct(later_ttft, 0.5),
         "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99),
+        # vLLM counts a draft per request per step: tokens each request got per step (1 + accepted) and the draft
+        # nodes it verified (a chain's k; Bole's share of the step's node budget)
+        "tokens_per_step": 1 + _per(counters, "vllm:spec_decode_num_accepted_tokens") if drafts else 1.0,
+        "nodes_per_request_step": _per(counters, "vllm:spec_decode_num_draft_tokens") if drafts else 0.0,
         "output_tok_s": sum(len(r["ids"]) for r in ok) / wall_s if wall_s else None,
         "wall_s": round(wall_s, 2),
         "errors": [r["error"] for r in records if "error" in r][:3],
@@ -301,14 +313,16 @@ def comparison(rows: list[dict]) -> dict:
 def table(rows: list[dict]) -> str:
     def f(v, spec=".1f"):
         return "–" if v is None else format(v, spec)
-    lines = ["| config | hit rate | later turns | vLLM counters | TTFT p50 / p99 ms | TPOT p50 / p99 ms | tok/s | ok |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | hit rate | later turns | vLLM counters | TTFT p50 / p99 ms | TPOT p50 / p99 ms | tok/s "
+             "| tokens / nodes per request-step | ok |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {f(100 * r['hit_rate'] if r['hit_rate'] is not None else None)}% | "
                      f"{f(100 * r['hit_rate_later_turns'] if r['hit_rate_later_turns'] is not None else None)}% | "
                      f"{f(100 * r['counter_hit_rate'] if r['counter_hit_rate'] is not None else None)}% | "
                      f"{f(r['ttft_p50_ms'], '.0f')} / {f(r['ttft_p99_ms'], '.0f')} | "
                      f"{f(r['tpot_p50_ms'], '.2f')} / {f(r['tpot_p99_ms'], '.2f')} | {f(r['output_tok_s'])} | "
+                     f"{f(r.get('tokens_per_step'), '.2f')} / {f(r.get('nodes_per_request_step'), '.1f')} | "
                      f"{'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
@@ -335,6 +349,8 @@ def run_config(name: str, opts, model: str | None, shared: list[str], on_gpu: bo
         entry["budget_log"] = serve._budget_lines(log)
         entry["wall_s"] = round(time.monotonic() - t0, 1)
     row = summarize(name, records, {k: after[k] - before[k] for k in COUNTERS}, wall, opts)
+    # the share of Bole's budgets its throughput rule chose, from the per-interval lines of the whole server run
+    row["bole_budget_rule"] = serve.rule_share(log.read_text(errors="replace")) if log.exists() else None
     print(f"[{name}] {row['completed']}/{row['requests']} requests, hit rate {100 * (row['hit_rate'] or 0):.1f}% "
           f"(later turns {100 * (row['hit_rate_later_turns'] or 0):.1f}%), TTFT p50 {row['ttft_p50_ms'] or 0:.0f} ms, "
           f"TPOT p50 {row['tpot_p50_ms'] or 0:.2f} ms ({wall:.1f} s)", flush=True)

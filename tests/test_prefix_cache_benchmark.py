@@ -34,6 +34,9 @@ def test_smoke(tmp_path, capsys):
         # The responses' cached tokens are vLLM's hits: here every lookup is one request's.
         assert row["cached_tokens"] == row["prefix_cache_hits"] and row["prompt_tokens"] == row["prefix_cache_queries"]
     assert rows["ar"]["hit_rate_later_turns"] > 0.5, rows["ar"]
+    # vLLM's speculative-decoding counters: Bole's trees verify several nodes per request and accept some
+    assert (rows["ar"]["tokens_per_step"], rows["ar"]["nodes_per_request_step"]) == (1.0, 0.0), rows["ar"]
+    assert rows["bole"]["tokens_per_step"] > 1.0 and rows["bole"]["nodes_per_request_step"] > 1.0, rows["bole"]
     # A near-tie of bf16 logits may change a conversation: at most one of four.
     assert rows["bole"]["same_conversations_as_ar"] >= 3, rows["bole"]
 

@@ -553,7 +553,6 @@ class DeviceBeam:
         """One level's MTP forward (the rows of ``plan``'s level ``d``): (hidden ``[G*k, H]``, top children
         ``[G*k, 2k]``)."""
         drafter, k, g = self.drafter, self.k, len(reqs)
-        rows = g * k
         # What the metadata reads of a chunk: batch request, query count, sequence length.
         chunks = [(r, range(k), None, s, None) for r, s in zip(reqs, plan.host_seq_lens(d))]
         rope = None

@@ -186,6 +186,7 @@ def run(spec: dict) -> dict:
                         "prompt_ids": list(o.prompt_token_ids), "choices": [list(x.token_ids) for x in o.outputs],
                         "prompt_logprobs": prompt_top, "cached_tokens": o.num_cached_tokens})
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": graph_summary(llm),
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
             **step_counts(llm),

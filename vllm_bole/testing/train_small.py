@@ -5,6 +5,7 @@
     python -m vllm_bole.testing.train_small --check DIR              # load in vLLM with MTP, report counters
     python -m vllm_bole.testing.train_small --measure DIR --report R.json   # acceptance table through vLLM
     python -m vllm_bole.testing.train_small --measure DIR --chains "" --draft-vocab 512,1024   # draft vocabularies
+    python -m vllm_bole.testing.train_small --measure-shared-prefix DIR   # acceptance after prefix-cache hits
 
 The target is ``transformers``' own ``Qwen3_5ForCausalLM`` (Gated DeltaNet and gated full attention in the 3:1
 pattern of ``TinyShape.layer_types``, M-RoPE with the tiny models' ``rope_parameters``), so the trained weights
@@ -508,6 +509,43 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
             "sample": [{"prompt": tok.decode(p), "output": tok.decode(o)} for p, o in zip(prompts[:3], plain[:3])]}
 
 
+def measure_shared_prefix(model_dir: str, blocks: int = 4, count: int = 8, max_tokens: int = 96, work_dir=None,
+                          log=print) -> dict:
+    """What a prefix-cache hit costs Bole's acceptance where requests diverge exactly at a block boundary, the one
+    place its drafter reads a stale entry: with prefix caching Bole looks prefixes up as vLLM does without a drafter
+    (``_vllm_compat.hit_as_without_drafter``), so the MTP drafter's K/V at the last cached position is the one the
+    request that cached the block computed, with that request's next token. ``count`` requests share ``blocks``
+    blocks of held-out code and continue with different held-out lines; one request at a time (``max_num_seqs``
+    1), so each after the first hits the shared blocks. Bole's default with and without prefix caching, and vLLM
+    without speculation: mean acceptance length, cached tokens and whether the tokens equal the plain run's."""
+    work = Path(work_dir or tempfile.mkdtemp(prefix="train-small-prefix-"))
+    work.mkdir(parents=True, exist_ok=True)
+    base = {"model": model_dir, "kind": "qwen3_5", "logprobs": 2}
+    probe = _engine(base | {"requests": [{"prompt": [7, 8, 9], "max_tokens": 1}],
+                            "engine": {"enable_prefix_caching": True}}, work, "block_size")
+    block = probe["block_size"]
+    shared = [t for p in code_prompts(model_dir, count=64, prompt_tokens=256, seed=1) for t in p][:blocks * block]
+    if len(shared) < blocks * block:
+        raise ValueError(f"held-out prompts hold {len(shared)} tokens, fewer than {blocks} blocks of {block}")
+    requests = [{"prompt": shared + suffix, "max_tokens": max_tokens} for suffix in code_prompts(model_dir, count)]
+    configs = {"plain": {}, "bole": {"speculative_config": {"method": "bole"}},
+               "bole_prefix_caching": {"speculative_config": {"method": "bole"}, "enable_prefix_caching": True}}
+    rows, plain = {}, None
+    for name, extra in configs.items():
+        engine = {"max_num_seqs": 1, "enable_prefix_caching": False} | extra
+        out = _engine(base | {"requests": requests, "engine": engine}, work, name)
+        tokens = [o["tokens"] for o in out["outputs"]]
+        plain = tokens if plain is None else plain
+        c = out["counters"]
+        rows[name] = {"identical_requests": sum(a == b for a, b in zip(tokens, plain)),
+                      "cached_tokens": [o["cached_tokens"] for o in out["outputs"]],
+                      "mean_acceptance_length": c["mean_acceptance_length"], "num_drafts": c["num_drafts"],
+                      "num_accepted_tokens": c["num_accepted_tokens"], "accepted_per_pos": c["accepted_per_pos"]}
+        log(f"{name}: {json.dumps(rows[name])}")
+    return {"model": model_dir, "block_size": block, "shared_tokens": len(shared), "requests": count,
+            "max_tokens": max_tokens, "rows": rows}
+
+
 def check(model_dir: str, num_speculative_tokens: int = 2, max_tokens: int = 24) -> dict:
     """Load the checkpoint in vLLM (in this process) with MTP speculation and generate greedily from a few code
     prompts. Reports the outputs, the spec-decode counters, whether every ``mtp.*`` tensor vLLM's MTP model read
@@ -568,18 +606,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-after", type=int, help="stop after this many steps of the --steps schedule")
     parser.add_argument("--check", metavar="DIR", help="load DIR in vLLM with MTP and print a JSON report")
     parser.add_argument("--measure", metavar="DIR", help="acceptance through vLLM on held-out code prompts")
+    parser.add_argument("--measure-shared-prefix", metavar="DIR",
+                        help="Bole's acceptance where prefix-cache hits end at a block boundary requests diverge at")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--chains", default="1,2,3,4", help="--measure: vLLM MTP chain lengths ('' for none)")
     parser.add_argument("--draft-vocab", default="",
                         help="--measure: draft_vocab sizes to add (each as the lowest ids and as the most frequent)")
-    parser.add_argument("--report", help="write the --check / --measure JSON here too")
+    parser.add_argument("--report", help="write the --check / --measure / --measure-shared-prefix JSON here too")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.check or args.measure:
+    if args.check or args.measure or args.measure_shared_prefix:
         sizes = lambda text: tuple(int(x) for x in text.split(",") if x)   # noqa: E731
-        report = check(args.check) if args.check else measure(
-            args.measure, max_tokens=args.max_tokens, chains=sizes(args.chains), draft_vocabs=sizes(args.draft_vocab))
+        if args.check:
+            report = check(args.check)
+        elif args.measure_shared_prefix:
+            report = measure_shared_prefix(args.measure_shared_prefix, max_tokens=args.max_tokens)
+        else:
+            report = measure(args.measure, max_tokens=args.max_tokens, chains=sizes(args.chains),
+                             draft_vocabs=sizes(args.draft_vocab))
         text = json.dumps(report, indent=1)
         if args.report:
             Path(args.report).write_text(text + "\n")
