@@ -524,7 +524,7 @@ def measure_shared_prefix(model_dir: str, blocks: int = 4, count: int = 8, max_t
     probe = _engine(base | {"requests": [{"prompt": [7, 8, 9], "max_tokens": 1}],
                             "engine": {"enable_prefix_caching": True}}, work, "block_size")
     block = probe["block_size"]
-    shared = [t for p in code_prompts(model_dir, count=64, prompt_tokens=256, seed=1) for t in p][:blocks * block]
+    shared = [t for p in code_prompts(model_dir, count=8, prompt_tokens=256, seed=1) for t in p][:blocks * block]
     if len(shared) < blocks * block:
         raise ValueError(f"held-out prompts hold {len(shared)} tokens, fewer than {blocks} blocks of {block}")
     requests = [{"prompt": shared + suffix, "max_tokens": max_tokens} for suffix in code_prompts(model_dir, count)]
