@@ -4,7 +4,6 @@ Loaded by vLLM in every process (``vllm.general_plugins`` entry point ``bole``);
 changes nothing unless a Bole config is present.
 """
 
-
 from .config import ADDITIONAL_CONFIG_KEY, BOLE_METHOD, BoleConfigError, parse_bole_config
 from .logger import init_logger
 

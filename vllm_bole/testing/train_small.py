@@ -532,7 +532,8 @@ def measure_shared_prefix(model_dir: str, blocks: int = 4, count: int = 8, max_t
                "bole_prefix_caching": {"speculative_config": {"method": "bole"}, "enable_prefix_caching": True}}
     rows, plain = {}, None
     for name, extra in configs.items():
-        engine = {"max_num_seqs": 1, "enable_prefix_caching": False} | extra
+        engine = {"max_num_seqs": 1, "max_model_len": len(shared) + 64 + max_tokens, "enable_prefix_caching": False}
+        engine |= extra
         out = _engine(base | {"requests": requests, "engine": engine}, work, name)
         tokens = [o["tokens"] for o in out["outputs"]]
         plain = tokens if plain is None else plain
