@@ -123,3 +123,21 @@ def test_bole_default_is_lossless_on_the_stand_in(trained, tmp_path):
     assert_lossless(plain, bole, max_near_ties=2)
     counters = bole["counters"]
     assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0, counters
+
+
+@pytest.mark.vllm
+def test_measure_shared_prefix_hits_the_shared_blocks(trained, tmp_path):
+    """``--measure-shared-prefix`` on the stand-in: every request after the first reads the shared block from the
+    prefix cache (Bole looks prefixes up as vLLM does without a drafter: the whole block, not one block less), and
+    Bole's trees accept drafts of the checkpoint's MTP head."""
+    out, _ = trained
+    report = train_small.measure_shared_prefix(str(out), blocks=1, count=3, max_tokens=16, work_dir=tmp_path,
+                                               log=lambda s: None)
+    block, rows = report["block_size"], report["rows"]
+    assert report["shared_tokens"] == block
+    assert rows["bole_prefix_caching"]["cached_tokens"] == [0, block, block], rows["bole_prefix_caching"]
+    assert rows["bole"]["cached_tokens"] == [0, 0, 0]
+    assert rows["bole"]["num_drafts"] > 0 and rows["bole"]["num_accepted_tokens"] > 0, rows["bole"]
+    # greedy: Bole's tokens are the plain run's, a bf16 near-tie aside (test_bole_default_is_lossless_on_the_stand_in)
+    assert rows["plain"]["identical_requests"] == 3, rows
+    assert rows["bole"]["identical_requests"] >= 2 and rows["bole_prefix_caching"]["identical_requests"] >= 2, rows

@@ -517,7 +517,8 @@ def measure_shared_prefix(model_dir: str, blocks: int = 4, count: int = 8, max_t
     request that cached the block computed, with that request's next token. ``count`` requests share ``blocks``
     blocks of held-out code and continue with different held-out lines; one request at a time (``max_num_seqs``
     1), so each after the first hits the shared blocks. Bole's default with and without prefix caching, and vLLM
-    without speculation: mean acceptance length, cached tokens and whether the tokens equal the plain run's."""
+    without speculation: mean acceptance length, cached tokens and whether the tokens equal the plain run's, and
+    whether Bole's tokens are the same with and without prefix caching."""
     work = Path(work_dir or tempfile.mkdtemp(prefix="train-small-prefix-"))
     work.mkdir(parents=True, exist_ok=True)
     base = {"model": model_dir, "kind": "qwen3_5", "logprobs": 2}
@@ -530,12 +531,12 @@ def measure_shared_prefix(model_dir: str, blocks: int = 4, count: int = 8, max_t
     requests = [{"prompt": shared + suffix, "max_tokens": max_tokens} for suffix in code_prompts(model_dir, count)]
     configs = {"plain": {}, "bole": {"speculative_config": {"method": "bole"}},
                "bole_prefix_caching": {"speculative_config": {"method": "bole"}, "enable_prefix_caching": True}}
-    rows, plain = {}, None
+    rows, plain, tokens_of = {}, None, {}
     for name, extra in configs.items():
         engine = {"max_num_seqs": 1, "max_model_len": len(shared) + 64 + max_tokens, "enable_prefix_caching": False}
         engine |= extra
         out = _engine(base | {"requests": requests, "engine": engine}, work, name)
-        tokens = [o["tokens"] for o in out["outputs"]]
+        tokens = tokens_of[name] = [o["tokens"] for o in out["outputs"]]
         plain = tokens if plain is None else plain
         c = out["counters"]
         rows[name] = {"identical_requests": sum(a == b for a, b in zip(tokens, plain)),
@@ -544,7 +545,9 @@ def measure_shared_prefix(model_dir: str, blocks: int = 4, count: int = 8, max_t
                       "num_accepted_tokens": c["num_accepted_tokens"], "accepted_per_pos": c["accepted_per_pos"]}
         log(f"{name}: {json.dumps(rows[name])}")
     return {"model": model_dir, "block_size": block, "shared_tokens": len(shared), "requests": count,
-            "max_tokens": max_tokens, "rows": rows}
+            "max_tokens": max_tokens, "rows": rows,
+            # where Bole with prefix caching reads a stale drafter entry, its tokens could change only by near-ties
+            "tokens_equal_with_prefix_caching": tokens_of["bole"] == tokens_of["bole_prefix_caching"]}
 
 
 def check(model_dir: str, num_speculative_tokens: int = 2, max_tokens: int = 24) -> dict:
@@ -609,6 +612,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--measure", metavar="DIR", help="acceptance through vLLM on held-out code prompts")
     parser.add_argument("--measure-shared-prefix", metavar="DIR",
                         help="Bole's acceptance where prefix-cache hits end at a block boundary requests diverge at")
+    parser.add_argument("--shared-blocks", type=int, default=4,
+                        help="--measure-shared-prefix: the blocks the requests share")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--chains", default="1,2,3,4", help="--measure: vLLM MTP chain lengths ('' for none)")
     parser.add_argument("--draft-vocab", default="",
@@ -622,7 +627,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.check:
             report = check(args.check)
         elif args.measure_shared_prefix:
-            report = measure_shared_prefix(args.measure_shared_prefix, max_tokens=args.max_tokens)
+            report = measure_shared_prefix(args.measure_shared_prefix, blocks=args.shared_blocks,
+                                           max_tokens=args.max_tokens)
         else:
             report = measure(args.measure, max_tokens=args.max_tokens, chains=sizes(args.chains),
                              draft_vocabs=sizes(args.draft_vocab))
