@@ -531,15 +531,14 @@ def measure_shared_prefix(model_dir: str, blocks: int = 4, count: int = 8, max_t
     requests = [{"prompt": shared + suffix, "max_tokens": max_tokens} for suffix in code_prompts(model_dir, count)]
     configs = {"plain": {}, "bole": {"speculative_config": {"method": "bole"}},
                "bole_prefix_caching": {"speculative_config": {"method": "bole"}, "enable_prefix_caching": True}}
-    rows, plain, tokens_of = {}, None, {}
-    for name, extra in configs.items():
+    rows, tokens_of = {}, {}
+    for name, extra in configs.items():   # (plain first: the others' tokens are compared with its)
         engine = {"max_num_seqs": 1, "max_model_len": len(shared) + 64 + max_tokens, "enable_prefix_caching": False}
         engine |= extra
         out = _engine(base | {"requests": requests, "engine": engine}, work, name)
         tokens = tokens_of[name] = [o["tokens"] for o in out["outputs"]]
-        plain = tokens if plain is None else plain
         c = out["counters"]
-        rows[name] = {"identical_requests": sum(a == b for a, b in zip(tokens, plain)),
+        rows[name] = {"identical_requests": sum(a == b for a, b in zip(tokens, tokens_of["plain"])),
                       "cached_tokens": [o["cached_tokens"] for o in out["outputs"]],
                       "mean_acceptance_length": c["mean_acceptance_length"], "num_drafts": c["num_drafts"],
                       "num_accepted_tokens": c["num_accepted_tokens"], "accepted_per_pos": c["accepted_per_pos"]}

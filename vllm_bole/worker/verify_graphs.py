@@ -105,8 +105,7 @@ class VerifyGraphs:
         return self.forest_buf[self.capacity:self.capacity + num_trees + 1]
 
     def block_tables(self) -> dict[str, torch.Tensor]:
-        """Every layer's persistent block table (GDN layers: the state slot's column is
-        :meth:`state_block_sizes`')."""
+        """Every layer's persistent block table (GDN layers: the state slot's column, :meth:`state_block_sizes`)."""
         if self._block_tables is None:
             runner = self.runner
             self._block_tables = {
@@ -119,10 +118,11 @@ class VerifyGraphs:
         moves along the block table (``GraphStep.state_slots``); otherwise empty (column 0)."""
         if self._state_block_sizes is None:
             runner = self.runner
-            align = runner.cache_config.mamba_cache_mode == "align"
-            groups = [g for g in runner.kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
-            self._state_block_sizes = {name: g.kv_cache_spec.block_size
-                                       for g in groups if align for name in g.layer_names}
+            self._state_block_sizes = {}
+            if runner.cache_config.mamba_cache_mode == "align":
+                self._state_block_sizes = {name: g.kv_cache_spec.block_size
+                                           for g in runner.kv_cache_config.kv_cache_groups
+                                           if isinstance(g.kv_cache_spec, MambaSpec) for name in g.layer_names}
         return self._state_block_sizes
 
     # ---- one step -------------------------------------------------------------------------------------
@@ -166,7 +166,8 @@ class VerifyGraphs:
         # The commit after this step reads the layers and slot tensors of *this* graph's capture, and the step's
         # block checkpoints (prefix caching), which no layer's host code saw.
         scratch.layers[:], scratch.slots[:] = entry.gdn_layers, entry.gdn_slots
-        scratch.checkpoints[:] = step_checkpoints(entry.gdn_layers, forest.tree_req_indices)
+        scratch.checkpoints[:] = (step_checkpoints(entry.gdn_layers, forest.tree_req_indices)
+                                  if self.state_block_sizes() else [])
         entry.graph.replay()
         self.replays += 1
         forest.cu_seqlens = self._cu_seqlens(forest.num_trees)
