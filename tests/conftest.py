@@ -18,6 +18,11 @@ if not torch.cuda.is_available():
     else:
         os.environ["TRITON_INTERPRET"] = _old
 
+    # vLLM's CPU sampler is torch.compile'd at import; the first compile in a process probes the CPU's vector
+    # ISAs by starting ten Python subprocesses, about 22 s of every engine start here. The tests' engines
+    # (subprocesses inherit this) and in-process samplers run the same functions eagerly instead.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_dir() -> str:
