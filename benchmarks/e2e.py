@@ -613,7 +613,7 @@ def run_worker(args) -> None:
         reload_budget_tables()
     if args.calibrate and bole:
         # The rule "throughput" applies only where the table holds curves: resolve it again with the new table.
-        runner.bole_refresh_budget_rule()
+        runner.bole_budget.refresh()
         scheduler = engine_core_of(llm).scheduler
         if hasattr(scheduler, "bole_refresh_budget_rule"):   # (the async scheduler; the synchronous one asks none)
             scheduler.bole_refresh_budget_rule()
@@ -642,7 +642,7 @@ def run_worker(args) -> None:
             before = spec_decode_counters(llm.get_metrics())
             graphs_before, keys_before = _bole_graph_counts(runner), _bole_graph_keys(runner)
             stand_ins_before, capture_ms_before = _bole_stand_ins(runner), _bole_capture_ms(runner)
-            budgets_before = collections.Counter(getattr(runner, "bole_budgets", {}))
+            budgets_before = collections.Counter(runner.bole_budget.planned if bole else {})
             runs, wall, tokens, round_runs, step_summaries = [], 0.0, 0, [], []
         # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second), at least
         # --min-timed-runs times, so that the median leaves out a run that captured a graph or compiled a kernel;
@@ -677,7 +677,7 @@ def run_worker(args) -> None:
         if bole:
             # the node budget the timed runs' steps of all B requests took most often (the rules "step" and
             # "throughput" move it with their measurements)
-            planned = runner.bole_budgets - budgets_before
+            planned = runner.bole_budget.planned - budgets_before
             at_b = {n: c for (reqs, n), c in planned.items() if reqs == b}
             row["budget"] = max(at_b, key=at_b.get) if at_b else None
             row["budgets_at_b"] = dict(sorted(at_b.items()))
@@ -696,12 +696,11 @@ def run_worker(args) -> None:
             row["capture_share_of_wall"] = round(sum(spent) / 1e3 / wall, 4) if wall else None
             row["settle_passes"] = settle
             # what the throughput rule weighed at the end (per calibrated N: T_ver, rest, tokens, their rate)
-            estimates = getattr(runner, "bole_rule_estimates", lambda b: None)(b)
+            estimates = runner.bole_budget.estimates(b)
             if estimates is not None:
                 row["rule_estimates"] = estimates
             # the step clock's fit of the rest against the tree size (its slope: None while unknown)
-            clock = getattr(runner, "_bole_clock", None)
-            fit = clock.fit_summary(b) if clock is not None else None
+            fit = runner.bole_budget.clock.fit_summary(b)
             if fit is not None:
                 row["rest_fit"] = fit
         per_batch[str(b)] = row
@@ -709,7 +708,7 @@ def run_worker(args) -> None:
         if b == args.batch_sizes[-1]:   # the rest of the last turn: the profile, the results
             result["batches"] = per_batch
             if bole:   # the budget rule in effect (budget.with_applicable_rule)
-                result["budget_rule"] = runner.bole_config.budget_rule
+                result["budget_rule"] = runner.bole_budget.rule
             if bole and args.profile_batch:
                 result["profile"] = profile_bole(llm, runner, args, run_dir, rng, name)
             _write_json(run_dir / f"{name}.json", result)

@@ -194,7 +194,7 @@ def test_probes_find_a_rest_that_grows_with_the_trees(lag):
 
     assert max(t_ver, key=rate) == 128
 
-    def run(probing: bool) -> list[int]:   # as the model runner does (_throughput_budget; B_ver before a fit)
+    def run(probing: bool) -> list[int]:   # as the budget policy does (BudgetPolicy._throughput; B_ver before a fit)
         clock, t, chosen, keep = StepClock(), 0.0, [256] * (lag + 1), None
         clock.tick(t, 16, True, t_ver[256], nodes=256)
         for _ in range(400):

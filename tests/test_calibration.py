@@ -220,16 +220,18 @@ def test_runner_clock_ticks_see_graph_captures():
     verification, drafter level or whole-level graph), and not when they did not."""
     from types import SimpleNamespace
 
+    from vllm_bole.worker.budget_policy import BudgetPolicy
     from vllm_bole.worker.model_runner import BoleModelRunnerMixin
 
     ticks = []
     verify = SimpleNamespace(graphs={})
     beam = SimpleNamespace(graphs=SimpleNamespace(graphs={}))
+    policy = BudgetPolicy.__new__(BudgetPolicy)
+    policy.config, policy.model_config, policy._graphs = parse_bole_config({"method": "bole", "budget": 40})[0], None, 0
+    policy.clock = SimpleNamespace(tick=lambda *a, **kw: ticks.append(kw["captured"]))
     runner = SimpleNamespace(
         _bole_graphs=verify, bole_drafter=SimpleNamespace(graphs=SimpleNamespace(graphs={}), beam=beam),
-        _bole_forest=SimpleNamespace(tree_only=True), _bole_last_nodes=64, _bole_clock_graphs=0,
-        bole_config=parse_bole_config({"method": "bole", "budget": 40})[0], model_config=None,
-        _bole_clock=SimpleNamespace(tick=lambda *a, **kw: ticks.append(kw["captured"])))
+        _bole_forest=SimpleNamespace(tree_only=True), _bole_last_nodes=64, bole_budget=policy)
     runner.bole_graph_counts = lambda: BoleModelRunnerMixin.bole_graph_counts(runner)
     tick = lambda: BoleModelRunnerMixin._tick_clock(runner, 16, 300)   # noqa: E731
     tick()

@@ -36,7 +36,8 @@ def _runner():
     runner = _Runner.__new__(_Runner)
     runner._bole_pending, runner._bole_profiler, runner._bole_forest = None, None, None
     runner._bole_trees, runner._draft_token_ids, runner._bole_last_nodes = {}, None, 0
-    runner._bole_commit, runner._bole_early_draft, runner._bole_budget_choice = None, None, None
+    runner._bole_commit, runner._bole_early_draft = None, None
+    runner.bole_budget = SimpleNamespace(choice=None)
     runner.uses_mrope = False
     runner.cache_config = SimpleNamespace(mamba_cache_mode="none")   # (no prefix caching)
     runner.bole_drafter = SimpleNamespace(selects=True, own_kv_layers=lambda: ("mtp.attn",))

@@ -19,9 +19,9 @@ curves for the model and GPU it runs as "decode" (:func:`with_applicable_rule`).
 
 Under async scheduling the scheduler fixes each request's next tree size before the step that drafts it runs
 (``worker/scheduler.async_budget`` and ``async_quotas``). The rules "decode" and "throughput" apply there: for
-"throughput" the scheduler asks the model runner of its own process (:func:`set_async_budget_source`; at
-tensor_parallel_size 1 vLLM runs the worker inside the engine core), which holds the step clock and the acceptance
-model.
+"throughput" the scheduler asks the model runner's budget policy in its own process (``worker/budget_policy.py``,
+:func:`set_async_budget_source`; at tensor_parallel_size 1 vLLM runs the worker inside the engine core), which
+holds the step clock and the acceptance model.
 """
 
 import collections

@@ -32,6 +32,11 @@ def _runner(llm):
         return None
 
 
+def _budget(llm, name: str):
+    """An attribute of the Bole runner's budget policy (``worker/budget_policy.BudgetPolicy``); None without Bole."""
+    return getattr(getattr(_runner(llm), "bole_budget", None), name, None)
+
+
 def graph_summary(llm) -> dict | None:
     """Bole's full CUDA graphs (GPU): verification graphs, drafter level graphs and the device-grown levels'
     whole-level graphs captured, and replays."""
@@ -190,11 +195,11 @@ def run(spec: dict) -> dict:
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": graph_summary(llm),
             "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
             **step_counts(llm),
-            "acceptance_steps": getattr(getattr(_runner(llm), "_bole_acceptance", None), "steps", None),
+            "acceptance_steps": getattr(_budget(llm, "acceptance"), "steps", None),
             # tree steps the phase timer counted (VLLM_BOLE_PROFILE_STEPS)
             "profiled_steps": getattr(getattr(_runner(llm), "_bole_profiler", None), "steps", None),
-            "budgets": _counts(getattr(_runner(llm), "bole_budgets", None)),
-            "async_budgets": _counts(getattr(_runner(llm), "bole_async_budgets", None)),
+            "budgets": _counts(_budget(llm, "planned")),
+            "async_budgets": _counts(_budget(llm, "async_planned")),
             "scheduling": _scheduling(llm), "budget_log": _budget_log(llm), "preemptions": _preemptions(llm)}
 
 

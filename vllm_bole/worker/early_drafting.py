@@ -178,8 +178,8 @@ def device_output(runner, forest) -> SamplerOutput:
     if runner.bole_walk_log is not None:   # (the paths stay on the device)
         runner.bole_walk_log.unrecorded_steps += 1
     walk = runner._bole_early_draft.walk
-    if runner.bole_config.budget_rule == "throughput":   # the paths reach the acceptance model by a copy
-        runner._bole_device_walks.send(walk.rows, walk.length, forest.parent, forest.cu_seqlens)
+    if runner.bole_budget.rule == "throughput":   # the paths reach the acceptance model by a copy
+        runner.bole_budget.device_walks.send(walk.rows, walk.length, forest.parent, forest.cu_seqlens)
     return SamplerOutput(sampled_token_ids=walk.emitted, logprobs_tensors=None)
 
 
@@ -194,7 +194,7 @@ def walked_output(runner, logits, forest) -> SamplerOutput:
     outputs = [row[w:w + row[-1]] for row in table]
     forest.accepted_paths = paths
     runner._bole_paths = paths
-    runner._note_walk(forest)
+    runner.bole_budget.observe(forest)
     if runner.bole_walk_log is not None:
         runner.bole_walk_log.add_step(forest, outputs, runner._bole_trees)
     sampled = runner._host_walk_tokens(outputs)

@@ -9,9 +9,7 @@ With ``early_drafting`` (the default) a step of trees whose requests are greedy 
 drafting and the commit on the device right behind its forward instead (``worker/early_drafting.py``).
 """
 
-import collections
 import functools
-import time
 
 import numpy as np
 import torch
@@ -28,9 +26,7 @@ from .._vllm_compat import (RUNNER_OVERRIDES, check_overrides, copy_valid_sample
 from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
-from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel, DeviceWalks
-from ..spec_decode.budget import (BUDGET_ATTR, StepClock, auto_budgets, node_budget, set_async_budget_source,
-                                  verify_ms, with_applicable_rule)
+from ..spec_decode.budget import BUDGET_ATTR
 from ..spec_decode.device_beam import device_constant
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting
 from ..spec_decode.make_drafter import make_drafter
@@ -42,6 +38,7 @@ from ..spec_decode.tree_sampler import (SeededDraws, builtin_logitsprocs, draw_t
                                         sample_tree_rows, tree_rows_supported, walk_tree, walks_tree)
 from ..spec_decode.walk_record import WalkLog
 from . import early_drafting
+from .budget_policy import BudgetPolicy
 from ..step.forest import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 from .scheduler import Placeholders
@@ -62,7 +59,7 @@ class BoleModelRunnerMixin:
         # vLLM's built-in logits processors, as without speculation (min-p and logit bias are Bole's to apply)
         with module_attr_override("vllm.v1.worker.gpu_model_runner", "build_logitsprocs", builtin_logitsprocs):
             super().__init__(vllm_config, device)
-        self.bole_config = bole_config_from_vllm(vllm_config)   # its budget_rule resolved below (refresh)
+        self.bole_config = bole_config_from_vllm(vllm_config)   # (its budget_rule as given: see bole_budget.rule)
         self._bole_trees: dict[str, DraftTree] = {}
         self._bole_forest: StepForest | None = None
         self._bole_paths: list[list[int]] | None = None  # per batch request, this step's accepted nodes
@@ -77,17 +74,8 @@ class BoleModelRunnerMixin:
         self._bole_queued = None
         self.bole_queued_trees = 0  # trees verified from queued drafts (their nodes read on the device)
         self.bole_stale_placeholders = 0  # placeholder drafts whose queued trees were gone (verified as a chain)
-        self.bole_budgets = collections.Counter()   # (batch size, node budget) of every planned step
-        self.bole_async_budgets = collections.Counter()   # (batch size, budget) given to the async scheduler
-        self._bole_budget_choice = None   # synchronous scheduling: the step's, for the scheduler's BudgetLog
-        self._bole_clock = StepClock()   # budget_rule "step"/"throughput": the step time besides the target forward
-        self._bole_clock_graphs = 0      # CUDA graphs held at the clock's last tick (bole_graph_counts)
-        self._bole_chosen: dict[int, int] = {}   # "throughput": batch size -> the budget last chosen (not a probe)
-        # budget_rule "throughput": what trees of q nodes accept, from the walks so far
-        self._bole_acceptance = AcceptanceModel(self.bole_config.topk, self.bole_config.max_depth)
-        # ... and its walks that stayed on the device (async scheduling), on their way to it
-        self._bole_device_walks = DeviceWalks(self._bole_acceptance)
-        self.bole_refresh_budget_rule()
+        # the node budget of each step and what its rule measures
+        self.bole_budget = BudgetPolicy(vllm_config, self.speculative_config.num_speculative_tokens)
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
         self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
         # This step's drafting queued behind its target forward (early_drafting.EarlyDraft), if any
@@ -199,16 +187,16 @@ class BoleModelRunnerMixin:
         those in ``bole_one_more``), root-only requests none (prompt logprobs, min_tokens, ...:
         ``tree_sampler.walks_tree``; the scheduler gave them no placeholders and ``_draft_step`` no context).
         Under ``budget_rule "throughput"`` the step clock ticks here and the walks copied so far reach the
-        acceptance model, for the scheduler's next budgets (:meth:`bole_async_budget`)."""
-        if self.bole_config.budget_rule == "throughput":
+        acceptance model, for the scheduler's next budgets (``BudgetPolicy.async_budget``)."""
+        if self.bole_budget.rule == "throughput":
             self._tick_clock(len(step.req_ids))
-            self._bole_device_walks.observe_ready()
+            self.bole_budget.device_walks.observe_ready()
         step.per_request = self.speculative_config.num_speculative_tokens
         step.quotas = [placeholders.quota(req_id) if d else 0
                        for d, req_id in zip(drafting(step.contexts), step.req_ids)]
         step.budget = sum(step.quotas)
         step.fill_quotas = True
-        self.bole_budgets[len(step.req_ids), step.budget] += 1
+        self.bole_budget.planned_async(len(step.req_ids), step.budget)
 
     def _structured(self, req_id: str) -> bool:
         params = self.requests[req_id].sampling_params
@@ -226,48 +214,26 @@ class BoleModelRunnerMixin:
         num_reqs = len(step.req_ids)
         context_len = self._mean_context(num_reqs)
         step.per_request = self.speculative_config.num_speculative_tokens
-        rest_ms = None
-        if self.bole_config.budget_rule != "decode":   # the step just run verified the last drafts
+        if self.bole_budget.rule != "decode":   # the step just run verified the last drafts
             self._tick_clock(num_reqs, context_len)
-            rest_ms = self._bole_clock.rest_ms(num_reqs)
-        rest = None
-        if self.bole_config.budget_rule == "throughput" and self._bole_acceptance.ready:
-            rest = self._bole_clock.rest_model(num_reqs)   # the rest as it grows with the trees
-            step.budget = self._throughput_budget(num_reqs, context_len, rest)
-        else:
-            step.budget = node_budget(self.bole_config, num_reqs, model_config=self.model_config,
-                                      context_len=context_len, rest_ms=rest_ms)
-        self.bole_budgets[num_reqs, step.budget] += 1
-        self._bole_budget_choice = (num_reqs, min(step.budget, num_reqs * step.per_request), rest is not None)
+        step.budget = self.bole_budget.plan(num_reqs, context_len)
 
     def _mean_context(self, num_reqs: int) -> int | None:
         """The batch's mean context length (picks the calibration table's KV bucket)."""
         return int(self.input_batch.num_computed_tokens_cpu[:num_reqs].mean()) if num_reqs else None
 
     def _tick_clock(self, num_reqs: int, context_len: int | None = None) -> None:
-        """One step of the step clock (``budget_rule "step"``/``"throughput"``), once per step when drafting
-        starts: the step just run verified the last drafts."""
+        """One step of the budget's step clock (``budget_rule "step"``/``"throughput"``), once per step when
+        drafting starts: the step just run verified the last drafts."""
         if context_len is None:
             context_len = self._mean_context(num_reqs)
         forest = self._bole_forest
-        graphs, self._bole_clock_graphs = self._bole_clock_graphs, sum(self.bole_graph_counts())
-        self._bole_clock.tick(time.perf_counter(), num_reqs, forest is not None and forest.tree_only,
-                              verify_ms(self.bole_config, num_reqs, self._bole_last_nodes, context_len,
-                                        self.model_config), nodes=self._bole_last_nodes,
-                              captured=graphs != self._bole_clock_graphs)
+        self.bole_budget.tick(num_reqs, context_len, forest is not None and forest.tree_only, self._bole_last_nodes,
+                              sum(self.bole_graph_counts()))
 
     def step_counts(self) -> dict:
         """Steps by the path they took (reports and tests): ``bole_<name>`` for each name of :data:`STEP_COUNTS`."""
         return {name: getattr(self, f"bole_{name}") for name in STEP_COUNTS}
-
-    def bole_refresh_budget_rule(self) -> None:
-        """``budget_rule`` as it applies with the calibration table as it is now (:func:`with_applicable_rule`:
-        "throughput" needs T_ver curves); called again after a table was written in this process
-        (``budget.reload_budget_tables``). Under "throughput" the async scheduler of this process asks this runner
-        for budgets."""
-        self.bole_config = with_applicable_rule(bole_config_from_vllm(self.vllm_config), self.model_config)
-        if self.bole_config.budget_rule == "throughput":
-            set_async_budget_source(self.bole_async_budget)
 
     def bole_graph_counts(self) -> tuple[int, int]:
         """(verification graphs, drafter graphs: level and whole-level) captured so far; the holders only grow,
@@ -278,50 +244,6 @@ class BoleModelRunnerMixin:
         beam = drafter.beam.graphs if drafter is not None and drafter.beam is not None else None
         return (len(verify.graphs) if verify is not None else 0,
                 (len(draft.graphs) if draft is not None else 0) + (len(beam.graphs) if beam is not None else 0))
-
-    def bole_async_budget(self, batch_size: int, context_len: int | None) -> int | None:
-        """The node budget of a step of ``batch_size`` decodes under ``budget_rule "throughput"``, for the async
-        scheduler (:func:`~vllm_bole.spec_decode.budget.set_async_budget_source`): the calibrated N with the most
-        expected tokens per unit of step time. None until the acceptance model and the step clock have
-        measurements at this batch size (the scheduler then uses B_ver)."""
-        rest = self._bole_clock.rest_model(batch_size)
-        if rest is None or not self._bole_acceptance.ready:
-            return None
-        budget = self._throughput_budget(batch_size, context_len, rest)
-        self.bole_async_budgets[batch_size, budget] += 1
-        return budget
-
-    def bole_rule_estimates(self, batch_size: int, context_len: int | None = None) -> list[dict] | None:
-        """What ``budget_rule "throughput"`` weighs now at ``batch_size`` (``ModelBudgets.throughput_estimates``:
-        per calibrated N, T_ver, the step clock's rest, the acceptance model's tokens and their rate), for reports;
-        None under another rule or before the clock and the acceptance model have measurements."""
-        rest = self._bole_clock.rest_model(batch_size)
-        budgets = auto_budgets(self.bole_config, self.model_config)
-        if (self.bole_config.budget_rule != "throughput" or rest is None or budgets is None
-                or not self._bole_acceptance.ready):
-            return None
-        tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=batch_size,
-                                   per_request=self.speculative_config.num_speculative_tokens)
-        return budgets.throughput_estimates(batch_size, context_len, rest, tokens)
-
-    def _throughput_budget(self, batch_size: int, context_len: int | None, rest) -> int:
-        """``budget_rule "throughput"`` once the acceptance model is ready: the table's choice from the expected
-        tokens and ``rest`` (N -> ms, or None: B_ver), kept from the last one unless clearly better, or one
-        calibrated size off it on a probe (:meth:`StepClock.probe`)."""
-        tokens = functools.partial(self._bole_acceptance.tokens_per_step, batch=batch_size,
-                                   per_request=self.speculative_config.num_speculative_tokens)
-        probe = self._bole_clock.probe(batch_size)
-        budget = node_budget(self.bole_config, batch_size, model_config=self.model_config, context_len=context_len,
-                             rest_ms=rest, tokens=tokens, probe=probe, keep=self._bole_chosen.get(batch_size))
-        if not probe:
-            self._bole_chosen[batch_size] = budget
-        return budget
-
-    def _note_walk(self, forest: StepForest) -> None:
-        """The step's accepted paths into the acceptance model (``budget_rule "throughput"``)."""
-        if self.bole_config.budget_rule == "throughput" and forest.accepted_paths:
-            n = min(len(forest.tree_req_indices), TREES_PER_STEP)
-            self._bole_acceptance.observe([forest.parents_of(i) for i in range(n)], forest.accepted_paths[:n])
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -576,7 +498,7 @@ class BoleModelRunnerMixin:
             outputs.append(drafted + [bonus[r]])
         forest.accepted_paths = [paths[r] for r in forest.tree_req_indices]
         self._bole_paths = paths
-        self._note_walk(forest)
+        self.bole_budget.observe(forest)
         if self.bole_walk_log is not None:
             self.bole_walk_log.add_step(forest, [outputs[r] for r in forest.tree_req_indices], self._bole_trees)
         # On the host: vLLM's bookkeeping then reads it without a copy, which would wait behind the drafter's
@@ -810,8 +732,8 @@ class BoleModelRunnerMixin:
                      if self._structured(req_id) and req_id in self._bole_trees}
             if trees:
                 setattr(drafts, PARENTS_ATTR, trees)
-            setattr(drafts, BUDGET_ATTR, self._bole_budget_choice)
-        self._bole_budget_choice = None
+            setattr(drafts, BUDGET_ATTR, self.bole_budget.choice)
+        self.bole_budget.choice = None
         return drafts
 
     def _structured_trees(self):

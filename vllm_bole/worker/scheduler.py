@@ -190,11 +190,11 @@ class BoleAsyncScheduler(_BudgetLines, _TreeGrammars, _NoPlaceholderPadding, _Pr
         self._source_missing_logged = False
 
     def bole_refresh_budget_rule(self) -> None:
-        """``budget_rule`` as it applies with the calibration table as it is now (the model runner's twin)."""
+        """``budget_rule`` as it applies with the calibration table as it is now (the twin of the model runner's ``BudgetPolicy.refresh``)."""
         self.bole_config = with_applicable_rule(bole_config_from_vllm(self.vllm_config), self.vllm_config.model_config)
 
     def _budget_source(self):
-        """The model runner's budget (``budget_rule "throughput"``), or None: the rule "decode"."""
+        """The model runner's ``BudgetPolicy.async_budget`` (``budget_rule "throughput"``), or None: the rule "decode"."""
         if self.bole_config.budget_rule != "throughput":
             return None
         source = async_budget_source()
