@@ -207,24 +207,26 @@ def test_unsupported_setups(model, kw, field):
         apply_bole_engine_args(_Args({"method": "bole"}, **kw), model, _Parallel())
 
 
-def test_prefix_caching_runs_synchronously_with_graphs_and_early_drafting():
+@pytest.mark.parametrize("asked", [None, True])
+def test_prefix_caching_keeps_async_scheduling_graphs_and_early_drafting(monkeypatch, asked):
+    from vllm_bole import plugin
     from vllm_bole.config import ADDITIONAL_CONFIG_KEY
-    from vllm_bole.plugin import apply_bole_engine_args
 
+    monkeypatch.setattr(plugin, "_platform_is_cpu", lambda: False)   # (a GPU's default)
     args = _Args({"method": "bole"}, prefix=True)
-    apply_bole_engine_args(args, _Model(["Qwen3NextForCausalLM"]), _Parallel())
+    args.async_scheduling = asked
+    plugin.apply_bole_engine_args(args, _Model(["Qwen3NextForCausalLM"]), _Parallel())
     cfg = args.additional_config[ADDITIONAL_CONFIG_KEY]
-    assert args.async_scheduling is False and cfg["early_drafting"] is True and cfg["cuda_graphs"] is True
+    assert args.async_scheduling is True and cfg["early_drafting"] is True and cfg["cuda_graphs"] is True
+    assert args.scheduler_cls.endswith("BoleAsyncScheduler")
 
 
-@pytest.mark.parametrize("setting,value,field", [("mamba_cache_mode", "all", "mamba_cache_mode"),
-                                                  ("async_scheduling", True, "async_scheduling")])
-def test_prefix_caching_refuses_what_it_cannot_run(setting, value, field):
+def test_prefix_caching_refuses_what_it_cannot_run():
     from vllm_bole.plugin import apply_bole_engine_args
 
     args = _Args({"method": "bole"}, prefix=True)
-    setattr(args, setting, value)
-    with pytest.raises(BoleConfigError, match=field):
+    args.mamba_cache_mode = "all"
+    with pytest.raises(BoleConfigError, match="mamba_cache_mode"):
         apply_bole_engine_args(args, _Model(["Qwen3_5ForConditionalGeneration"]), _Parallel())
 
 

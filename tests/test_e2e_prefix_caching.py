@@ -13,6 +13,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from e2e_support import (assert_graphs_used, assert_same_logprobs, bole_engine, first_divergences, run_engine,
                           vocab_size, write_oracle)
@@ -73,24 +74,48 @@ def _assert_same_conversations(ref: dict, test: dict) -> None:
     assert len(diverged) <= 1, f"near-ties in {len(diverged)} conversations"
 
 
-def test_multi_turn_conversations_with_prefix_caching(tmp_path):
+def _states_out(tmp_path, name: str) -> dict:
+    """Spec keys that have ``multi_turn_run`` save the GDN states of the prefix cache (``cached_gdn_states``)."""
+    return {"states_out": str(tmp_path / f"{name}.states.pt")}
+
+
+def _assert_same_cached_states(tmp_path, ref: str, name: str, tol: float = 0.05) -> None:
+    """The prefix cache holds the same GDN state blocks as run ``ref``'s (by block hash: the engines ran with one
+    PYTHONHASHSEED), each with the same conv and SSM states within bf16 rounding (one step of the conv state's bf16
+    is 1/64 at its magnitudes; a boundary block left with an earlier step's running state differed by 3.8 or more):
+    the states a later hit starts from. The tiny models' outputs hardly depend on the GDN state, so equal outputs and
+    logprobs alone passed with every boundary block left unwritten."""
+    want = torch.load(tmp_path / f"{ref}.states.pt")
+    got = torch.load(tmp_path / f"{name}.states.pt")
+    assert set(got) == set(want) and all(want.values()), (name, sorted(got), sorted(want))
+    for layer, blocks in want.items():
+        assert set(got[layer]) == set(blocks), (name, layer, len(got[layer]), len(blocks))
+        for block, states in blocks.items():
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(states, got[layer][block]))
+            assert diff <= tol, (name, layer, block, diff)
+
+
+def test_multi_turn_conversations_with_prefix_caching(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")   # (the same block hashes in every engine)
     model = tiny_model_dir("qwen3_5")
     prompts, replies = _conversations(vocab_size(model))
 
     plain = run_engine(tmp_path, "ar", _spec(model, prompts, replies, enable_prefix_caching=False),
                        runner="multi_turn_run")
-    cached = run_engine(tmp_path, "ar_cached", _spec(model, prompts, replies, enable_prefix_caching=True),
-                        runner="multi_turn_run")
+    cached = run_engine(tmp_path, "ar_cached", {**_spec(model, prompts, replies, enable_prefix_caching=True),
+                                                **_states_out(tmp_path, "ar_cached")}, runner="multi_turn_run")
     _assert_same_conversations(plain, cached)
     _write_oracle(tmp_path, plain)
-    planted = run_engine(tmp_path, "bole_planted", _spec(
+    planted = run_engine(tmp_path, "bole_planted", {**_spec(
         model, prompts, replies, enable_prefix_caching=True,
-        **bole_engine(tmp_path, "bole_planted", depth=6, topk=2, budget=64)), runner="multi_turn_run")
-    mtp = run_engine(tmp_path, "bole_mtp", _spec(
+        **bole_engine(tmp_path, "bole_planted", depth=6, topk=2, budget=64)),
+        **_states_out(tmp_path, "bole_planted")}, runner="multi_turn_run")
+    mtp = run_engine(tmp_path, "bole_mtp", {**_spec(
         model, prompts, replies, enable_prefix_caching=True, speculative_config={"method": "bole"}),
-        runner="multi_turn_run")
-    for bole in (planted, mtp):
+        **_states_out(tmp_path, "bole_mtp")}, runner="multi_turn_run")
+    for name, bole in (("bole_planted", planted), ("bole_mtp", mtp)):
         _assert_same_conversations(plain, bole)
+        _assert_same_cached_states(tmp_path, "ar_cached", name)
         assert bole["kv_cache_usage_end"] == 0, bole["kv_cache_usage_end"]
     # The MTP drafter drafts before the walk (early_drafting): its commit finds the boundaries' nodes on the device.
     assert mtp["early_draft_steps"] > 0 and planted["early_draft_steps"] == 0, \
@@ -104,6 +129,40 @@ def test_multi_turn_conversations_with_prefix_caching(tmp_path):
     _assert_counters(plain, cached, dropped_blocks=0)
     for bole in (planted, mtp):
         _assert_counters(plain, bole, dropped_blocks=0)
+
+
+def test_multi_turn_conversations_with_prefix_caching_async(tmp_path, monkeypatch):
+    """The same conversations under async scheduling (on CPU through ``engine_run.force_cpu_async_scheduling``):
+    vLLM schedules each step before the last one's tokens exist, with one placeholder per draft, and corrects the
+    host's computed counts by the rejected drafts before it builds the step's metadata, so the block boundaries
+    the commit fills are where they are synchronously. The MTP drafter drafts before the walk, the planted one after
+    the host walk. Outputs, hits and the GDN states of the cached blocks are vLLM's without speculation. (Under async
+    scheduling vLLM's offline engine reports the prefix-cache counters of its first ``generate`` call only, without
+    speculation too: the hits are read per request, from each output's ``num_cached_tokens``.)"""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")   # (the same block hashes in every engine)
+    model = tiny_model_dir("qwen3_5")
+    prompts, replies = _conversations(vocab_size(model))
+    plain = run_engine(tmp_path, "ar_cached", {**_spec(model, prompts, replies, enable_prefix_caching=True),
+                                               **_states_out(tmp_path, "ar_cached")}, runner="multi_turn_run")
+    _write_oracle(tmp_path, plain)
+    runs = {}
+    for name, engine in (("bole_planted", bole_engine(tmp_path, "bole_planted", depth=6, topk=2, budget=64)),
+                         ("bole_mtp", {"speculative_config": {"method": "bole"}})):
+        spec = {**_spec(model, prompts, replies, enable_prefix_caching=True, async_scheduling=True, **engine),
+                "cpu_async_scheduling": True, **_states_out(tmp_path, name)}
+        runs[name] = run_engine(tmp_path, name, spec, runner="multi_turn_run")
+    for name, bole in runs.items():
+        assert bole["async_scheduling"], name
+        _assert_same_conversations(plain, bole)
+        _assert_same_cached_states(tmp_path, "ar_cached", name)
+        block = bole["block_size"]
+        for turn, outputs in enumerate(t["outputs"] for t in bole["turns"]):   # every full block of a later turn
+            want = [len(o["prompt_ids"]) // block * block if turn else 0 for o in outputs]
+            assert [o["cached_tokens"] for o in outputs] == want, (name, turn)
+        assert bole["kv_cache_usage_end"] == 0, (name, bole["kv_cache_usage_end"])
+    # (the requests want logprobs, so the MTP drafter's walks come to the host: no device-output steps)
+    assert runs["bole_mtp"]["early_draft_steps"] > 0 and runs["bole_planted"]["early_draft_steps"] == 0
+    _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
 
 
 def _assert_deep_trees(stats_path) -> None:

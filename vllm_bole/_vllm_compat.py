@@ -300,7 +300,8 @@ def publish_blocks_when_finished(scheduler) -> None:
     that step computes first, so a block completed by the accepted drafts of the request's last step was freed
     unpublished: for a GDN group, the boundary block that the commit wrote and ``keep_state_blocks_until_cached``
     kept. The tokens counted here are computed in every group (the accepted path's K/V moved, its GDN states
-    committed in the step; with prefix caching Bole schedules synchronously, so no step is in flight)."""
+    committed in the step). Under async scheduling a step of the request may still be in flight; it was queued
+    before any step that could hit a block published here."""
     original = scheduler._free_request
 
     def _free_request(request, *args, **kwargs):

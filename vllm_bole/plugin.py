@@ -92,8 +92,7 @@ def config_needs_synchronous(cfg) -> str | None:
 
 def _check_prefix_caching(engine_args) -> None:
     """Bole caches the GDN state of hybrid models in vLLM's "align" mode only: the commit writes the state of every
-    block boundary an accepted path crosses into the boundary's block (``attention/gdn.py`` ``commit_step``).
-    Prefix caching schedules synchronously (:func:`_async_unsupported`)."""
+    block boundary an accepted path crosses into the boundary's block (``attention/gdn.py`` ``commit_step``)."""
     mode = getattr(engine_args, "mamba_cache_mode", None)
     if mode not in (None, "none", "align"):   # ("none" is the unset default; vLLM then picks "align")
         raise BoleConfigError(
@@ -106,9 +105,6 @@ def _async_unsupported(cfg, parallel_config, engine_args) -> str | None:
     reason = config_needs_synchronous(cfg)
     if reason:
         return reason
-    if engine_args.enable_prefix_caching:
-        return ("async_scheduling: speculative method 'bole' with enable_prefix_caching schedules synchronously; "
-                "set async_scheduling=False")
     if parallel_config.tensor_parallel_size > 1:
         return ("async_scheduling: speculative method 'bole' supports it with tensor_parallel_size 1 only, got "
                 f"{parallel_config.tensor_parallel_size}; set async_scheduling=False")

@@ -66,7 +66,10 @@ class BoleGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         bs = self.kv_cache_spec.block_size
         computed = cm.num_computed_tokens_cpu[rows]
         column = computed // bs
-        running = (cm.seq_lens_cpu[rows] - 1) // bs
+        # (not seq_lens_cpu: under async scheduling vLLM's host sequence lengths assume that every draft of the
+        # last step was accepted; its computed counts are corrected before the metadata is built)
+        query_lens = cm.query_start_loc_cpu[rows + 1] - cm.query_start_loc_cpu[rows]
+        running = (computed + query_lens - 1) // bs
         # path length (root first) whose state is the boundary's; 0: no boundary before the running block
         lengths = torch.where(column < running, (column + 1) * bs - computed, 0)
         slots = cm.block_table_tensor[rows.to(cm.block_table_tensor.device), column.to(cm.block_table_tensor.device)]
