@@ -160,9 +160,19 @@ def test_multi_turn_conversations_with_prefix_caching_async(tmp_path, monkeypatc
             want = [len(o["prompt_ids"]) // block * block if turn else 0 for o in outputs]
             assert [o["cached_tokens"] for o in outputs] == want, (name, turn)
         assert bole["kv_cache_usage_end"] == 0, (name, bole["kv_cache_usage_end"])
-    # (the requests want logprobs, so the MTP drafter's walks come to the host: no device-output steps)
+    # (these requests want logprobs, so the MTP drafter's walks come to the host: no device-output steps)
     assert runs["bole_mtp"]["early_draft_steps"] > 0 and runs["bole_planted"]["early_draft_steps"] == 0
     _assert_deep_trees(tmp_path / "bole_planted.stats.jsonl")
+    # Without logprobs the walks stay on the device (device-output steps): the commit finds the boundaries' nodes
+    # there, and the host never sees the paths.
+    spec = {**_spec(model, prompts, replies, enable_prefix_caching=True, async_scheduling=True,
+                    speculative_config={"method": "bole"}),
+            "logprobs": None, "cpu_async_scheduling": True, **_states_out(tmp_path, "bole_device")}
+    device = run_engine(tmp_path, "bole_device", spec, runner="multi_turn_run")
+    assert device["device_output_steps"] > 0, device
+    assert [[o["tokens"] for o in t["outputs"]] for t in device["turns"]] == \
+        [[o["tokens"] for o in t["outputs"]] for t in plain["turns"]]
+    _assert_same_cached_states(tmp_path, "ar_cached", "bole_device")
 
 
 def _assert_deep_trees(stats_path) -> None:
