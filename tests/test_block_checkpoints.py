@@ -4,9 +4,9 @@ into that boundary's block (``attention/gdn.py`` ``commit_step``), besides the w
 The boundary's node comes from the host walk's paths or, with ``early_drafting``, from the device walk's
 (``_device_boundary_nodes``: the host may not know the paths yet); both give the same states.
 
-The end-to-end test (``test_e2e_prefix_caching.py``) cannot see a wrong boundary state on the tiny models: their
-logits hardly depend on the GDN state (with the boundary write left out, turn 2 read stale states from its cache
-hits and the chosen tokens' logprobs stayed within 3.1e-3 of the reference, against 2.4e-3 with it). Here the
+The tiny models' logits hardly depend on the GDN state (with the boundary write left out, turn 2 read stale states
+from its cache hits and the chosen tokens' logprobs stayed within 3.1e-3 of the reference, against 2.4e-3 with it),
+so the end-to-end tests (``test_e2e_prefix_caching.py``) compare the cached blocks' states with vLLM's. Here the
 written states are compared with the reference commit of each path's prefix.
 """
 
@@ -118,3 +118,33 @@ def test_checkpoints_over_a_graphs_requests():
     over = tree_only.over([0, 1, 2, 3, 4])
     assert over.path_lengths == [0, 3, 0, 0, 5] and over.slots.tolist() == [0, 7, 8, 0, 9]
     assert over.req_indices == [0, 1, 2, 3, 4] and over.slots.dtype == torch.int32
+
+
+def test_checkpoints_read_the_runners_corrected_counts():
+    """Under async scheduling the metadata's host counts would be a copy of the device's (a wait for the device) and
+    its host sequence lengths assume every draft of the last step accepted: the checkpoints take each tree request's
+    computed tokens from the runner's persistent counts, which vLLM corrects before it builds the metadata
+    (``StepForest.computed_cpu``), and its running block from those plus its scheduled tokens."""
+    from vllm_bole.attention.gdn_metadata import BoleGDNMetadataBuilder
+    from vllm_bole.step.forest import set_current_forest
+
+    class DeviceCounts:   # the metadata's counts: reading them would copy from the device
+        block_table_tensor = torch.arange(12, dtype=torch.int32).view(3, 4)   # slot = 4 * request + column
+        query_start_loc_cpu = torch.tensor([0, 4, 7, 8])
+
+        @property
+        def num_computed_tokens_cpu(self):
+            raise AssertionError("the metadata's host counts were read")
+
+    builder = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))
+    mask = torch.tensor([True, True, False])   # requests 0 and 1 verify trees of 4 and 3 nodes
+    forest = SimpleNamespace(computed_cpu=torch.tensor([6, 3, 9, 0]))   # (request 2's, and a free row)
+    set_current_forest(forest)
+    try:
+        got = BoleGDNMetadataBuilder._checkpoints(builder, DeviceCounts(), mask)
+    finally:
+        set_current_forest(None)
+    # request 0: 6 computed, running block (6 + 4 - 1) // 4 = 2, boundary 8 after a path of 2 into block 1;
+    # request 1: 3 computed, running block 1, boundary 4 after a path of 1 into block 0 (the counts that assume
+    # the last drafts accepted, 7 and 5, would give a path of 1 into block 1 and none)
+    assert got.path_lengths == [2, 1] and got.slots.tolist() == [1, 4] and got.req_indices == [0, 1]

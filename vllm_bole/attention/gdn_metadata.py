@@ -14,6 +14,8 @@ import torch
 from vllm.v1.attention.backends.gdn_attn import (GDNAttentionBackend, GDNAttentionMetadata,
                                                  GDNAttentionMetadataBuilder)
 
+from ..step.forest import current_forest
+
 
 @dataclasses.dataclass
 class BlockCheckpoints:
@@ -64,10 +66,15 @@ class BoleGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         the final state. A boundary inside the running block cannot be reached by the accepted path."""
         rows = torch.nonzero(spec_mask_cpu, as_tuple=True)[0]
         bs = self.kv_cache_spec.block_size
-        computed = cm.num_computed_tokens_cpu[rows]
+        # The runner's host counts (StepForest.computed_cpu): under async scheduling vLLM's host sequence lengths
+        # assume that every draft of the last step was accepted, and the metadata's host counts would be a copy
+        # of the device's, which waits for the device; vLLM corrects the runner's before it builds the metadata.
+        forest = current_forest()
+        if forest is not None and forest.computed_cpu is not None:
+            computed = forest.computed_cpu[rows]
+        else:
+            computed = cm.num_computed_tokens_cpu[rows]
         column = computed // bs
-        # (not seq_lens_cpu: under async scheduling vLLM's host sequence lengths assume that every draft of the
-        # last step was accepted; its computed counts are corrected before the metadata is built)
         query_lens = cm.query_start_loc_cpu[rows + 1] - cm.query_start_loc_cpu[rows]
         running = (computed + query_lens - 1) // bs
         # path length (root first) whose state is the boundary's; 0: no boundary before the running block

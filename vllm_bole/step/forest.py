@@ -112,6 +112,10 @@ class StepForest:
     # unless a full CUDA graph runs the step (:meth:`promote_plain_decodes`)
     plain_decodes: list = field(default_factory=list)
     max_seq_len: int = 0                 # longest sequence of the step, this step's tokens included
+    # [max batch] the runner's host computed counts by batch index (vLLM's persistent tensor, not a copy: under
+    # async scheduling with prefix caching vLLM corrects it in place by the last step's rejected drafts before it
+    # builds the step's metadata, where the block checkpoints read it: attention/gdn_metadata.py)
+    computed_cpu: torch.Tensor | None = None
     # set while the forward runs from (or is captured into) a full CUDA graph: worker/verify_graphs.py
     graph: object = None
     # Trees whose nodes the step read from queued drafts on the device have None in ``tokens`` and

@@ -334,6 +334,7 @@ class BoleModelRunnerMixin:
             tree_only=(len(forest_req) + len(plain) == len(req_ids)
                        and n + len(plain) == int(num_scheduled_tokens.sum())),
             max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
+            computed_cpu=self.input_batch.num_computed_tokens_cpu_tensor,
             plain_decodes=[(r, req_ids[r], row) for r, row in plain], attention_rows=None,
             depth_bound=depth_bound)
         if any(p is None for p in tree_parents):
