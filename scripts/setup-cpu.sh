@@ -21,5 +21,5 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
   pip install -r "$DEPS"
 fi
 pip install --no-deps -e .
-pip install pytest tokenizers scipy
+pip install pytest pytest-xdist tokenizers scipy
 echo "setup-cpu: $("$VENV/bin/python" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)')"

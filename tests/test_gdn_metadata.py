@@ -14,13 +14,13 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def builder(tiny_qwen3_5_dir):
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.plugins import load_general_plugins
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    from vllm_bole import plugin
     from vllm_bole.attention.gdn_metadata import BoleGDNMetadataBuilder
     from vllm_bole.testing.tiny_models import engine_kwargs
 
-    load_general_plugins()
+    plugin.register()   # (vLLM loads plugins once per process, and this process may have done so before)
     kwargs = engine_kwargs() | {"max_num_seqs": 8}
     config = EngineArgs(model=tiny_qwen3_5_dir, speculative_config={"method": "bole", "num_speculative_tokens": 3,
                                                                     "topk": 2, "budget": 16},
