@@ -142,9 +142,9 @@ def test_multi_turn_conversations_with_prefix_caching_async(tmp_path, monkeypatc
     monkeypatch.setenv("PYTHONHASHSEED", "0")   # (the same block hashes in every engine)
     model = tiny_model_dir("qwen3_5")
     prompts, replies = _conversations(vocab_size(model))
-    plain = run_engine(tmp_path, "ar_cached", {**_spec(model, prompts, replies, enable_prefix_caching=True),
+    cached = run_engine(tmp_path, "ar_cached", {**_spec(model, prompts, replies, enable_prefix_caching=True),
                                                **_states_out(tmp_path, "ar_cached")}, runner="multi_turn_run")
-    _write_oracle(tmp_path, plain)
+    _write_oracle(tmp_path, cached)
     runs = {}
     for name, engine in (("bole_planted", bole_engine(tmp_path, "bole_planted", depth=6, topk=2, budget=64)),
                          ("bole_mtp", {"speculative_config": {"method": "bole"}})):
@@ -153,7 +153,7 @@ def test_multi_turn_conversations_with_prefix_caching_async(tmp_path, monkeypatc
         runs[name] = run_engine(tmp_path, name, spec, runner="multi_turn_run")
     for name, bole in runs.items():
         assert bole["async_scheduling"], name
-        _assert_same_conversations(plain, bole)
+        _assert_same_conversations(cached, bole)
         _assert_same_cached_states(tmp_path, "ar_cached", name)
         block = bole["block_size"]
         for turn, outputs in enumerate(t["outputs"] for t in bole["turns"]):   # every full block of a later turn
@@ -171,7 +171,7 @@ def test_multi_turn_conversations_with_prefix_caching_async(tmp_path, monkeypatc
     device = run_engine(tmp_path, "bole_device", spec, runner="multi_turn_run")
     assert device["device_output_steps"] > 0, device
     assert [[o["tokens"] for o in t["outputs"]] for t in device["turns"]] == \
-        [[o["tokens"] for o in t["outputs"]] for t in plain["turns"]]
+        [[o["tokens"] for o in t["outputs"]] for t in cached["turns"]]
     _assert_same_cached_states(tmp_path, "ar_cached", "bole_device")
 
 

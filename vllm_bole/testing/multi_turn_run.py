@@ -42,9 +42,10 @@ def cached_gdn_states(llm) -> dict:
     states: dict = {}
     for block in engine_core_of(llm).scheduler.kv_cache_manager.block_pool.blocks:
         key = block.block_hash
-        if key is None or not isinstance(groups[get_group_id(key)].kv_cache_spec, MambaSpec):
+        group = groups[get_group_id(key)] if key is not None else None
+        if group is None or not isinstance(group.kv_cache_spec, MambaSpec):
             continue
-        for name in groups[get_group_id(key)].layer_names:
+        for name in group.layer_names:
             cache = layers[name].kv_cache
             states.setdefault(name, {})[get_block_hash(key).hex()] = [cache[0][block.block_id].clone(),
                                                                       cache[1][block.block_id].clone()]

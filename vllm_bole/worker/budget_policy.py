@@ -1,7 +1,7 @@
 """The node budget of each drafting step, and what its rule measures (docs/design.md, "The node budget").
 
 The model runner holds one :class:`BudgetPolicy` and asks it once per drafting step: :meth:`BudgetPolicy.plan`
-under synchronous scheduling, :meth:`BudgetPolicy.plan_async` where the async scheduler fixed the quotas already
+under synchronous scheduling, :meth:`BudgetPolicy.planned_async` where the async scheduler fixed the quotas already
 (it asks :meth:`BudgetPolicy.async_budget` for them, ``spec_decode.budget.set_async_budget_source``).
 """
 
