@@ -81,7 +81,7 @@ for group in "${GROUPS_RUN[@]}"; do
     prefix-caching)
       # A worker per test (--dist load): one test's two to four engines ran past 440 s on an H100. Stand-ins
       # forced, as in lossless: verification graphs of more requests than the step's (padded requests).
-      PREFIX_XDIST=(); [ "$WORKERS" -gt 1 ] && PREFIX_XDIST=(-n 4 --dist load)
+      PREFIX_XDIST=(); [ "$WORKERS" -gt 1 ] && PREFIX_XDIST=(-n 5 --dist load)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group prefix-caching "${PREFIX_XDIST[@]}" tests/test_e2e_prefix_caching.py ;;
     multimodal)
       run_group multimodal tests/test_e2e_multimodal.py ;;
