@@ -14,7 +14,8 @@ token-id prompt and ``return_token_ids``), so the next turn holds exactly the to
 
 For each configuration of ``--configs`` (serve.py's: ``ar``, ``mtp1`` .. ``mtp8``, ``bole`` and its variants,
 with the same acceptance options), one at a time: start ``vllm.entrypoints.openai.api_server`` with
-``--enable-prefix-caching --enable-prompt-tokens-details``, send ``--warmup-prompts`` unrelated requests, read
+``--enable-prefix-caching --enable-prompt-tokens-details``, send ``--warmup-prompts`` unrelated conversations of
+``--warmup-turns`` turns (Bole captures its CUDA graphs on first use: later turns' shapes need warming too), read
 vLLM's prefix-cache counters from ``/metrics``, run the conversations, read the counters again, stop the server.
 
 Recorded per configuration: the hit rate two ways (the share of prompt tokens served from the cache, from each
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128, help="output tokens per turn")
     p.add_argument("--max-concurrency", type=int, default=0, help="conversations in flight (0: all)")
     p.add_argument("--warmup-prompts", type=int, default=8, help="unrelated requests before the measured run")
+    p.add_argument("--warmup-turns", type=int, default=1,
+                   help="turns of each warm-up conversation (more than 1: later turns hit the cache, so the shapes "
+                        "of prefix-hit steps are compiled and captured before the measured run)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="default: benchmarks/models/qwen3.5-9b-shape (dummy weights)")
@@ -373,8 +377,9 @@ def run(argv: list[str] | None = None) -> dict:
     shared += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     vocab, special = _vocab(opts)
     work = plan(opts, vocab, special, opts.seed)
-    # Warm-up: unrelated single-turn requests (another system prompt), all at once.
-    warm_opts = argparse.Namespace(**{**vars(opts), "conversations": opts.warmup_prompts, "turns": 1,
+    # Warm-up: unrelated conversations (another system prompt), all at once.
+    warm_opts = argparse.Namespace(**{**vars(opts), "conversations": opts.warmup_prompts,
+                                      "turns": opts.warmup_turns,
                                       "max_concurrency": 0})
     warm = (warm_opts, *plan(warm_opts, vocab, special, opts.seed + 1))
     out = Path(opts.out or DEFAULT_OUT)
