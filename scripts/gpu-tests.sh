@@ -24,8 +24,10 @@
 #   serving       logits processors, preemption, structured outputs (the sampling tests are a group of their
 #                 own: together they ran past 440 s on an H100)
 #   sampling      sampled trees against the reference distribution
-#   prefix-caching  multi-turn conversations with prefix caching, preemption and aborts of shared blocks, a test
-#                 per worker (4), Bole's CUDA graphs replayed (tests/e2e_support.assert_graphs_used)
+#   prefix-caching  multi-turn conversations with prefix caching (sync and async), preemption and aborts of shared
+#                 blocks, a test per worker (5), Bole's CUDA graphs replayed (tests/e2e_support.assert_graphs_used);
+#                 the Qwen3-Next test needs vLLM's MoE kernels (make-bundle --moe), else it skips. Five side by
+#                 side: about 530 s on an H100
 #   multimodal    image prompts (a tiny Qwen3.5 with a vision tower): planted and MTP trees lossless, and the MTP
 #                 drafter's rows at the target's M-RoPE positions (rows written outside the level graphs)
 set -uo pipefail
@@ -79,7 +81,7 @@ for group in "${GROUPS_RUN[@]}"; do
     sampling)
       run_group sampling "${XDIST[@]}" tests/test_e2e_sampling.py ;;
     prefix-caching)
-      # A worker per test (--dist load): one test's two to four engines ran past 440 s on an H100. Stand-ins
+      # A worker per test (--dist load): one test's two to five engines ran past 440 s on an H100. Stand-ins
       # forced, as in lossless: verification graphs of more requests than the step's (padded requests).
       PREFIX_XDIST=(); [ "$WORKERS" -gt 1 ] && PREFIX_XDIST=(-n 5 --dist load)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group prefix-caching "${PREFIX_XDIST[@]}" tests/test_e2e_prefix_caching.py ;;

@@ -23,6 +23,22 @@ def load_benchmark(name: str):
     return module
 
 
+def skip_without_moe_kernels() -> None:
+    """Skip on a GPU whose vLLM build has no MoE kernels (``_moe_C``; the GPU bundle's ``--moe`` part): the tiny
+    Qwen3-Next's MoE layers need them there."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    try:
+        importlib.import_module("vllm._moe_C")   # (registers torch.ops._moe_C where the build has it)
+    except ImportError:
+        pass
+    if not hasattr(torch.ops._moe_C, "topk_softmax"):
+        pytest.skip("this vLLM build has no MoE kernels (torch.ops._moe_C.topk_softmax)")
+
+
 # One bf16 step of logits in [16, 32): a flip within it is rounding, not a bug.
 TIE_TOL = 0.125
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from e2e_support import assert_lossless, bole_engine, random_requests, run_engine, write_oracle
+from e2e_support import (assert_lossless, bole_engine, random_requests, run_engine, skip_without_moe_kernels,
+                          write_oracle)
 
 pytestmark = pytest.mark.vllm
 
@@ -12,6 +13,7 @@ pytestmark = pytest.mark.vllm
 def test_qwen3_next_planted_and_mtp_trees_are_lossless(tmp_path):
     from vllm_bole.testing.tiny_models import tiny_model_dir
 
+    skip_without_moe_kernels()
     model = tiny_model_dir("qwen3_next")
     vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
     reqs = random_requests(vocab, [4, 9, 17, 33, 60, 6], max_tokens=32, seed=7)
