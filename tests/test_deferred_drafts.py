@@ -12,6 +12,7 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_bole.spec_decode.drafter import DraftStep, TreeDrafter
 from vllm_bole.spec_decode.tree import DraftTree
+from vllm_bole.worker.forest_builder import ForestBuilder
 from vllm_bole.worker.model_runner import BoleModelRunnerMixin
 
 
@@ -19,10 +20,10 @@ class _Base:
     """What the mixin calls of vLLM's runner here."""
 
     def take_draft_token_ids(self):
-        return DraftTokenIds(list(self._bole_trees), self._draft_token_ids)
+        return DraftTokenIds(list(self.bole_forest_builder.trees), self._draft_token_ids)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
-        return ("executed", dict(self._bole_trees))
+        return ("executed", dict(self.bole_forest_builder.trees))
 
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
         self.vllm_updates = getattr(self, "vllm_updates", 0) + 1
@@ -35,7 +36,8 @@ class _Runner(BoleModelRunnerMixin, _Base):
 def _runner():
     runner = _Runner.__new__(_Runner)
     runner._bole_pending, runner._bole_profiler, runner._bole_forest = None, None, None
-    runner._bole_trees, runner._draft_token_ids, runner._bole_last_nodes = {}, None, 0
+    runner.bole_forest_builder = ForestBuilder(runner)
+    runner._draft_token_ids, runner._bole_last_nodes = None, 0
     runner._bole_commit, runner._bole_early_draft = None, None
     runner.bole_budget = SimpleNamespace(choice=None)
     runner.uses_mrope = False
@@ -61,7 +63,8 @@ def test_take_finishes_the_pending_drafts_once():
     assert calls == []                                        # queued, not waited for
     assert runner.take_draft_token_ids() == DraftTokenIds(["a", "b"], [[5, 6], [7]])
     assert calls == [1] and runner._bole_pending is None
-    assert runner._bole_trees["a"].tokens == [5, 6] and runner._bole_trees["b"].tokens == [7]
+    trees = runner.bole_forest_builder.trees
+    assert trees["a"].tokens == [5, 6] and trees["b"].tokens == [7]
     assert runner.take_draft_token_ids() == DraftTokenIds(["a", "b"], [[5, 6], [7]]) and calls == [1]
 
 
@@ -91,7 +94,7 @@ def test_unselected_drafters_are_cut_by_the_step_budget():
     step, finish = runner._bole_pending
     step.per_request, step.budget = 5, 2                      # two nodes over the batch
     runner.take_draft_token_ids()
-    assert [len(t) for t in runner._bole_trees.values()] == [2, 0]
+    assert [len(t) for t in runner.bole_forest_builder.trees.values()] == [2, 0]
 
 
 def test_default_deferred_proposal_is_the_proposal():
@@ -109,14 +112,13 @@ def test_queued_drafts_reach_vllm_as_placeholders_without_waiting():
     from vllm_bole.spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts
 
     runner, calls = _runner(), []
-    runner._bole_queued = None
     _pending(runner, calls)
     step, finish = runner._bole_pending
     trees = [DraftTree([5, 6], [-1, 0], [0.9, 0.8]), DraftTree([7], [-1], [0.5])]
     step.queued = QueuedDrafts.of_trees(step.req_ids, trees, "cpu")
     assert runner.take_draft_token_ids().draft_token_ids == [[PLACEHOLDER] * 2, [PLACEHOLDER]]
     assert calls == [] and runner._bole_pending is None and runner._bole_last_nodes == 3
-    assert runner._bole_queued == (step.queued, finish, step.req_ids)
+    assert runner.bole_forest_builder.queued == (step.queued, finish, step.req_ids)
 
 
 def test_structured_outputs_keep_real_draft_ids():
@@ -156,7 +158,8 @@ def test_queued_trees_map_to_the_drafting_steps_requests():
     queued = QueuedDrafts.of_trees(["b", "c"], trees[1:], "cpu")          # "a" drafted nothing
     forest = StepForest(req_ids=["b", "c"], tree_req_indices=[0, 1], parent=None, cu_seqlens=None,
                         tokens=[None, None], tree_parents=[None, None])
-    runner._queued_trees((queued, lambda: trees, ["a", "b", "c"]), [(0, 0, 2), (1, 1, 1)], forest)
+    runner.bole_forest_builder.read_queued_trees((queued, lambda: trees, ["a", "b", "c"]), [(0, 0, 2), (1, 1, 1)],
+                                                 forest)
     assert forest.tokens == [[-1, 5, 6], [-1, 7]] and forest.tree_parents == [[-1, 0, 1], [-1, 0]]
 
 

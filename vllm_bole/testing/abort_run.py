@@ -48,12 +48,13 @@ def held_state(llm) -> dict:
     runner's requests and batch, and Bole's per-request state (draft trees, queued and pending drafts)."""
     core = engine_core_of(llm)
     runner = _runner(llm)
-    queued = getattr(runner, "_bole_queued", None)
+    drafts = runner.bole_forest_builder   # the drafts awaiting verification
+    queued = drafts.queued
     return {"scheduler_requests": sorted(core.scheduler.requests),
             "kv_cache_usage": core.scheduler.kv_cache_manager.usage,
             "runner_requests": sorted(runner.requests),
             "batch_requests": [r for r in runner.input_batch.req_ids if r is not None],
-            "draft_trees": sorted(runner._bole_trees),
+            "draft_trees": sorted(drafts.trees),
             "host_emitted": sorted(runner._bole_host_emitted),
             "queued_drafts": None if queued is None else sorted(queued[2]),
             "pending_drafts": runner._bole_pending is not None}
@@ -95,7 +96,7 @@ def run(spec: dict) -> dict:
     _drain(engine, set(), {})
     return {"rounds": rounds, "after": [after.get(rid) for rid in after_ids], "held": held_state(llm),
             "scheduling": {"async_scheduling": bool(engine.vllm_config.scheduler_config.async_scheduling)},
-            "queued_trees": getattr(_runner(llm), "bole_queued_trees", None), "counters": counters(llm)}
+            "queued_trees": _runner(llm).step_counts()["queued_trees"], "counters": counters(llm)}
 
 
 def main() -> None:

@@ -196,7 +196,7 @@ def walked_output(runner, logits, forest) -> SamplerOutput:
     runner._bole_paths = paths
     runner.bole_budget.observe(forest)
     if runner.bole_walk_log is not None:
-        runner.bole_walk_log.add_step(forest, outputs, runner._bole_trees)
+        runner.bole_walk_log.add_step(forest, outputs, runner.bole_forest_builder.trees)
     sampled = runner._host_walk_tokens(outputs)
     if runner.input_batch.sampling_metadata.max_num_logprobs is None:
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)

@@ -1,7 +1,7 @@
 """Bole's model runner: carries a packed forest of draft trees through vLLM's V1 GPU/CPU model runner.
 
-Per step: ``_prepare_inputs`` turns each request's scheduled drafts into its verification tree (root = last
-sampled token), rewrites RoPE positions to prefix length + depth and publishes the forest to the layers;
+Per step: ``_prepare_inputs`` has the forest builder (``worker/forest_builder.py``) turn each request's scheduled
+drafts into its verification tree (root = last sampled token) and publishes the forest to the layers;
 ``_sample`` walks each tree (by the argmax for greedy requests, sample-then-match for sampled ones);
 ``_update_states_after_model_execute`` commits the accepted path's GDN state and moves its K/V to contiguous
 slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and applies the per-step node budget.
@@ -9,12 +9,9 @@ With ``early_drafting`` (the default) a step of trees whose requests are greedy 
 drafting and the commit on the device right behind its forward instead (``worker/early_drafting.py``).
 """
 
-import functools
-
 import numpy as np
 import torch
 from vllm.utils.math_utils import next_power_of_2
-from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.utils import record_function_or_nullcontext
@@ -27,18 +24,18 @@ from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import BUDGET_ATTR
-from ..spec_decode.device_beam import device_constant
 from ..spec_decode.drafter import DraftStep, RequestContexts, drafting
 from ..spec_decode.make_drafter import make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
-from ..spec_decode.tree import DraftTree, select_step
+from ..spec_decode.tree import select_step
 from ..spec_decode.tree_sampler import (SeededDraws, builtin_logitsprocs, draw_tree_rows, is_plain_greedy,
                                         is_plain_random, pad_outputs, processed_tree_rows, row_depths,
                                         sample_tree_rows, tree_rows_supported, walk_tree, walks_tree)
 from ..spec_decode.walk_record import WalkLog
 from . import early_drafting
 from .budget_policy import BudgetPolicy
+from .forest_builder import ForestBuilder
 from ..step.forest import StepForest, set_current_forest
 from .kv_compaction import compact_accepted_kv
 from .scheduler import Placeholders
@@ -48,7 +45,7 @@ from .tree_grammar import PARENTS_ATTR
 logger = init_logger(__name__)
 
 
-# The runner's step counters (attributes bole_<name>), as BoleModelRunnerMixin.step_counts reports them
+# The step counters BoleModelRunnerMixin.step_counts reports
 STEP_COUNTS = ("first_pass_steps", "early_draft_steps", "device_output_steps", "queued_trees", "stale_placeholders")
 
 
@@ -60,7 +57,6 @@ class BoleModelRunnerMixin:
         with module_attr_override("vllm.v1.worker.gpu_model_runner", "build_logitsprocs", builtin_logitsprocs):
             super().__init__(vllm_config, device)
         self.bole_config = bole_config_from_vllm(vllm_config)   # (its budget_rule as given: see bole_budget.rule)
-        self._bole_trees: dict[str, DraftTree] = {}
         self._bole_forest: StepForest | None = None
         self._bole_paths: list[list[int]] | None = None  # per batch request, this step's accepted nodes
         self._bole_synthetic = parse_synthetic(self.bole_config.synthetic_acceptance)
@@ -70,10 +66,8 @@ class BoleModelRunnerMixin:
         self.bole_walk_log = WalkLog() if envs.VLLM_BOLE_RECORD_WALKS else None
         self._bole_graphs = None
         self._bole_pending = None   # (DraftStep, finish) of drafts queued on the device, not yet taken
-        # (QueuedDrafts, finish, the drafting step's request ids) of drafts vLLM took as placeholders, not yet verified
-        self._bole_queued = None
-        self.bole_queued_trees = 0  # trees verified from queued drafts (their nodes read on the device)
-        self.bole_stale_placeholders = 0  # placeholder drafts whose queued trees were gone (verified as a chain)
+        # the step's verification forest from the drafts awaiting verification (which it holds)
+        self.bole_forest_builder = ForestBuilder(self)
         # the node budget of each step and what its rule measures
         self.bole_budget = BudgetPolicy(vllm_config, self.speculative_config.num_speculative_tokens)
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
@@ -160,8 +154,8 @@ class BoleModelRunnerMixin:
         finally:
             set_current_forest(None)
             # Queued drafts serve the step right after the one that drafted them (its forest keeps what it read);
-            # placeholders scheduled later are verified as chains (_build_forest).
-            self._bole_queued = None
+            # placeholders scheduled later are verified as chains (ForestBuilder.build).
+            self.bole_forest_builder.queued = None
 
     @property
     def bole_async(self) -> bool:
@@ -232,8 +226,11 @@ class BoleModelRunnerMixin:
                               sum(self.bole_graph_counts()))
 
     def step_counts(self) -> dict:
-        """Steps by the path they took (reports and tests): ``bole_<name>`` for each name of :data:`STEP_COUNTS`."""
-        return {name: getattr(self, f"bole_{name}") for name in STEP_COUNTS}
+        """Steps and trees by the path they took (reports and tests), for each name of :data:`STEP_COUNTS`."""
+        builder = self.bole_forest_builder
+        return {"first_pass_steps": self.bole_first_pass_steps, "early_draft_steps": self.bole_early_draft_steps,
+                "device_output_steps": self.bole_device_output_steps, "queued_trees": builder.queued_trees,
+                "stale_placeholders": builder.stale_placeholders}
 
     def bole_graph_counts(self) -> tuple[int, int]:
         """(verification graphs, drafter graphs: level and whole-level) captured so far; the holders only grow,
@@ -250,7 +247,7 @@ class BoleModelRunnerMixin:
         self._bole_forest = None
         if spec_meta is not None or self._plain_decode_step(num_scheduled_tokens):
             with record_function_or_nullcontext("bole: build_forest"):
-                self._bole_forest = self._build_forest(scheduler_output, num_scheduled_tokens)
+                self._bole_forest = self.bole_forest_builder.build(scheduler_output, num_scheduled_tokens)
             set_current_forest(self._bole_forest)
         return logits_indices, spec_meta
 
@@ -263,145 +260,6 @@ class BoleModelRunnerMixin:
             return False
         batch = self.input_batch
         return bool((batch.num_computed_tokens_cpu[:n] >= batch.num_prompt_tokens[:n]).all())
-
-    def _build_forest(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> StepForest:
-        req_ids = self.input_batch.req_ids
-        starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
-        queued, self._bole_queued = self._bole_queued, None
-        forest_req, tree_parents, tokens, q_starts = [], [], [], []
-        fix_rows, fix_shift = [], []  # flat rows whose position is prefix + depth, not prefix + index
-        depth_bound = 0   # no node deeper: queued trees grow at most max_depth levels
-        plain = []  # (batch index, first row) of decodes without drafts: one-node trees if a graph runs
-        from_device = []  # (tree index, batch index, drafts) of trees whose nodes come from the queued drafts
-        stale = []        # tree indices of placeholder drafts without queued ones: chains whose tokens go up
-        decoding = self.input_batch.num_computed_tokens_cpu >= self.input_batch.num_prompt_tokens
-        for r, req_id in enumerate(req_ids):
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if drafts is None or num_scheduled_tokens[r] != len(drafts) + 1:
-                if not drafts and num_scheduled_tokens[r] == 1 and decoding[r]:
-                    plain.append((r, int(starts[r])))
-                continue
-            if drafts[0] == PLACEHOLDER and queued is not None and len(drafts) <= queued[0].count(req_id):
-                from_device.append((len(forest_req), r, len(drafts)))
-                depth_bound = max(depth_bound, min(len(drafts), self.bole_config.max_depth))
-                forest_req.append(r)
-                tree_parents.append(None)
-                tokens.append(None)
-                q_starts.append(int(starts[r]))
-                continue
-            tree = self._bole_trees.get(req_id)
-            if drafts[0] == PLACEHOLDER:
-                # Placeholders without queued drafts (the request was not scheduled in the step after its drafts):
-                # a chain of token 0, written below; the walk checks it like any draft.
-                tree = DraftTree([0] * len(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
-                stale.append(len(forest_req))
-                self.bole_stale_placeholders += 1
-            elif tree is None or tree.tokens[:len(drafts)] != list(drafts):
-                # Drafts Bole did not propose (e.g. vLLM's placeholders): verify them as a chain.
-                tree = DraftTree(list(drafts), list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
-            tree = tree.truncated(len(drafts))
-            depths = [0] + tree.depths()
-            depth_bound = max(depth_bound, max(depths))
-            forest_req.append(r)
-            tree_parents.append(tree.verify_parents())
-            tokens.append([-1] + tree.tokens)
-            q_starts.append(int(starts[r]))
-            for j, d in enumerate(depths):
-                if j != d:
-                    fix_rows.append(int(starts[r]) + j)
-                    fix_shift.append(j - d)
-        sizes = [int(num_scheduled_tokens[r]) for r in forest_req]
-        cu = np.cumsum([0] + sizes).tolist()
-        n = cu[-1]
-        if from_device or stale:
-            self.bole_queued_trees += len(from_device)
-            parent = self._write_queued(queued, from_device, stale, tree_parents, tokens, q_starts, cu)
-        else:
-            parent = [p for par in tree_parents for p in par]
-        if self._bole_graphs is not None:  # the fixed addresses a verification graph reads
-            parent, cu_seqlens = self._bole_graphs.forest_tensors(parent, cu)
-        elif isinstance(parent, torch.Tensor):
-            parent, cu_seqlens = parent, torch.tensor(cu, dtype=torch.int32).to(self.device, non_blocking=True)
-        else:
-            # One host-to-device copy for parents and offsets; non-blocking, so the GPU queue is not drained.
-            flat = torch.tensor(parent + cu, dtype=torch.int32).to(self.device, non_blocking=True)
-            parent, cu_seqlens = flat[:n], flat[n:]
-        seq_lens = self.input_batch.num_computed_tokens_cpu[:len(req_ids)] + num_scheduled_tokens[:len(req_ids)]
-        forest = StepForest(
-            req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
-            parent=parent, cu_seqlens=cu_seqlens, tokens=tokens, tree_parents=tree_parents,
-            max_nodes=max(sizes, default=0), query_starts=q_starts,
-            tree_only=(len(forest_req) + len(plain) == len(req_ids)
-                       and n + len(plain) == int(num_scheduled_tokens.sum())),
-            max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
-            computed_cpu=self.input_batch.num_computed_tokens_cpu_tensor,
-            plain_decodes=[(r, req_ids[r], row) for r, row in plain], attention_rows=None,
-            depth_bound=depth_bound)
-        if any(p is None for p in tree_parents):
-            forest.on_host = functools.partial(self._queued_trees, queued, from_device)
-        if fix_rows:
-            rows = torch.tensor(fix_rows, dtype=torch.long).to(self.device, non_blocking=True)
-            shift = torch.tensor(fix_shift, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.positions[rows] -= shift
-            if self.uses_mrope:
-                self.mrope_positions.gpu[:, rows] -= shift
-        return forest
-
-    def _write_queued(self, queued, from_device, stale, tree_parents, tokens, q_starts, cu) -> torch.Tensor:
-        """The step's inputs of trees whose drafts vLLM holds as placeholders, on the device: each draft row's
-        token and its RoPE position (prefix + depth), and the forest's parents (``[N]`` int32; host trees' from
-        ``tree_parents``). ``from_device``: (tree index, batch index, drafts) of trees read from ``queued``;
-        ``stale``: tree indices of host chains whose tokens (in ``tokens``) replace the placeholders."""
-        rows, nodes, g_idx, j_idx = [], [], [], []
-        for i, r, count in from_device:
-            first = q_starts[i] + 1
-            g = queued[0].row_of[self.input_batch.req_ids[r]]
-            rows += range(first, first + count)
-            nodes += range(cu[i] + 1, cu[i] + 1 + count)
-            g_idx += [g] * count
-            j_idx += range(count)
-        host_rows = [q_starts[i] + 1 + j for i in stale for j in range(len(tokens[i]) - 1)]
-        host_tokens = [t for i in stale for t in tokens[i][1:]]
-        n = cu[-1]
-        host_par = [(cu[i] + j, p) for i, par in enumerate(tree_parents) if par is not None
-                    for j, p in enumerate(par)]
-        device = self.device
-        parent = torch.full((n,), -1, dtype=torch.int32, device=device)
-        # pinned, non-blocking: the copies do not wait for the drafter still running (none when empty: under
-        # async scheduling every tree is usually a queued one)
-        if host_rows:
-            host = async_tensor_h2d([host_rows, host_tokens], device, torch.long)
-            self.input_ids.gpu[host[0]] = host[1].to(self.input_ids.gpu.dtype)
-        if host_par:
-            pairs = async_tensor_h2d(torch.tensor(host_par, dtype=torch.long).T.contiguous(), device)
-            parent[pairs[0]] = pairs[1].to(torch.int32)
-        if rows:
-            # the same rows every step at a fixed step shape (async scheduling): one copy, kept
-            index = device_constant((*rows, *nodes, *g_idx, *j_idx), device).view(4, -1)
-            drafts = queued[0]
-            g, j = index[2], index[3]
-            self.input_ids.gpu[index[0]] = drafts.tokens[g, j].to(self.input_ids.gpu.dtype)
-            shift = j + 1 - drafts.depths[g, j]
-            self.positions[index[0]] -= shift
-            if self.uses_mrope:
-                self.mrope_positions.gpu[:, index[0]] -= shift
-            parent[index[1]] = (drafts.parents[g, j] + 1).to(torch.int32)   # verification tree: root = node 0
-        return parent
-
-    def _queued_trees(self, queued, from_device, forest: StepForest) -> None:
-        """The host copy of the trees taken from queued drafts (``StepForest.on_host``): waits for the drafter's
-        selection (done by the time the step is walked)."""
-        drafts, finish, step_req_ids = queued
-        trees = dict(zip(step_req_ids, finish()))   # finish(): one tree per request of the drafting step
-        self._bole_trees = trees
-        for i, r, count in from_device:
-            tree = trees[self.input_batch.req_ids[r]]
-            if len(tree) < count:
-                raise RuntimeError(f"Bole's queued drafts of request {self.input_batch.req_ids[r]} hold "
-                                   f"{len(tree)} nodes, the step scheduled {count}")
-            tree = tree.truncated(count)
-            forest.tokens[i] = [-1] + tree.tokens
-            forest.tree_parents[i] = tree.verify_parents()
 
     # ---- verification -------------------------------------------------------------------------------------
     def _sample(self, logits, spec_decode_metadata):
@@ -501,7 +359,8 @@ class BoleModelRunnerMixin:
         self._bole_paths = paths
         self.bole_budget.observe(forest)
         if self.bole_walk_log is not None:
-            self.bole_walk_log.add_step(forest, [outputs[r] for r in forest.tree_req_indices], self._bole_trees)
+            self.bole_walk_log.add_step(forest, [outputs[r] for r in forest.tree_req_indices],
+                                        self.bole_forest_builder.trees)
         # On the host: vLLM's bookkeeping then reads it without a copy, which would wait behind the drafter's
         # levels on the stream (width >= 2 keeps it on its spec-decode parsing, which needs no event sync either).
         sampled = self._host_walk_tokens(outputs)
@@ -695,8 +554,9 @@ class BoleModelRunnerMixin:
         with record_function_or_nullcontext("bole: finish_drafts"):
             if step.queued is not None:
                 # vLLM gets placeholders of the trees' sizes and schedules the next step while the device drafts; the
-                # step reads the drafts from the device (_build_forest) and walks the host trees (StepForest.on_host).
-                self._bole_queued = (step.queued, finish, step.req_ids)
+                # step reads the drafts from the device (ForestBuilder.build) and walks the host trees
+                # (StepForest.on_host).
+                self.bole_forest_builder.queued = (step.queued, finish, step.req_ids)
                 self._bole_last_nodes = sum(step.queued.counts)
                 # (under async scheduling vLLM holds placeholders already and expects no ids)
                 set_step_draft_ids(self, None if self.bole_async else step.queued.placeholder_ids(step.req_ids))
@@ -705,7 +565,7 @@ class BoleModelRunnerMixin:
                     trees = finish()
                     if not self.bole_drafter.selects:
                         trees = select_step(trees, step.per_request, step.budget)
-                self._bole_trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
+                self.bole_forest_builder.trees = {req_id: t for req_id, t in zip(step.req_ids, trees)}
                 self._bole_last_nodes = sum(len(t) for t in trees)
                 set_step_draft_ids(self, [t.tokens for t in trees])
         if self._bole_profiler is not None:
@@ -729,8 +589,9 @@ class BoleModelRunnerMixin:
         drafts = super().take_draft_token_ids()
         if drafts is not None:
             # Structured-output requests' trees: the scheduler fills one grammar row per node after its path.
-            trees = {req_id: self._bole_trees[req_id].parents for req_id in drafts.req_ids
-                     if self._structured(req_id) and req_id in self._bole_trees}
+            proposed = self.bole_forest_builder.trees
+            trees = {req_id: proposed[req_id].parents for req_id in drafts.req_ids
+                     if self._structured(req_id) and req_id in proposed}
             if trees:
                 setattr(drafts, PARENTS_ATTR, trees)
             setattr(drafts, BUDGET_ATTR, self.bole_budget.choice)
