@@ -212,7 +212,7 @@ def test_root_only_requests_carry_no_drafts(root_only, asynchronous):
                                          token_ids_cpu=np.zeros((3, 8), dtype=np.int64))
     runner.discard_request_mask = SimpleNamespace(np=np.zeros(3, dtype=bool))
     runner.input_ids = SimpleNamespace(cpu=torch.tensor([3, 3, 3]))
-    runner._bole_paths = None
+    runner.bole_walk = SimpleNamespace(paths=None)   # (no tree walked last step)
     scheduled = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1, "c": 1})
     step = runner._draft_step(scheduled, torch.tensor([[4], [5], [6]]), None, None)
     assert drafting(step.contexts) == [False, True, True]

@@ -6,15 +6,14 @@ waits for the host: right behind the forward the device walks the trees (``spec_
 copies the paths and tokens to the host once, runs the MTP drafter's first pass over every verified node
 (``MTPTreeDrafter.first_pass_all_rows``), moves the paths' MTP K/V, grows the next trees from the path ends
 (``MTPTreeDrafter.propose_from_walk``) and commits from the device paths. The runner's walk then only reads the
-copy (:func:`walked_output`), which waits for the forward and the walk alone, and vLLM's drafting call finds the
+copy (``TreeWalk._walked_output``), which waits for the forward and the walk alone, and vLLM's drafting call finds the
 drafts pending. Under vLLM's async scheduling there is no host copy: the step's tokens stay on the device
-(:func:`device_output`), and the trees' sizes are the scheduler's (``BoleModelRunnerMixin._plan_quotas``).
+(``TreeWalk._device_output``), and the trees' sizes are the scheduler's (``BoleModelRunnerMixin._plan_quotas``).
 """
 
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.outputs import SamplerOutput
 from vllm.v1.utils import record_function_or_nullcontext
 
 from .._vllm_compat import input_fits_in_drafter
@@ -165,41 +164,3 @@ def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int, pl
     runner._bole_pending = (step, finish)
     with record_function_or_nullcontext("bole: early_commit"):
         commit_step(forest)
-
-
-def device_output(runner, forest) -> SamplerOutput:
-    """The step's tokens from the device walk, left on the device (async scheduling): vLLM's next step reads the
-    roots and the corrected counts from there, and its output copy runs behind the step's drafting. The commit
-    ran from the device paths already; the host never sees the paths."""
-    forest.accepted_paths = None
-    runner._bole_paths = None
-    runner._bole_host_emitted = {}
-    runner.bole_device_output_steps += 1
-    if runner.bole_walk_log is not None:   # (the paths stay on the device)
-        runner.bole_walk_log.unrecorded_steps += 1
-    walk = runner._bole_early_draft.walk
-    if runner.bole_budget.rule == "throughput":   # the paths reach the acceptance model by a copy
-        runner.bole_budget.device_walks.send(walk.rows, walk.length, forest.parent, forest.cu_seqlens)
-    return SamplerOutput(sampled_token_ids=walk.emitted, logprobs_tensors=None)
-
-
-def walked_output(runner, logits, forest) -> SamplerOutput:
-    """The step's tokens from the device walk (:func:`launch`): its copy waits for the forward
-    and the walk only, not for the drafting queued behind them."""
-    first = runner._bole_early_draft
-    w = first.walk.rows.shape[1]
-    table = first.wait().tolist()
-    starts = forest.query_starts
-    paths = [[r - start for r in row[:row[-1]]] for row, start in zip(table, starts)]
-    outputs = [row[w:w + row[-1]] for row in table]
-    forest.accepted_paths = paths
-    runner._bole_paths = paths
-    runner.bole_budget.observe(forest)
-    if runner.bole_walk_log is not None:
-        runner.bole_walk_log.add_step(forest, outputs, runner.bole_forest_builder.trees)
-    sampled = runner._host_walk_tokens(outputs)
-    if runner.input_batch.sampling_metadata.max_num_logprobs is None:
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
-    row_start = starts   # every request is a tree, in batch order
-    return SamplerOutput(sampled_token_ids=sampled,
-                         logprobs_tensors=runner._path_logprobs(logits, sampled, paths, row_start))

@@ -1,19 +1,19 @@
 """Bole's model runner: carries a packed forest of draft trees through vLLM's V1 GPU/CPU model runner.
 
-Per step: ``_prepare_inputs`` has the forest builder (``worker/forest_builder.py``) turn each request's scheduled
-drafts into its verification tree (root = last sampled token) and publishes the forest to the layers;
-``_sample`` walks each tree (by the argmax for greedy requests, sample-then-match for sampled ones);
-``_update_states_after_model_execute`` commits the accepted path's GDN state and moves its K/V to contiguous
-slots; ``propose_draft_token_ids`` asks the tree drafter for new trees and applies the per-step node budget.
-With ``early_drafting`` (the default) a step of trees whose requests are greedy or plainly sampled does the walk, the
+A step's stages, in order: ``_prepare_inputs`` has the forest builder (``worker/forest_builder.py``) turn each
+request's scheduled drafts into its verification tree (root = last sampled token) and publishes the forest to the
+layers; the target forward verifies it; ``_sample`` has the walk (``worker/tree_walk.py``) follow each tree (the
+argmax for greedy requests, a draw at each node for sampled ones); ``propose_draft_token_ids`` asks the tree
+drafter for new trees within the budget policy's node budget (``worker/budget_policy.py``), and the commit
+(``_commit``) then writes the accepted paths' GDN state and moves their K/V to contiguous slots. With
+``early_drafting`` (the default) a step of trees whose requests are greedy or plainly sampled does the walk, the
 drafting and the commit on the device right behind its forward instead (``worker/early_drafting.py``).
 """
 
 import numpy as np
 import torch
 from vllm.utils.math_utils import next_power_of_2
-from vllm.v1.outputs import DraftTokenIds, SamplerOutput
-from vllm.v1.sample.sampler import _SAMPLING_EPS
+from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.utils import record_function_or_nullcontext
 
 from .. import envs
@@ -29,9 +29,7 @@ from ..spec_decode.make_drafter import make_drafter
 from ..spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import select_step
-from ..spec_decode.tree_sampler import (SeededDraws, builtin_logitsprocs, draw_tree_rows, is_plain_greedy,
-                                        is_plain_random, pad_outputs, processed_tree_rows, row_depths,
-                                        sample_tree_rows, tree_rows_supported, walk_tree, walks_tree)
+from ..spec_decode.tree_sampler import builtin_logitsprocs, walks_tree
 from ..spec_decode.walk_record import WalkLog
 from . import early_drafting
 from .budget_policy import BudgetPolicy
@@ -41,6 +39,7 @@ from .kv_compaction import compact_accepted_kv
 from .scheduler import Placeholders
 from .step_profile import StepProfiler, profiled
 from .tree_grammar import PARENTS_ATTR
+from .tree_walk import TreeWalk
 
 logger = init_logger(__name__)
 
@@ -58,7 +57,6 @@ class BoleModelRunnerMixin:
             super().__init__(vllm_config, device)
         self.bole_config = bole_config_from_vllm(vllm_config)   # (its budget_rule as given: see bole_budget.rule)
         self._bole_forest: StepForest | None = None
-        self._bole_paths: list[list[int]] | None = None  # per batch request, this step's accepted nodes
         self._bole_synthetic = parse_synthetic(self.bole_config.synthetic_acceptance)
         self.bole_drafter = None
         self._bole_profiler = StepProfiler.from_env()
@@ -68,6 +66,8 @@ class BoleModelRunnerMixin:
         self._bole_pending = None   # (DraftStep, finish) of drafts queued on the device, not yet taken
         # the step's verification forest from the drafts awaiting verification (which it holds)
         self.bole_forest_builder = ForestBuilder(self)
+        # which path of each verified tree the target accepts, and the step's tokens
+        self.bole_walk = TreeWalk(self)
         # the node budget of each step and what its rule measures
         self.bole_budget = BudgetPolicy(vllm_config, self.speculative_config.num_speculative_tokens)
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
@@ -265,175 +265,12 @@ class BoleModelRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         self._bole_discarded_generators = save_discarded_cpu_generators(self)
         with profiled(self._bole_profiler, "walk"):
-            return self._walk_trees(logits, spec_decode_metadata)
+            return self.bole_walk.sample(logits, spec_decode_metadata, super()._sample)
 
     def _bookkeeping_sync(self, scheduler_output, *args, **kwargs):
         saved, self._bole_discarded_generators = self._bole_discarded_generators, {}
         with discarded_cpu_draws_undone(self, saved):
             return super()._bookkeeping_sync(scheduler_output, *args, **kwargs)
-
-    def _walk_trees(self, logits, spec_decode_metadata):
-        forest = self._bole_forest
-        first = self._bole_early_draft
-        if first is not None and first.walk is not None and first.host is None:
-            # Async scheduling: the tokens stay on the device; nothing here waits for the host trees.
-            return early_drafting.device_output(self, forest)
-        if forest is not None:
-            forest.materialize()
-        if first is not None and first.walk is not None:
-            return early_drafting.walked_output(self, logits, forest)
-        if spec_decode_metadata is None or forest is None:
-            self._bole_paths = None
-            if forest is not None and forest.tree_req_indices:
-                # A plain decode step that ran from a graph as one-node trees: each root is accepted, and the
-                # commit writes the state after it (graph mode leaves the GDN state to the commit).
-                forest.accepted_paths = [[0] for _ in forest.tree_req_indices]
-                self._bole_paths = [[0] for _ in self.input_batch.req_ids]
-            return self._on_host(super()._sample(logits, spec_decode_metadata))
-        self.input_batch.update_async_output_token_ids()
-        metadata = self.input_batch.sampling_metadata
-        num_rows = [n + 1 for n in spec_decode_metadata.num_draft_tokens]
-        row_start = np.concatenate([[0], np.cumsum(num_rows)[:-1]]).tolist()
-        tree_of = {r: i for i, r in enumerate(forest.tree_req_indices)}
-        # Emitted-token logprobs are rebuilt from raw logits; other logprob modes verify roots only.
-        own_logprobs = self.model_config.logprobs_mode == "raw_logprobs"
-        wants_logprobs = metadata.max_num_logprobs is not None
-        walks = own_logprobs or not wants_logprobs
-        rows_supported = walks and tree_rows_supported(metadata)
-        greedy, drawn = [], []  # batch indices of the tree requests walked by argmax / by samples
-        processed = []  # those among them whose rows get vLLM's logits processing (penalties, logit bias, ...)
-        for r, req_id in enumerate(self.input_batch.req_ids):
-            params = self.requests[req_id].sampling_params
-            if r not in tree_of or not walks:
-                continue
-            if is_plain_greedy(params):
-                greedy.append(r)
-            elif rows_supported and is_plain_random(params):
-                drawn.append(r)
-            elif rows_supported and self._walks_tree(req_id):
-                processed.append(r)
-        targets = {}  # batch index -> the target's token after each of its tree rows
-        seeded = SeededDraws()   # seeded requests' generators, rewound to the tokens emitted (after the walk)
-        if processed:
-            targets |= self._processed_targets(logits, processed, row_start, num_rows, tree_of, metadata, seeded)
-        if greedy:
-            first = self._bole_early_draft
-            if first is not None:   # already on its way to the host (the drafter's first pass runs behind it)
-                argmax = first.wait().tolist()
-            else:
-                argmax = logits.argmax(dim=-1).tolist()
-            targets |= {r: argmax[row_start[r]:row_start[r] + num_rows[r]] for r in greedy}
-        if drawn:  # one draw per tree row of every sampled request, in one call
-            rows = [row_start[r] + j for r in drawn for j in range(num_rows[r])]
-            depths = [d for r in drawn for d in row_depths(forest.parents_of(tree_of[r]))]
-            draws = sample_tree_rows(logits[torch.tensor(rows, device=logits.device)],
-                                     [r for r in drawn for _ in range(num_rows[r])], metadata,
-                                     self.sampler.use_fp64_gumbel, depths, seeded)
-            offsets = np.concatenate([[0], np.cumsum([num_rows[r] for r in drawn])]).tolist()
-            targets |= {r: draws[offsets[k]:offsets[k + 1]] for k, r in enumerate(drawn)}
-        if self._bole_synthetic is not None:  # benchmarks: accepted paths from given rates, not the target
-            paths = [self._bole_synthetic.walk(forest.parents_of(tree_of[r])) if r in tree_of else [0]
-                     for r in range(len(self.input_batch.req_ids))]
-        else:
-            paths = [walk_tree(forest.parents_of(tree_of[r]), forest.tokens[tree_of[r]], targets[r])
-                     if r in targets else [0] for r in range(len(self.input_batch.req_ids))]
-        final = None
-        if len(greedy) == len(paths) and rows_supported and not (wants_logprobs and not own_logprobs):
-            # Every request is a plain greedy tree: its bonus token is the argmax at the walk's last node, which
-            # the walk already read (what vLLM's sampler would return for that row, without another sync).
-            bonus = [targets[r][path[-1]] for r, path in enumerate(paths)]
-        else:
-            final_rows = [row_start[r] + path[-1] for r, path in enumerate(paths)]
-            final = self.sampler(logits=logits[torch.tensor(final_rows, device=logits.device)],
-                                 sampling_metadata=metadata)
-            bonus = final.sampled_token_ids[:, 0].tolist()
-        for r in drawn + processed:  # the target at the walk's last node is the bonus token
-            bonus[r] = targets[r][paths[r][-1]]
-        seeded.rewind(metadata.generators, {r: len(paths[r]) for r in seeded.states})
-        outputs = []
-        for r, path in enumerate(paths):
-            i = tree_of.get(r)
-            drafted = [forest.tokens[i][j] for j in path[1:]] if i is not None else []
-            outputs.append(drafted + [bonus[r]])
-        forest.accepted_paths = [paths[r] for r in forest.tree_req_indices]
-        self._bole_paths = paths
-        self.bole_budget.observe(forest)
-        if self.bole_walk_log is not None:
-            self.bole_walk_log.add_step(forest, [outputs[r] for r in forest.tree_req_indices],
-                                        self.bole_forest_builder.trees)
-        # On the host: vLLM's bookkeeping then reads it without a copy, which would wait behind the drafter's
-        # levels on the stream (width >= 2 keeps it on its spec-decode parsing, which needs no event sync either).
-        sampled = self._host_walk_tokens(outputs)
-        if wants_logprobs and not own_logprobs:
-            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=final.logprobs_tensors)
-        return SamplerOutput(sampled_token_ids=sampled,
-                             logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
-
-    def _processed_targets(self, logits, reqs: list[int], row_start: list[int], num_rows: list[int], tree_of,
-                           metadata, seeded: SeededDraws) -> dict[int, list[int]]:
-        """The target's token after each tree row of requests with penalties, bad words, allowed token ids, a
-        logit bias or min_tokens (batch indices ``reqs``): each row processed as vLLM would process the request
-        with the row's path appended to its output (``tree_sampler.processed_tree_rows``), then its argmax
-        (greedy) or one draw (sampled, ``tree_sampler.draw_tree_rows``)."""
-        forest = self._bole_forest
-        rows, row_req, row_path = [], [], []
-        for r in reqs:
-            parents, tokens = forest.parents_of(tree_of[r]), forest.tokens[tree_of[r]]
-            paths = [[]]   # per node, the drafted tokens from the root's child down to it
-            for j in range(1, len(parents)):
-                paths.append(paths[parents[j]] + [tokens[j]])
-            rows += range(row_start[r], row_start[r] + num_rows[r])
-            row_req += [r] * num_rows[r]
-            row_path += paths
-        params = [self.requests[req_id].sampling_params for req_id in self.input_batch.req_ids]
-        rows_t = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
-        values = processed_tree_rows(logits[rows_t], row_req, row_path, self.input_batch.req_output_token_ids,
-                                     params, metadata)
-        out = values.argmax(dim=-1)   # greedy rows (vLLM's greedy sample of processed logits)
-        drawn = [i for i, r in enumerate(row_req) if params[r].temperature >= _SAMPLING_EPS]
-        if drawn:
-            index = torch.tensor(drawn, dtype=torch.long).to(values.device, non_blocking=True)
-            out[index] = draw_tree_rows(values[index], [row_req[i] for i in drawn], metadata,
-                                        self.sampler.use_fp64_gumbel, [len(row_path[i]) for i in drawn],
-                                        seeded).to(out.dtype)
-        out = out.tolist()
-        targets, start = {}, 0
-        for r in reqs:
-            targets[r] = out[start:start + num_rows[r]]
-            start += num_rows[r]
-        return targets
-
-    def _host_walk_tokens(self, outputs: list[list[int]]) -> torch.Tensor:
-        """A host walk's emitted tokens as vLLM's sampled token ids: on the host (its bookkeeping then needs no
-        copy), except under async scheduling, where vLLM reads them on the device (its own spec-decode helpers
-        too, e.g. when the step's batch does not fit the drafter)."""
-        sampled = pad_outputs(outputs, "cpu", min_width=2)
-        return sampled.to(self.device) if self.bole_async else sampled
-
-    def _path_logprobs(self, logits, sampled, paths, row_start):
-        """Raw logprobs of every emitted token, from the logits row of the node that produced it; laid out
-        ``[num_reqs * width]`` like vLLM's rejection sampler (padding rows are filtered out by vLLM)."""
-        k = self.input_batch.sampling_metadata.max_num_logprobs
-        if k is None:
-            return None
-        width = sampled.shape[1]
-        rows = [row_start[r] + path[min(m, len(path) - 1)] for r, path in enumerate(paths) for m in range(width)]
-        tokens = sampled.flatten().long().clamp(min=0).to(logits.device)
-        logprobs = self.sampler.compute_logprobs(logits[torch.tensor(rows, device=logits.device)].float())
-        return self.sampler.gather_logprobs(logprobs, k, tokens)
-
-    def _on_host(self, output: SamplerOutput) -> SamplerOutput:
-        """A step's sampled tokens moved to the host before the drafter is queued (see ``_walk_trees``): the copy
-        waits only for the target forward. With logprobs vLLM's one-token layout stays as it is; under async
-        scheduling the tokens stay on the device."""
-        if (output.logprobs_tensors is not None or output.sampled_token_ids.device.type == "cpu"
-                or self.bole_async):
-            return output
-        tokens = output.sampled_token_ids.cpu()
-        if tokens.shape[1] == 1:
-            tokens = torch.cat([tokens, torch.full_like(tokens, PLACEHOLDER)], dim=1)
-        output.sampled_token_ids = tokens
-        return output
 
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
         if self.cache_config.mamba_cache_mode == "align" or (
@@ -634,7 +471,7 @@ class BoleModelRunnerMixin:
         sampled = sampled_token_ids.tolist()
         forest = self._bole_forest
         tree_of = {r: i for i, r in enumerate(forest.tree_req_indices)} if forest is not None else {}
-        paths = self._bole_paths
+        paths = self.bole_walk.paths
         input_ids = self.input_ids.cpu
         contexts, first_pass, row = [], [], 0
         emitted = {}
