@@ -643,6 +643,7 @@ def run_worker(args) -> None:
             graphs_before, keys_before = _bole_graph_counts(runner), _bole_graph_keys(runner)
             stand_ins_before, capture_ms_before = _bole_stand_ins(runner), _bole_capture_ms(runner)
             budgets_before = collections.Counter(runner.bole_budget.planned if bole else {})
+            chains_before = runner.step_counts()["chain_steps"] if bole else 0
             runs, wall, tokens, round_runs, step_summaries = [], 0.0, 0, [], []
         # Timed runs repeat until --min-timed-s of wall time (a batch-1 run lasts about a second), at least
         # --min-timed-runs times, so that the median leaves out a run that captured a graph or compiled a kernel;
@@ -690,7 +691,10 @@ def run_worker(args) -> None:
             row["graphs_held"] = list(graphs_after)
             # steps of a shape not held yet that replayed a held graph of a few more tokens instead
             row["stand_in_replays_in_timed_run"] = [a - b for a, b in zip(_bole_stand_ins(runner), stand_ins_before)]
-            # what those captures cost the timed runs (verification, drafter level, beam level), in ms of host time
+            # drafting steps that grew a one-wide beam (chains: docs/design.md, "Chain steps")
+            row["chain_steps_in_timed_run"] = runner.step_counts()["chain_steps"] - chains_before
+            # what those captures cost the timed runs (verification, drafter level, beam level, chain level), in ms
+            # of host time
             spent = [a - b for a, b in zip(_bole_capture_ms(runner), capture_ms_before)]
             row["capture_ms_in_timed_run"] = [round(x, 1) for x in spent]
             row["capture_share_of_wall"] = round(sum(spent) / 1e3 / wall, 4) if wall else None
@@ -723,10 +727,11 @@ def _bole_graph_counts(runner) -> tuple[int, int]:
 
 def _bole_graph_holders(runner) -> dict:
     """A Bole runner's holders of CUDA graphs by kind ("verify", "draft": drafter levels, "beam": whole drafter
-    levels), None where it has none (other engines: all)."""
+    levels, "chain": whole levels of one-wide steps), None where it has none (other engines: all)."""
     drafter = getattr(runner, "bole_drafter", None)
     return {"verify": getattr(runner, "_bole_graphs", None), "draft": getattr(drafter, "graphs", None),
-            "beam": getattr(getattr(drafter, "beam", None), "graphs", None)}
+            "beam": getattr(getattr(drafter, "beam", None), "graphs", None),
+            "chain": getattr(getattr(drafter, "chain", None), "graphs", None)}
 
 
 def _bole_stand_ins(runner) -> tuple[int, int]:
@@ -736,9 +741,9 @@ def _bole_stand_ins(runner) -> tuple[int, int]:
     return tuple(h.stand_ins.replays if hasattr(h, "stand_ins") else 0 for h in (holders["verify"], holders["draft"]))
 
 
-def _bole_capture_ms(runner) -> tuple[float, float, float]:
-    """(verification, drafter level, drafter beam level) host milliseconds spent capturing CUDA graphs so far
-    (eager warm-up, synchronize and capture: what a step that captures waits); zeros for other engines."""
+def _bole_capture_ms(runner) -> tuple[float, ...]:
+    """(verification, drafter level, drafter beam level, chain level) host milliseconds spent capturing CUDA graphs
+    so far (eager warm-up, synchronize and capture: what a step that captures waits); zeros for other engines."""
     return tuple(float(getattr(h, "capture_ms", 0.0)) for h in _bole_graph_holders(runner).values())
 
 

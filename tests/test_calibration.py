@@ -230,7 +230,8 @@ def test_runner_clock_ticks_see_graph_captures():
     policy.config, policy.model_config, policy._graphs = parse_bole_config({"method": "bole", "budget": 40})[0], None, 0
     policy.clock = SimpleNamespace(tick=lambda *a, **kw: ticks.append(kw["captured"]))
     runner = SimpleNamespace(
-        _bole_graphs=verify, bole_drafter=SimpleNamespace(graphs=SimpleNamespace(graphs={}), beam=beam),
+        _bole_graphs=verify, bole_drafter=SimpleNamespace(graphs=SimpleNamespace(graphs={}), beam=beam,
+                                                           beams=lambda: [beam]),
         _bole_forest=SimpleNamespace(tree_only=True), _bole_last_nodes=64, bole_budget=policy)
     runner.bole_graph_counts = lambda: BoleModelRunnerMixin.bole_graph_counts(runner)
     tick = lambda: BoleModelRunnerMixin._tick_clock(runner, 16, 300)   # noqa: E731

@@ -132,6 +132,28 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     assert counters["mean_acceptance_length"] > 1.5, counters
 
 
+@pytest.mark.parametrize("selection,asynchronous", [("global", False), ("per_request", False),
+                                                  ("per_request", True)])
+def test_mtp_chain_steps_are_lossless(tmp, model, requests_, reference, monkeypatch, selection, asynchronous):
+    """Steps whose trees hold at most ``VLLM_BOLE_CHAIN_NODES`` nodes grow a one-wide beam (chains of rank-1
+    children), the others the full beam: 40 nodes over the batch make chain steps while 10 or more requests draft
+    and tree steps once fewer do. Outputs equal vLLM's without speculation: the catch-up after the walk (global), the
+    drafting before the walk with queued drafts (per request), and under async scheduling."""
+    monkeypatch.setenv("VLLM_BOLE_CHAIN_NODES", "4")
+    name = f"mtp_chains_{selection}" + ("_async" if asynchronous else "")
+    engine = bole_engine(tmp, name, depth=4, topk=3, budget=40, drafter="mtp", selection=selection, max_num_seqs=16,
+                         async_scheduling=asynchronous)
+    spec = {"model": model, "requests": requests_, "logprobs": 2, "engine": engine,
+            "cpu_async_scheduling": asynchronous}
+    out = run_engine(tmp, name, spec)
+    assert_lossless(reference, out, max_near_ties=2)
+    print(f"{name}: chain steps {out['chain_steps']}, levels {out['device_levels']} (chains {out['chain_levels']})")
+    assert out["chain_steps"] > 0 and out["chain_levels"] > 0, out
+    assert out["device_levels"] > out["chain_levels"], out   # tree steps too
+    assert (out["early_draft_steps"] > 0) == (selection == "per_request"), out["early_draft_steps"]
+    assert_graphs_used(out, drafter=True)
+
+
 def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, reference):
     """``draft_vocab``: the drafter proposes the lower half of the vocabulary only; the output stays exact (with
     the drafting before the walk, whose walks also feed the default budget rule's acceptance model: a table

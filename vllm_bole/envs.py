@@ -23,6 +23,15 @@ def _optional_int(name: str) -> int | None:
     return int(value)
 
 
+def _non_negative_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    if not value.strip().isdigit():
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
 def _choice(name: str, choices: tuple[str, ...]) -> str:
     """One of ``choices``; the first when unset."""
     value = os.environ.get(name) or choices[0]
@@ -48,6 +57,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_BOLE_INLINE_PREFIX_MAX_SEQ": lambda: _optional_int("VLLM_BOLE_INLINE_PREFIX_MAX_SEQ"),
     # How a Bole engine splits its layers into KV-cache groups: "fewest_bytes" (worker/kv_groups.py) or "vllm".
     "VLLM_BOLE_KV_GROUPS": lambda: _choice("VLLM_BOLE_KV_GROUPS", ("fewest_bytes", "vllm")),
+    # The most nodes per request a step drafts as a one-wide chain (0: never; unset: where the acceptance
+    # model's best-first tree is a chain, BudgetPolicy.width).
+    "VLLM_BOLE_CHAIN_NODES": lambda: _non_negative_int("VLLM_BOLE_CHAIN_NODES"),
     # The MTP drafter grows its tree levels with host bookkeeping instead of on the device.
     "VLLM_BOLE_HOST_DRAFT_LEVELS": lambda: os.environ.get("VLLM_BOLE_HOST_DRAFT_LEVELS", "0") == "1",
     # Tests: the tiny GPU engines run with torch.compile and CUDA graphs.

@@ -88,6 +88,10 @@ class AcceptanceModel:
             self._curve_steps = self.steps
         return self._curve[min(max(q, 0), len(self._curve) - 1)]
 
+    def chain_nodes(self) -> int:
+        """:func:`chain_nodes` at the measured rates (siblings not yet measured count as never accepted)."""
+        return chain_nodes(*self.rates(), self.k, self.depth)
+
     def tokens_per_step(self, nodes: int, batch: int, per_request: int) -> float:
         """Expected tokens of a step of ``batch`` requests sharing ``nodes`` evenly (``queued_drafts.quotas_of``:
         the first ones get the remainder), each at most ``per_request``."""
@@ -106,6 +110,22 @@ def child_probability(first: list[float], sib: list[float], depth: int, rank: in
     for s in sib[:rank - 1]:
         p *= 1.0 - s
     return p * sib[rank - 1] if rank - 1 < len(sib) else 0.0
+
+
+def chain_nodes(first: list[float], sib: list[float], k: int, max_depth: int) -> int:
+    """The most nodes q per request whose best-first tree (the q most probable nodes by these rates) is a chain,
+    each node the rank-1 child of the one before: the chain's node at depth d beats every sibling candidate down
+    to d (a tie counts against the chain). Up to ``max_depth``; ``k`` 1: every tree is a chain."""
+    if k <= 1:
+        return max_depth
+    best_sibling, p, n = 0.0, 1.0, 0
+    for d in range(1, max_depth + 1):
+        best_sibling = max(best_sibling, p * max(child_probability(first, sib, d, r) for r in range(1, k)))
+        p *= child_probability(first, sib, d, 0)
+        if p <= best_sibling:
+            break
+        n = d
+    return n
 
 
 def best_first_curve(first: list[float], sib: list[float], k: int, max_depth: int, cap: int = 256) -> list[float]:

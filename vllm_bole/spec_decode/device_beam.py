@@ -290,10 +290,14 @@ class LevelPlan:
 
 
 class DeviceBeam:
-    def __init__(self, drafter):
+    """The device-grown levels of ``drafter`` (an MTP tree drafter), ``width`` queries per request and level
+    (default ``topk``; 1: a chain of rank-1 children, whose levels feed one row per request)."""
+
+    def __init__(self, drafter, width: int | None = None):
         self.drafter = drafter
         cfg = drafter.bole_config
-        self.k, self.max_depth = cfg.topk, cfg.max_depth
+        self.k, self.max_depth = width or cfg.topk, cfg.max_depth
+        self.top_width = cfg.topk   # the children the drafter's top rows hold (``[rows, 2 * topk]``)
         self.words = region_words(self.max_depth, self.k)
         self._rates: torch.Tensor | None = None
         self.levels_run = 0   # expansion levels grown so far (all steps)
@@ -303,6 +307,14 @@ class DeviceBeam:
         self._level_hint: dict[int, int] = {}   # quota -> expansion levels its trees reached last (per_request)
         self._level_one: dict[tuple, tuple] = {}   # state shape -> level 1's (anc, bits)
         self.graphs = None    # full CUDA graphs of whole levels (GPU), set by the drafter: spec_decode/beam_graphs.py
+
+    def own_children(self, top: torch.Tensor) -> torch.Tensor:
+        """``[rows, 2k]``: the drafter's top children (``[rows, 2 * topk]``: probabilities, then token ids)
+        narrowed to this beam's ``k`` best."""
+        if self.k == self.top_width:
+            return top
+        k, t = self.k, self.top_width
+        return torch.cat([top[:, :k], top[:, t:t + k]], dim=1)
 
     def _child_probs(self, p: torch.Tensor, depth: int) -> torch.Tensor:
         """Scores of children at ``depth`` relative to their parent, rank order: the drafter's probabilities,
@@ -358,7 +370,7 @@ class DeviceBeam:
             if step.fill_quotas:   # enough candidates for every quota: k root children, k*k per level
                 levels = min(bound, max(levels, -(-max(max(quotas) - k, 0) // (k * k))))
         m = k + levels * k * k
-        top = (top if top is not None else self.drafter._top_rows(hidden)).double()   # [G, 2k]
+        top = self.own_children(top if top is not None else self.drafter._top_rows(hidden)).double()   # [G, 2k]
         if not isinstance(roots, torch.Tensor):
             roots = np.asarray(roots, dtype=np.int64)
         plan = LevelPlan.of(self.drafter, reqs, roots, levels, k, root_bound) if levels else None
@@ -469,7 +481,7 @@ class DeviceBeam:
         :meth:`advance`. Device work only, in place on ``s``: the same code runs eagerly and inside a level's CUDA
         graph."""
         out, top = forward(s.front_ids.reshape(-1), s.hid, s.anc[:, :, :d * self.k], s.bits)
-        self.advance(s, d, out, top)
+        self.advance(s, d, out, self.own_children(top))
 
     def advance(self, s: BeamState, d: int, out: torch.Tensor, top: torch.Tensor) -> None:
         """After level ``d``'s forward: each query's ``topk`` children as candidates, the ``topk`` best of them

@@ -60,6 +60,9 @@ class DraftStep:
     per row of the step, ``MTPTreeDrafter.first_pass_all_rows``), so it skips its catch-up.
     rope: under M-RoPE, when some request's positions run behind its token index (images), the ``[3, rows]``
     positions of the step's rows as the target ran them (first_pass rows index it as they index hidden_states).
+    width: a drafter growing a beam of this many queries per request and level (1: a chain of rank-1 children;
+    None: ``topk``); the runner asks for 1 where the selection would keep a chain anyway
+    (``BudgetPolicy.width``).
     """
 
     req_ids: list[str]
@@ -74,6 +77,7 @@ class DraftStep:
     fill_quotas: bool = False
     all_rows: tuple | None = None
     rope: "torch.Tensor | None" = None
+    width: int | None = None
 
 
 class TreeDrafter:
@@ -95,6 +99,10 @@ class TreeDrafter:
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
         raise NotImplementedError
+
+    def beams(self) -> list:
+        """The device beams growing its levels, if any (each with its CUDA graphs, ``graphs``)."""
+        return [] if self.beam is None else [self.beam]
 
     def own_kv_layers(self) -> tuple[str, ...]:
         """Attention layers whose K/V the drafter rewrites itself at every committed position; the runner's

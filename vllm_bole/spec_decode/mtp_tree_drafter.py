@@ -104,11 +104,32 @@ class MTPTreeDrafter(TreeDrafter):
         # with host bookkeeping instead (a copy of every level's top children to the host).
         self.beam = None
         if not envs.VLLM_BOLE_HOST_DRAFT_LEVELS:
-            self.beam = DeviceBeam(self)
-            if self.graphs is not None:   # whole levels from full CUDA graphs too (GPU)
-                from .beam_graphs import BeamGraphs
+            self.beam = self._device_beam()
+        # Steps whose selection keeps chains (DraftStep.width 1) grow one query per request and level: a beam of
+        # its own, made on first use.
+        self.chain = None
+        self.chain_steps = 0   # steps grown as chains
 
-                self.beam.graphs = BeamGraphs(self.beam)
+    def _device_beam(self, width: int | None = None) -> DeviceBeam:
+        beam = DeviceBeam(self, width)
+        if self.graphs is not None:   # whole levels from full CUDA graphs too (GPU)
+            from .beam_graphs import BeamGraphs
+
+            beam.graphs = BeamGraphs(beam)
+        return beam
+
+    def beams(self) -> list[DeviceBeam]:
+        """The device beams made so far (none with host-grown levels)."""
+        return [b for b in (self.beam, self.chain) if b is not None]
+
+    def _beam_for(self, step: DraftStep) -> DeviceBeam | None:
+        """The device beam of ``step``'s width (None: levels grown on the host)."""
+        if self.beam is None or step.width is None or step.width == self.beam.k:
+            return self.beam
+        if self.chain is None:
+            self.chain = self._device_beam(step.width)
+        self.chain_steps += 1
+        return self.chain
 
     def _child_scores(self, probs: list[float], depth: int) -> list[float]:
         """Scores of a node's children (probability order) at ``depth``, relative to their parent."""
@@ -363,14 +384,15 @@ class MTPTreeDrafter(TreeDrafter):
         prev = rows_of(roots_rows, mtp_hidden)
         top = rows_of(roots_rows, top) if top is not None else None
         finish = None
-        if self.beam is not None:
+        beam = self._beam_for(step)
+        if beam is not None:
             try:
                 with record_function_or_nullcontext("bole: levels"):
-                    finish = self.beam.grow_deferred(step, cm, reqs, roots, prev, top)
+                    finish = beam.grow_deferred(step, cm, reqs, roots, prev, top)
             except Exception as e:  # drafts only: the host bookkeeping grows this step's trees instead
                 logger.warning("Bole's device-grown draft levels are off: a level failed (%s: %s); growing them "
                                "on the host", type(e).__name__, e)
-                self.beam = None
+                self.beam = self.chain = None
         if finish is None:
             grown = self._grow_on_host(step, cm, reqs, roots, prev, top)
             if step.per_request is not None and step.quotas is None:   # (the runner applies quotas)
@@ -397,8 +419,9 @@ class MTPTreeDrafter(TreeDrafter):
             return lambda: out
         last = request_rows(walk.rows.gather(1, (walk.length - 1)[:, None])[:, 0], reqs)
         with record_function_or_nullcontext("bole: levels"):
-            finish = self.beam.grow_deferred(step, step.common_attn_metadata, reqs, positions[last].long() + 1,
-                                             mtp_hidden[last], top[last], root_bound)
+            finish = self._beam_for(step).grow_deferred(step, step.common_attn_metadata, reqs,
+                                                        positions[last].long() + 1, mtp_hidden[last], top[last],
+                                                        root_bound)
 
         def trees() -> list[DraftTree]:
             for r, tree in zip(reqs, finish()):

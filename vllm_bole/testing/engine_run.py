@@ -49,16 +49,24 @@ def graph_summary(llm) -> dict | None:
     if draft is not None:
         summary |= {"draft_graphs": len(draft.graphs), "draft_replays": draft.replays,
                     "draft_stand_in_replays": draft.stand_ins.replays}
-    beam = getattr(getattr(getattr(runner, "bole_drafter", None), "beam", None), "graphs", None)
-    if beam is not None:
-        summary |= {"beam_graphs": len(beam.graphs), "beam_replays": beam.replays}
+    drafter = getattr(runner, "bole_drafter", None)
+    beams = [b.graphs for b in drafter.beams() if b.graphs is not None] if drafter is not None else []
+    if beams:   # (the full beam's and the chains')
+        summary |= {"beam_graphs": sum(len(b.graphs) for b in beams), "beam_replays": sum(b.replays for b in beams)}
     return summary
 
 
 def _beam_levels(llm) -> int | None:
     """Tree levels the MTP drafter grew on the device (None: it grows them on the host, or another drafter)."""
-    beam = getattr(getattr(_runner(llm), "bole_drafter", None), "beam", None)
-    return None if beam is None else beam.levels_run
+    drafter = getattr(_runner(llm), "bole_drafter", None)
+    beams = drafter.beams() if drafter is not None else []
+    return sum(b.levels_run for b in beams) if beams else None
+
+
+def _chain_levels(llm) -> int | None:
+    """Of those, the levels of one-wide steps (chains; None: none ran)."""
+    chain = getattr(getattr(_runner(llm), "bole_drafter", None), "chain", None)
+    return None if chain is None else chain.levels_run
 
 
 def _draft_vocab_ids(llm) -> list[int] | None:
@@ -193,7 +201,8 @@ def run(spec: dict) -> dict:
     return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": graph_summary(llm),
-            "device_levels": _beam_levels(llm), "draft_vocab": _draft_vocab_ids(llm),
+            "device_levels": _beam_levels(llm), "chain_levels": _chain_levels(llm),
+            "draft_vocab": _draft_vocab_ids(llm),
             **step_counts(llm),
             "acceptance_steps": getattr(_budget(llm, "acceptance"), "steps", None),
             # tree steps the phase timer counted (VLLM_BOLE_PROFILE_STEPS)

@@ -9,10 +9,12 @@ import collections
 import functools
 import time
 
+from .. import envs
 from ..config import bole_config_from_vllm
-from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel, DeviceWalks
+from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel, DeviceWalks, chain_nodes
 from ..spec_decode.budget import (StepClock, auto_budgets, node_budget, set_async_budget_source, verify_ms,
                                   with_applicable_rule)
+from ..spec_decode.synthetic import parse_synthetic
 
 
 class BudgetPolicy:
@@ -37,6 +39,7 @@ class BudgetPolicy:
         self.choice: tuple[int, int, bool] | None = None
         self._chosen: dict[int, int] = {}   # "throughput": batch size -> the budget last chosen (not a probe)
         self._graphs = 0   # CUDA graphs held at the clock's last tick
+        self._synthetic_chain_nodes = synthetic_chain_nodes(self.config)
         self.refresh()
 
     @property
@@ -93,6 +96,25 @@ class BudgetPolicy:
         self.async_planned[batch_size, budget] += 1
         return budget
 
+    def width(self, nodes_per_request: int) -> int | None:
+        """The drafter's beam width for a step whose trees hold up to ``nodes_per_request`` nodes each: 1 where
+        the best-first tree of that many nodes is a chain (:meth:`chain_nodes`), so a ``topk``-wide beam would
+        draft nothing the selection keeps besides the chain, at ``topk`` times the rows per level; else None
+        (``topk``)."""
+        limit = min(self.chain_nodes(), self.config.max_depth)   # (a chain holds max_depth nodes at most)
+        return 1 if self.config.topk > 1 and 0 < nodes_per_request <= limit else None
+
+    def chain_nodes(self) -> int:
+        """The most nodes per request whose best-first tree is a chain: ``VLLM_BOLE_CHAIN_NODES`` if set, else by
+        the acceptance model's rates once it has measurements, else by ``synthetic_acceptance``'s, else 0 (no
+        rates: always the full beam)."""
+        forced = envs.VLLM_BOLE_CHAIN_NODES
+        if forced is not None:
+            return forced
+        if self.acceptance.ready:
+            return self.acceptance.chain_nodes()
+        return self._synthetic_chain_nodes
+
     def estimates(self, batch_size: int, context_len: int | None = None) -> list[dict] | None:
         """What ``budget_rule "throughput"`` weighs now at ``batch_size`` (``ModelBudgets.throughput_estimates``:
         per calibrated N, T_ver, the step clock's rest, the acceptance model's tokens and their rate), for reports;
@@ -123,3 +145,12 @@ class BudgetPolicy:
         if not probe:
             self._chosen[batch_size] = budget
         return budget
+
+
+def synthetic_chain_nodes(bole_config) -> int:
+    """:func:`acceptance_model.chain_nodes` at the rates of ``synthetic_acceptance`` (0 without it)."""
+    synthetic = parse_synthetic(bole_config.synthetic_acceptance)
+    if synthetic is None:
+        return 0
+    first = [synthetic.rank1_rate(d) for d in range(1, bole_config.max_depth + 1)]
+    return chain_nodes(first, list(synthetic.sibling_rates), bole_config.topk, bole_config.max_depth)

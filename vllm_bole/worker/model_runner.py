@@ -45,7 +45,8 @@ logger = init_logger(__name__)
 
 
 # The step counters BoleModelRunnerMixin.step_counts reports
-STEP_COUNTS = ("first_pass_steps", "early_draft_steps", "device_output_steps", "queued_trees", "stale_placeholders")
+STEP_COUNTS = ("first_pass_steps", "early_draft_steps", "device_output_steps", "queued_trees", "stale_placeholders",
+               "chain_steps")
 
 
 class BoleModelRunnerMixin:
@@ -170,10 +171,24 @@ class BoleModelRunnerMixin:
         decides."""
         if self.bole_async:
             self._plan_async(step, placeholders)
-            return
-        self._plan_budget(step)
-        if queued or self._queues_drafts(step):
-            step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+        else:
+            self._plan_budget(step)
+            if queued or self._queues_drafts(step):
+                step.quotas = quotas_of(drafting(step.contexts), step.per_request, step.budget)
+        step.width = self.bole_budget.width(self._nodes_per_tree(step))
+
+    @staticmethod
+    def _nodes_per_tree(step: DraftStep) -> int:
+        """The most nodes a tree of ``step`` may keep: its largest quota, else the budget shared evenly over the
+        drafting requests (the global selection keeps a request's best nodes above one score floor), at most the
+        per-request cap."""
+        if step.quotas is not None:
+            return max(step.quotas, default=0)
+        n = sum(drafting(step.contexts))
+        if n == 0:
+            return 0
+        share = step.per_request if step.budget is None else -(-step.budget // n)
+        return min(share, step.per_request) if step.per_request is not None else share
 
     def _plan_async(self, step: DraftStep, placeholders: Placeholders) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each
@@ -230,7 +245,8 @@ class BoleModelRunnerMixin:
         builder = self.bole_forest_builder
         return {"first_pass_steps": self.bole_first_pass_steps, "early_draft_steps": self.bole_early_draft_steps,
                 "device_output_steps": self.bole_device_output_steps, "queued_trees": builder.queued_trees,
-                "stale_placeholders": builder.stale_placeholders}
+                "stale_placeholders": builder.stale_placeholders,
+                "chain_steps": getattr(self.bole_drafter, "chain_steps", 0)}
 
     def bole_graph_counts(self) -> tuple[int, int]:
         """(verification graphs, drafter graphs: level and whole-level) captured so far; the holders only grow,
@@ -238,9 +254,9 @@ class BoleModelRunnerMixin:
         verify = getattr(self, "_bole_graphs", None)
         drafter = self.bole_drafter
         draft = drafter.graphs if drafter is not None else None
-        beam = drafter.beam.graphs if drafter is not None and drafter.beam is not None else None
+        beams = [b.graphs for b in drafter.beams() if b.graphs is not None] if drafter is not None else []
         return (len(verify.graphs) if verify is not None else 0,
-                (len(draft.graphs) if draft is not None else 0) + (len(beam.graphs) if beam is not None else 0))
+                (len(draft.graphs) if draft is not None else 0) + sum(len(b.graphs) for b in beams))
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
