@@ -10,10 +10,10 @@
 #   kernels       Triton kernels and graph helpers against the torch references (no engine)
 #   lossless      the core lossless engine tests (deep global and per-request trees, the MTP drafter, a draft
 #                 vocabulary served from a table under the default budget rule, async scheduling, a request at
-#                 max_model_len), with graph stand-ins forced wherever a larger graph fits
-#                 (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one was used);
-#                 a test per worker (LOSSLESS_WORKERS, 6), each starting two engines (about 300 s a test on an H200
-#                 or H100; with a file per worker and the calibration test in the group, 3 of 7 were unfinished
+#                 max_model_len, chain steps under async scheduling), with graph stand-ins forced wherever a larger
+#                 graph fits (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one
+#                 was used); a test per worker (LOSSLESS_WORKERS, 7), each starting two engines (about 300 s a
+#                 test on an H200 or H100; with a file per worker and the calibration test in the group, 3 of 7 were unfinished
 #                 after 660 s). The rule "throughput" is in charge in the draft-vocabulary test (a made-up
 #                 table with curves for the tiny model).
 #   calibration   tests/test_calibration.py::test_calibrate_then_serve_auto_budget alone: a calibration, then
@@ -62,14 +62,15 @@ for group in "${GROUPS_RUN[@]}"; do
         tests/test_beam_graphs.py ;;
     lossless)
       # One worker per test (--dist load): each starts two engines (about 300 s on the H200).
-      LOSSLESS_XDIST=(); [ "$WORKERS" -gt 1 ] && LOSSLESS_XDIST=(-n "${LOSSLESS_WORKERS:-6}" --dist load)
+      LOSSLESS_XDIST=(); [ "$WORKERS" -gt 1 ] && LOSSLESS_XDIST=(-n "${LOSSLESS_WORKERS:-7}" --dist load)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless "${LOSSLESS_XDIST[@]}" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8]" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8_per_request_tokens48]" \
         "tests/test_e2e_lossless.py::test_mtp_tree_drafter_is_lossless_and_accepts[per_request-16-None]" \
         tests/test_e2e_lossless.py::test_mtp_drafter_with_a_draft_vocabulary_is_lossless \
         tests/test_async_scheduling.py::test_planted_trees_async_are_lossless_and_deep \
-        tests/test_async_scheduling.py::test_logprobs_and_a_request_at_max_model_len_async ;;
+        tests/test_async_scheduling.py::test_logprobs_and_a_request_at_max_model_len_async \
+        "tests/test_e2e_lossless.py::test_mtp_chain_steps_are_lossless[per_request-True]" ;;
     calibration)
       run_group calibration tests/test_calibration.py::test_calibrate_then_serve_auto_budget ;;
     lossless-all)
