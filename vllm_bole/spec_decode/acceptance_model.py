@@ -41,6 +41,7 @@ class AcceptanceModel:
         self.sib_hits = np.zeros(max(topk, 1))
         self.steps = 0
         self._curve: list[float] | None = None
+        self._chain = 0         # chain_nodes at the curve's rates
         self._curve_steps = 0   # ``steps`` when the curve was computed
 
     def observe(self, parents: list[list[int]], paths: list[list[int]]) -> None:
@@ -83,14 +84,22 @@ class AcceptanceModel:
     def accepted(self, q: int) -> float:
         """Expected tokens a request's step yields with a tree of its q best nodes (1 for q = 0; q past
         topk * max_depth, the most a request carries, counts as that)."""
-        if self._curve is None or self.steps - self._curve_steps >= REFRESH_STEPS:
-            self._curve = best_first_curve(*self.rates(), self.k, self.depth, cap=self.k * self.depth)
-            self._curve_steps = self.steps
+        self._refresh()
         return self._curve[min(max(q, 0), len(self._curve) - 1)]
 
     def chain_nodes(self) -> int:
-        """:func:`chain_nodes` at the measured rates (siblings not yet measured count as never accepted)."""
-        return chain_nodes(*self.rates(), self.k, self.depth)
+        """:func:`chain_nodes` at the measured rates (siblings not yet measured count as never accepted), as
+        recent as the curve's."""
+        self._refresh()
+        return self._chain
+
+    def _refresh(self) -> None:
+        """The curve and the chain length from the rates, again once ``REFRESH_STEPS`` steps were observed."""
+        if self._curve is None or self.steps - self._curve_steps >= REFRESH_STEPS:
+            first, sib = self.rates()
+            self._curve = best_first_curve(first, sib, self.k, self.depth, cap=self.k * self.depth)
+            self._chain = chain_nodes(first, sib, self.k, self.depth)
+            self._curve_steps = self.steps
 
     def tokens_per_step(self, nodes: int, batch: int, per_request: int) -> float:
         """Expected tokens of a step of ``batch`` requests sharing ``nodes`` evenly (``queued_drafts.quotas_of``:
