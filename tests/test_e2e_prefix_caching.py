@@ -22,6 +22,9 @@ from vllm_bole.testing.tiny_models import tiny_model_dir
 pytestmark = pytest.mark.vllm
 
 PROMPT_LENS, REPLY_LEN, MAX_TOKENS, TURNS = (100, 104, 108), 40, 200, 3
+# vLLM sizes the tiny model's blocks by its GDN state (the attention page at least the state's): 128 tokens on CPU,
+# 80 on an H100. One size everywhere keeps each test's block boundaries where its lengths put them.
+BLOCK = 128
 
 
 def _conversations(vocab: int, prompt_lens=PROMPT_LENS, turns=TURNS) -> tuple[list, list]:
@@ -34,7 +37,7 @@ def _conversations(vocab: int, prompt_lens=PROMPT_LENS, turns=TURNS) -> tuple[li
 
 def _spec(model, prompts, replies, kind="qwen3_5", max_tokens=MAX_TOKENS, **engine):
     return {"model": model, "kind": kind, "prompts": prompts, "replies": replies, "max_tokens": max_tokens,
-            "logprobs": 2, "engine": {"max_model_len": 1024, **engine}}
+            "logprobs": 2, "engine": {"max_model_len": 1024, "block_size": BLOCK, **engine}}
 
 
 def _write_oracle(tmp_path, plain: dict) -> None:
@@ -44,14 +47,19 @@ def _write_oracle(tmp_path, plain: dict) -> None:
 
 
 def _assert_hits(run: dict, dropped_blocks: int) -> None:
-    """Every request of a later turn hits every full block of its prompt but ``dropped_blocks`` (the first turn's
-    prompts are shorter than a block). Under synchronous scheduling vLLM's counters say the same: each turn's
-    queries are its prompts' tokens and its hits their sum. (Under async scheduling, vLLM's default on a GPU, its
-    offline engine reports the counters of its first ``generate`` call only, without speculation too.)"""
+    """Every request of a later turn hits every full block its conversation's previous turn computed (all of that
+    turn's tokens but its last) but ``dropped_blocks`` (the first turn's prompts are shorter than a block). Under
+    synchronous scheduling vLLM's counters say the same: each turn's queries are its prompts' tokens and its hits
+    their sum. (Under async scheduling, vLLM's default on a GPU, its offline engine reports the counters of its
+    first ``generate`` call only, without speculation too.)"""
     block = run["block_size"]
+    assert block == BLOCK, block
+    previous = None
     for turn, outputs in enumerate(t["outputs"] for t in run["turns"]):
         lens = [len(o["prompt_ids"]) for o in outputs]
-        want = [(n // block - dropped_blocks) * block if turn else 0 for n in lens]
+        want = [(min(n, len(p["prompt_ids"]) + len(p["tokens"]) - 1) // block - dropped_blocks) * block
+                for n, p in zip(lens, previous, strict=True)] if turn else [0] * len(lens)
+        previous = outputs
         assert [o["cached_tokens"] for o in outputs] == want, (turn, want)
         if not run["async_scheduling"]:
             # vLLM counts the tokens of each lookup: once per request here, where every request is scheduled at
@@ -250,10 +258,10 @@ def test_second_turn_hits_at_prefill_and_last_step_boundaries(tmp_path):
 
 # Every request starts with the same system prompt (two full blocks); 24 blocks of KV cache hold one or two of them
 # (each takes blocks in every KV-cache group: per 128 tokens in the attention groups, and in each GDN group one or
-# two on CPU, more on a GPU: a request at max_model_len takes 15 blocks on CPU, 21 on a GPU), so most wait and vLLM
-# preempts running ones as they grow.
+# two: a request at max_model_len takes 15 blocks), so most wait and vLLM preempts running ones as they grow.
 SYSTEM_LEN, SUFFIX_LENS, SHARED_MAX_TOKENS = 300, (10, 40, 25, 70, 5, 55), 40
-SMALL_CACHE = {"enable_prefix_caching": True, "num_gpu_blocks_override": 24, "max_model_len": 512}
+SMALL_CACHE = {"enable_prefix_caching": True, "num_gpu_blocks_override": 24, "max_model_len": 512,
+               "block_size": BLOCK}
 
 
 def test_preempted_and_aborted_requests_sharing_cached_blocks(tmp_path):
