@@ -38,6 +38,9 @@ GROUPS_RUN=("$@")
 [ ${#GROUPS_RUN[@]} -eq 0 ] && GROUPS_RUN=(kernels lossless serving)
 mkdir -p "$LOG"
 export VLLM_BOLE_TEST_CUDA_GRAPHS=1 VLLM_BOLE_TEST_GPU_SHARE=${VLLM_BOLE_TEST_GPU_SHARE:-0.12}
+# An engine (a subprocess of its test) still running after this many seconds fails its test with its log's tail and
+# its threads' stacks (tests/e2e_support.run_engine), before GROUP_TIMEOUT stops the group without them.
+export VLLM_BOLE_TEST_ENGINE_TIMEOUT=${VLLM_BOLE_TEST_ENGINE_TIMEOUT:-360}
 WORKERS=${WORKERS:-3}      # pytest-xdist workers (engines side by side); 1: no xdist
 PYTHON=${PYTHON:-python3}
 XDIST=()

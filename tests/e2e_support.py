@@ -5,8 +5,10 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -63,15 +65,28 @@ def assert_graphs_used(out: dict, drafter: bool = False, stand_ins: bool = False
             assert used > 0, f"no step ran from a larger shape's graph: {graphs}"
 
 
-def run_engine(tmp_path, name: str, spec: dict, timeout: int = 900, runner: str = "engine_run") -> dict:
-    """Run ``vllm_bole.testing.<runner>`` on ``spec`` in a subprocess and return its JSON output."""
-    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
+def run_engine(tmp_path, name: str, spec: dict, timeout: int | None = None, runner: str = "engine_run") -> dict:
+    """Run ``vllm_bole.testing.<runner>`` on ``spec`` in a subprocess and return its JSON output. An engine still
+    running after ``timeout`` seconds (VLLM_BOLE_TEST_ENGINE_TIMEOUT, 900) fails the test with its log's tail and
+    every thread's stack (the runner dumps them on SIGUSR1), so a hung engine says where it hung."""
+    timeout = timeout or int(os.environ.get("VLLM_BOLE_TEST_ENGINE_TIMEOUT", "900"))
+    spec_path, out_path, log_path = (tmp_path / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-m", f"vllm_bole.testing.{runner}", "--spec", str(spec_path),
-                           "--out", str(out_path)], env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"engine {name} failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", f"vllm_bole.testing.{runner}", "--spec", str(spec_path),
+                                 "--out", str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"engine {name} still running after {timeout} s:\n"
+                                 f"{log_path.read_text(errors='replace')[-12000:]}") from None
+    if rc != 0:
+        raise AssertionError(f"engine {name} failed (rc={rc}):\n{log_path.read_text(errors='replace')[-6000:]}")
     return json.loads(out_path.read_text())
 
 

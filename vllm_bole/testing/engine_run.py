@@ -19,8 +19,10 @@ engines.
 """
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 
 
 def _runner(llm):
@@ -237,6 +239,8 @@ def spec_cli(run_spec, description: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # A caller that gives up on this run sends SIGUSR1 first: every thread's stack goes to stderr, where it hung.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     with open(args.spec) as f:
         spec = json.load(f)
     result = run_spec(spec)
