@@ -12,6 +12,7 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_bole.spec_decode.drafter import DraftStep, TreeDrafter
 from vllm_bole.spec_decode.tree import DraftTree
+from vllm_bole.worker.commit import Committer
 from vllm_bole.worker.forest_builder import ForestBuilder
 from vllm_bole.worker.model_runner import BoleModelRunnerMixin
 
@@ -38,7 +39,7 @@ def _runner():
     runner._bole_pending, runner._bole_profiler, runner._bole_forest = None, None, None
     runner.bole_forest_builder = ForestBuilder(runner)
     runner._draft_token_ids, runner._bole_last_nodes = None, 0
-    runner._bole_commit, runner._bole_early_draft = None, None
+    runner.bole_commit, runner._bole_early_draft = Committer(runner), None
     runner.bole_budget = SimpleNamespace(choice=None)
     runner.uses_mrope = False
     runner.cache_config = SimpleNamespace(mamba_cache_mode="none")   # (no prefix caching)
@@ -166,29 +167,29 @@ def test_queued_trees_map_to_the_drafting_steps_requests():
 def test_a_verified_steps_commit_waits_for_the_drafter_or_the_next_step(monkeypatch):
     """The accepted paths are committed after the drafter is queued; when vLLM skips the drafter, before the
     next step's forward. Once either way, and without the drafter's own K/V layers (its catch-up rewrites them)."""
-    import vllm_bole.worker.model_runner as model_runner
+    import vllm_bole.worker.commit as commit
 
     calls = []
-    monkeypatch.setattr(model_runner, "commit_step", lambda forest: calls.append(("state", forest)))
-    monkeypatch.setattr(model_runner, "compact_accepted_kv",
+    monkeypatch.setattr(commit, "commit_step", lambda forest: calls.append(("state", forest)))
+    monkeypatch.setattr(commit, "compact_accepted_kv",
                         lambda runner, forest, skip: calls.append(("kv", forest, skip)))
     runner = _runner()
     runner.device = SimpleNamespace(type="cpu")
     forest = runner._bole_forest = SimpleNamespace(accepted_paths=[[0, 2]], accepted_device=None, kv_compacted=False)
     runner._update_states_after_model_execute(SimpleNamespace(device=SimpleNamespace(type="cpu")), None)
-    assert calls == [] and runner._bole_commit is forest and runner.vllm_updates == 1
+    assert calls == [] and runner.bole_commit.pending is forest and runner.vllm_updates == 1
     runner._bole_forest = None
     out = runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
     assert out[0] == "executed" and calls == [("state", forest), ("kv", forest, ("mtp.attn",))]
     runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
-    assert len(calls) == 2 and runner._bole_commit is None
+    assert len(calls) == 2 and runner.bole_commit.pending is None
     # A step whose drafting before the walk moved every layer's K/V and then failed: the state only (a second
     # move of the same path would read slots the first one overwrote).
     moved = runner._bole_forest = SimpleNamespace(accepted_paths=[[0, 2]], accepted_device=None, kv_compacted=True)
     runner._update_states_after_model_execute(SimpleNamespace(device=SimpleNamespace(type="cpu")), None)
     runner._bole_forest = None
     runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
-    assert calls[2:] == [("state", moved)] and runner._bole_commit is None
+    assert calls[2:] == [("state", moved)] and runner.bole_commit.pending is None
 
 
 @pytest.mark.parametrize("root_only,asynchronous", [

@@ -5,7 +5,7 @@ request's scheduled drafts into its verification tree (root = last sampled token
 layers; the target forward verifies it; ``_sample`` has the walk (``worker/tree_walk.py``) follow each tree (the
 argmax for greedy requests, a draw at each node for sampled ones); ``propose_draft_token_ids`` asks the tree
 drafter for new trees within the budget policy's node budget (``worker/budget_policy.py``), and the commit
-(``_commit``) then writes the accepted paths' GDN state and moves their K/V to contiguous slots. With
+(``worker/commit.py``) then writes the accepted paths' GDN state and moves their K/V to contiguous slots. With
 ``early_drafting`` (the default) a step of trees whose requests are greedy or plainly sampled does the walk, the
 drafting and the commit on the device right behind its forward instead (``worker/early_drafting.py``).
 """
@@ -20,7 +20,6 @@ from .. import envs
 from .._vllm_compat import (RUNNER_OVERRIDES, check_overrides, copy_valid_sampled_token_count,
                              discarded_cpu_draws_undone, module_attr_override, save_discarded_cpu_generators,
                              set_step_draft_ids, step_draft_ids)
-from ..attention.gdn import commit_step
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import BUDGET_ATTR
@@ -31,11 +30,11 @@ from ..spec_decode.synthetic import parse_synthetic
 from ..spec_decode.tree import select_step
 from ..spec_decode.tree_sampler import builtin_logitsprocs, walks_tree
 from ..spec_decode.walk_record import WalkLog
+from ..step.forest import StepForest, set_current_forest
 from . import early_drafting
 from .budget_policy import BudgetPolicy
+from .commit import Committer
 from .forest_builder import ForestBuilder
-from ..step.forest import StepForest, set_current_forest
-from .kv_compaction import compact_accepted_kv
 from .scheduler import Placeholders
 from .step_profile import StepProfiler, profiled
 from .tree_grammar import PARENTS_ATTR
@@ -72,7 +71,8 @@ class BoleModelRunnerMixin:
         # the node budget of each step and what its rule measures
         self.bole_budget = BudgetPolicy(vllm_config, self.speculative_config.num_speculative_tokens)
         self._bole_last_nodes = 0        # draft nodes of the last proposal (what the next step verifies)
-        self._bole_commit: StepForest | None = None   # a verified forest whose accepted paths await their commit
+        # the accepted paths' GDN state and K/V of each verified forest
+        self.bole_commit = Committer(self)
         # This step's drafting queued behind its target forward (early_drafting.EarlyDraft), if any
         self._bole_early_draft = None
         self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
@@ -142,7 +142,7 @@ class BoleModelRunnerMixin:
         # Drafts vLLM did not take (tensor-parallel ranks other than the output rank) finish before the step
         # that verifies them (queued drafts only move aside: the step reads them from the device). So does the
         # commit of a step whose drafter did not run (vLLM skips it when the batch does not fit the drafter).
-        self._commit()
+        self.bole_commit.run()
         self._finish_drafts()
         self._bole_early_draft = None
         try:
@@ -291,50 +291,12 @@ class BoleModelRunnerMixin:
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
         if self.cache_config.mamba_cache_mode == "align" or (
                 output_token_ids.device.type == "cpu" and self.device.type != "cpu"):
-            self._accepted_counts_from_host(output_token_ids, scheduler_output)
+            self.bole_commit.accepted_counts(output_token_ids)
         else:
             super()._update_states_after_model_execute(output_token_ids, scheduler_output)
-        forest = self._bole_forest
-        if forest is not None and forest.accepted_paths is not None:
-            # Only the next verification reads the committed GDN state and moved K/V: the commit is queued after
-            # the drafter's levels (propose_draft_token_ids), so its host work overlaps them on the device.
-            if forest.accepted_device is None:   # (else committed before the walk: early_drafting)
-                self._bole_commit = forest
-            if self._bole_early_draft is not None and self._bole_early_draft.rows is not None \
-                    and not self._bole_early_draft.drafted:
-                # The first pass wrote the drafter's K/V at every node's slot: the levels read the accepted
-                # path's at contiguous slots, so it moves now (the commit leaves the drafter's layers out).
-                compact_accepted_kv(self, forest, only=self.bole_drafter.own_kv_layers())
-
-    def _commit(self) -> None:
-        """The accepted paths' GDN state, conv windows and K/V of the last verified step, if not yet committed.
-        The drafter's own attention layers are left out while it rewrites their K/V at every committed position
-        in its catch-up (MTP): moved after its levels ran, they would overwrite what the levels wrote."""
-        forest, self._bole_commit = self._bole_commit, None
-        if forest is None:
-            return
-        with profiled(self._bole_profiler, "commit"):
-            commit_step(forest)
-            if not forest.kv_compacted:   # (drafting before the walk moved every layer's before it failed)
-                compact_accepted_kv(self, forest, skip=self.bole_drafter.own_kv_layers() if self.bole_drafter else ())
-
-    def _accepted_counts_from_host(self, output_token_ids: torch.Tensor, scheduler_output) -> None:
-        """vLLM's accepted-token counts for hybrid models (what its GDN metadata reads next step), from host
-        tokens: no device round trip; with prefix caching, what its state-block preprocess reads."""
-        if not self.speculative_config or not self.model_config.is_hybrid:
-            return
-        num_reqs = output_token_ids.size(0)
-        if self.cache_config.mamba_cache_mode == "align":
-            # Prefix caching: the commit wrote the accepted state into the running block and the state of a block
-            # boundary the path reached into the boundary's block (commit_step), where vLLM's postprocess copies
-            # a chain's per-token states. A count of 1 makes its next preprocess move the running state as is.
-            counts = torch.ones(num_reqs, dtype=torch.int32)
-        else:
-            counts = (output_token_ids != PLACEHOLDER).sum(dim=1, dtype=torch.int32)
-        self.num_accepted_tokens.cpu[:num_reqs] = counts
-        self.num_accepted_tokens.copy_to_gpu(num_reqs)
-        self.input_batch.num_accepted_tokens_cpu_tensor[:num_reqs] = counts
-        self.num_accepted_tokens_event.record()
+        # Only the next verification reads the committed GDN state and moved K/V: the commit is queued after the
+        # drafter's levels (propose_draft_token_ids), so its host work overlaps them on the device.
+        self.bole_commit.after_walk(self._bole_forest, self._bole_early_draft)
 
     # ---- drafting -----------------------------------------------------------------------------------------
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
@@ -361,7 +323,7 @@ class BoleModelRunnerMixin:
                 step.queued = QueuedDrafts.of_trees(step.req_ids, trees, self.device)
                 finish = lambda: trees  # noqa: E731
             self._bole_pending = (step, finish)
-        self._commit()
+        self.bole_commit.run()
         if self._bole_profiler is not None:   # phases stay synchronous: the drafts are finished now
             self._finish_drafts()
             return step_draft_ids(self)   # (vLLM stores what this returns over what _finish_drafts set)
