@@ -148,7 +148,7 @@ def time_engine(llm, timer: HostTimer) -> None:
     from vllm_bole._vllm_compat import engine_core_of, model_runner_of
     from vllm_bole.attention import gdn
     from vllm_bole.spec_decode import beam_graphs, device_beam, mtp_tree_drafter
-    from vllm_bole.worker import early_drafting, model_runner, verify_graphs
+    from vllm_bole.worker import commit, early_drafting, verify_graphs
 
     core = engine_core_of(llm)
     runner = model_runner_of(llm)
@@ -185,7 +185,7 @@ def time_engine(llm, timer: HostTimer) -> None:
         (early_drafting, "commit_step", "bole: commit_step"),
         (early_drafting, "greedy_walk", "bole: greedy_walk"),
         (early_drafting, "synthetic_targets", "bole: synthetic_targets"),
-        (model_runner, "commit_step", "bole: commit_step (after the walk)"),
+        (commit, "commit_step", "bole: commit_step (after the walk)"),
         (mtp_tree_drafter.MTPTreeDrafter, "first_pass_all_rows", "bole: first_pass_all_rows"),
         (mtp_tree_drafter.MTPTreeDrafter, "forward_device_rows", "bole: forward_device_rows"),
         (mtp_tree_drafter.MTPTreeDrafter, "propose_from_walk", "bole: propose_from_walk"),

@@ -221,6 +221,7 @@ def test_runner_clock_ticks_see_graph_captures():
     from types import SimpleNamespace
 
     from vllm_bole.worker.budget_policy import BudgetPolicy
+    from vllm_bole.worker.drafting import Drafting
     from vllm_bole.worker.model_runner import BoleModelRunnerMixin
 
     ticks = []
@@ -232,9 +233,11 @@ def test_runner_clock_ticks_see_graph_captures():
     runner = SimpleNamespace(
         _bole_graphs=verify, bole_drafter=SimpleNamespace(graphs=SimpleNamespace(graphs={}), beam=beam,
                                                            beams=lambda: [beam]),
-        _bole_forest=SimpleNamespace(tree_only=True), _bole_last_nodes=64, bole_budget=policy)
+        _bole_forest=SimpleNamespace(tree_only=True), bole_budget=policy)
     runner.bole_graph_counts = lambda: BoleModelRunnerMixin.bole_graph_counts(runner)
-    tick = lambda: BoleModelRunnerMixin._tick_clock(runner, 16, 300)   # noqa: E731
+    drafting = Drafting(runner)
+    drafting.last_nodes = 64
+    tick = lambda: drafting.tick_clock(16, 300)   # noqa: E731
     tick()
     verify.graphs[(80, 16, 0, 8)] = 0
     tick()

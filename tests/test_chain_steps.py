@@ -14,7 +14,7 @@ from vllm_bole.spec_decode.device_beam import DeviceBeam
 from vllm_bole.spec_decode.drafter import DraftStep
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
 from vllm_bole.worker.budget_policy import BudgetPolicy, synthetic_chain_nodes
-from vllm_bole.worker.model_runner import BoleModelRunnerMixin
+from vllm_bole.worker.drafting import nodes_per_tree
 
 from test_device_beam import _stand_in
 
@@ -90,12 +90,12 @@ def test_the_policy_asks_for_chains_up_to_the_chain_nodes(monkeypatch):
 
 def test_nodes_per_tree_of_a_step():
     step = DraftStep(req_ids=["a", "b", "c"], contexts=[[1], [2], None], per_request=12, budget=5)
-    assert BoleModelRunnerMixin._nodes_per_tree(step) == 3            # 5 nodes over 2 drafting requests
+    assert nodes_per_tree(step) == 3            # 5 nodes over 2 drafting requests
     step.budget = 100
-    assert BoleModelRunnerMixin._nodes_per_tree(step) == 12           # the per-request cap
+    assert nodes_per_tree(step) == 12           # the per-request cap
     step.quotas = [4, 2, 0]
-    assert BoleModelRunnerMixin._nodes_per_tree(step) == 4            # the largest quota
-    assert BoleModelRunnerMixin._nodes_per_tree(DraftStep(req_ids=["a"], contexts=[None], per_request=12,
+    assert nodes_per_tree(step) == 4            # the largest quota
+    assert nodes_per_tree(DraftStep(req_ids=["a"], contexts=[None], per_request=12,
                                                           budget=8)) == 0
 
 

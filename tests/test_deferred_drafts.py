@@ -13,6 +13,7 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm_bole.spec_decode.drafter import DraftStep, TreeDrafter
 from vllm_bole.spec_decode.tree import DraftTree
 from vllm_bole.worker.commit import Committer
+from vllm_bole.worker.drafting import Drafting
 from vllm_bole.worker.forest_builder import ForestBuilder
 from vllm_bole.worker.model_runner import BoleModelRunnerMixin
 
@@ -36,9 +37,9 @@ class _Runner(BoleModelRunnerMixin, _Base):
 
 def _runner():
     runner = _Runner.__new__(_Runner)
-    runner._bole_pending, runner._bole_profiler, runner._bole_forest = None, None, None
+    runner._bole_profiler, runner._bole_forest = None, None
     runner.bole_forest_builder = ForestBuilder(runner)
-    runner._draft_token_ids, runner._bole_last_nodes = None, 0
+    runner._draft_token_ids, runner.bole_drafting = None, Drafting(runner)
     runner.bole_commit, runner._bole_early_draft = Committer(runner), None
     runner.bole_budget = SimpleNamespace(choice=None)
     runner.uses_mrope = False
@@ -55,7 +56,7 @@ def _pending(runner, calls):
         calls.append(1)
         return [DraftTree([5, 6], [-1, 0], [0.9, 0.8]), DraftTree([7], [-1], [0.5])]
 
-    runner._bole_pending = (step, finish)
+    runner.bole_drafting.pending = (step, finish)
 
 
 def test_take_finishes_the_pending_drafts_once():
@@ -63,7 +64,7 @@ def test_take_finishes_the_pending_drafts_once():
     _pending(runner, calls)
     assert calls == []                                        # queued, not waited for
     assert runner.take_draft_token_ids() == DraftTokenIds(["a", "b"], [[5, 6], [7]])
-    assert calls == [1] and runner._bole_pending is None
+    assert calls == [1] and runner.bole_drafting.pending is None
     trees = runner.bole_forest_builder.trees
     assert trees["a"].tokens == [5, 6] and trees["b"].tokens == [7]
     assert runner.take_draft_token_ids() == DraftTokenIds(["a", "b"], [[5, 6], [7]]) and calls == [1]
@@ -92,7 +93,7 @@ def test_unselected_drafters_are_cut_by_the_step_budget():
     runner, calls = _runner(), []
     runner.bole_drafter = SimpleNamespace(selects=False)
     _pending(runner, calls)
-    step, finish = runner._bole_pending
+    step, finish = runner.bole_drafting.pending
     step.per_request, step.budget = 5, 2                      # two nodes over the batch
     runner.take_draft_token_ids()
     assert [len(t) for t in runner.bole_forest_builder.trees.values()] == [2, 0]
@@ -114,11 +115,11 @@ def test_queued_drafts_reach_vllm_as_placeholders_without_waiting():
 
     runner, calls = _runner(), []
     _pending(runner, calls)
-    step, finish = runner._bole_pending
+    step, finish = runner.bole_drafting.pending
     trees = [DraftTree([5, 6], [-1, 0], [0.9, 0.8]), DraftTree([7], [-1], [0.5])]
     step.queued = QueuedDrafts.of_trees(step.req_ids, trees, "cpu")
     assert runner.take_draft_token_ids().draft_token_ids == [[PLACEHOLDER] * 2, [PLACEHOLDER]]
-    assert calls == [] and runner._bole_pending is None and runner._bole_last_nodes == 3
+    assert calls == [] and runner.bole_drafting.pending is None and runner.bole_drafting.last_nodes == 3
     assert runner.bole_forest_builder.queued == (step.queued, finish, step.req_ids)
 
 
@@ -129,12 +130,12 @@ def test_structured_outputs_keep_real_draft_ids():
     free = SimpleNamespace(sampling_params=SimpleNamespace(structured_outputs=None))
     runner.requests = {"a": free, "b": SimpleNamespace(sampling_params=None)}
     step = DraftStep(req_ids=["a", "b"], contexts=[[1], [2]])
-    assert runner._queues_drafts(step)
+    assert runner.bole_drafting.queues_drafts(step)
     runner.requests["b"] = SimpleNamespace(sampling_params=SimpleNamespace(structured_outputs=object()))
-    assert not runner._queues_drafts(step)
+    assert not runner.bole_drafting.queues_drafts(step)
     runner.requests["b"] = free
     runner.bole_config = SimpleNamespace(selection="global")
-    assert not runner._queues_drafts(step)
+    assert not runner.bole_drafting.queues_drafts(step)
 
 
 def test_contexts_are_built_when_read_and_frozen_at_the_step():
@@ -205,7 +206,7 @@ def test_root_only_requests_carry_no_drafts(root_only, asynchronous):
     from vllm_bole.spec_decode.queued_drafts import quotas_of
 
     runner = _runner()
-    runner.use_async_spec_decode, runner._bole_host_emitted = asynchronous, {}
+    runner.use_async_spec_decode, runner.bole_drafting.host_emitted = asynchronous, {}
     runner.requests = {r: SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, **extra),
                                           prompt_token_ids=[1, 2], output_token_ids=[3])
                        for r, extra in (("a", root_only), ("b", {}), ("c", {}))}
@@ -215,7 +216,7 @@ def test_root_only_requests_carry_no_drafts(root_only, asynchronous):
     runner.input_ids = SimpleNamespace(cpu=torch.tensor([3, 3, 3]))
     runner.bole_walk = SimpleNamespace(paths=None)   # (no tree walked last step)
     scheduled = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1, "c": 1})
-    step = runner._draft_step(scheduled, torch.tensor([[4], [5], [6]]), None, None)
+    step = runner.bole_drafting.step_of(scheduled, torch.tensor([[4], [5], [6]]), None, None)
     assert drafting(step.contexts) == [False, True, True]
     assert [fp[1] for fp in step.first_pass] == [[4], [5], [6]]          # every request's drafter K/V catches up
     assert quotas_of(drafting(step.contexts), per_request=8, budget=10) == [0, 5, 5]
@@ -225,12 +226,12 @@ def test_async_placeholders_in_a_context_become_the_emitted_tokens():
     """Under async scheduling vLLM's host output of a request ends in placeholders for the last step, as many as
     it might have emitted (1 + its drafts); a host drafter's context gets the tokens that step really emitted."""
     runner = _runner()
-    runner._bole_host_emitted = {"a": [11, 12], "b": [13]}
+    runner.bole_drafting.host_emitted = {"a": [11, 12], "b": [13]}
     out_a = [1, 2, -1, -1, -1, -1]               # two emitted of four possible
-    runner._fill_placeholders("a", out_a)
+    runner.bole_drafting.fill_placeholders("a", out_a)
     assert out_a == [1, 2, 11, 12]
     out_b, out_c, out_d = [3, -1], [4, -1, -1], [5, 6]
-    runner._fill_placeholders("b", out_b)
-    runner._fill_placeholders("c", out_c)        # no tokens on record (e.g. its last step drafted on the device)
-    runner._fill_placeholders("a", out_d)        # nothing to fill
+    runner.bole_drafting.fill_placeholders("b", out_b)
+    runner.bole_drafting.fill_placeholders("c", out_c)   # no tokens on record (its last step drafted on the device)
+    runner.bole_drafting.fill_placeholders("a", out_d)   # nothing to fill
     assert out_b == [3, 13] and out_c == [4, -1, -1] and out_d == [5, 6]

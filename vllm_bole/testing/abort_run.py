@@ -55,9 +55,9 @@ def held_state(llm) -> dict:
             "runner_requests": sorted(runner.requests),
             "batch_requests": [r for r in runner.input_batch.req_ids if r is not None],
             "draft_trees": sorted(drafts.trees),
-            "host_emitted": sorted(runner._bole_host_emitted),
+            "host_emitted": sorted(runner.bole_drafting.host_emitted),
             "queued_drafts": None if queued is None else sorted(queued[2]),
-            "pending_drafts": runner._bole_pending is not None}
+            "pending_drafts": runner.bole_drafting.pending is not None}
 
 
 def run(spec: dict) -> dict:

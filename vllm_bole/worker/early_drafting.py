@@ -8,7 +8,7 @@ copies the paths and tokens to the host once, runs the MTP drafter's first pass 
 (``MTPTreeDrafter.propose_from_walk``) and commits from the device paths. The runner's walk then only reads the
 copy (``TreeWalk._walked_output``), which waits for the forward and the walk alone, and vLLM's drafting call finds the
 drafts pending. Under vLLM's async scheduling there is no host copy: the step's tokens stay on the device
-(``TreeWalk._device_output``), and the trees' sizes are the scheduler's (``BoleModelRunnerMixin._plan_quotas``).
+(``TreeWalk._device_output``), and the trees' sizes are the scheduler's (``Drafting.plan``).
 """
 
 from dataclasses import dataclass
@@ -128,7 +128,7 @@ def launch(runner, scheduler_output) -> EarlyDraft | None:
                            type(e).__name__, e)
             runner._bole_draft_before_walk = False
             forest.accepted_device, forest.accepted_rows_device = None, None
-            runner._bole_pending, first.rows = None, None
+            runner.bole_drafting.pending, first.rows = None, None
     return first
 
 
@@ -159,8 +159,8 @@ def _draft_before_walk(runner, forest, walk, first_pass, cm, root_bound: int, pl
         forest.kv_compacted = True
         step = DraftStep(req_ids=list(runner.input_batch.req_ids), contexts=[()] * num_reqs,
                          common_attn_metadata=cm)
-        runner._plan_quotas(step, placeholders, queued=True)
+        runner.bole_drafting.plan(step, placeholders, queued=True)
     finish = drafter.propose_from_walk(step, walk, first_pass, runner.positions, root_bound)
-    runner._bole_pending = (step, finish)
+    runner.bole_drafting.pending = (step, finish)
     with record_function_or_nullcontext("bole: early_commit"):
         commit_step(forest)

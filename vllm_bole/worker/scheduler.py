@@ -10,7 +10,7 @@ Under ``async_scheduling`` vLLM schedules step N+1 before step N's drafts exist,
 node quota for the batch (the step's budget split evenly: the calibrated one, or under ``budget_rule "throughput"``
 the model runner's, :func:`async_quotas`), gives the remainder one node each to the first drafting requests
 (``SchedulerOutput.bole_one_more``, :class:`Placeholders`), and the runner drafts exactly that many nodes per
-request (``BoleModelRunnerMixin._plan_quotas``), so every placeholder has its queued node.
+request (``Drafting.plan``), so every placeholder has its queued node.
 """
 
 import time

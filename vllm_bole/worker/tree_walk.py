@@ -202,7 +202,7 @@ class TreeWalk:
         runner = self.runner
         forest.accepted_paths = None
         self.paths = None
-        runner._bole_host_emitted = {}
+        runner.bole_drafting.host_emitted = {}
         runner.bole_device_output_steps += 1
         if runner.bole_walk_log is not None:   # (the paths stay on the device)
             runner.bole_walk_log.unrecorded_steps += 1
