@@ -96,6 +96,7 @@ class TreeDrafter:
         self.bole_config = bole_config
         self.graphs = None   # the drafter's CUDA graphs of its levels, if any (bole_graph_counts)
         self.beam = None     # the beam growing its levels on the device, if any (early drafting needs one)
+        self.chain_steps = 0   # steps grown as one-wide chains (DraftStep.width 1)
 
     def propose(self, step: DraftStep) -> list[DraftTree]:
         raise NotImplementedError

@@ -108,7 +108,6 @@ class MTPTreeDrafter(TreeDrafter):
         # Steps whose selection keeps chains (DraftStep.width 1) grow one query per request and level: a beam of
         # its own, made on first use.
         self.chain = None
-        self.chain_steps = 0   # steps grown as chains
 
     def _device_beam(self, width: int | None = None) -> DeviceBeam:
         beam = DeviceBeam(self, width)

@@ -173,7 +173,7 @@ class BoleModelRunnerMixin:
         return {"first_pass_steps": self.bole_first_pass_steps, "early_draft_steps": self.bole_early_draft_steps,
                 "device_output_steps": self.bole_device_output_steps, "queued_trees": builder.queued_trees,
                 "stale_placeholders": builder.stale_placeholders,
-                "chain_steps": getattr(self.bole_drafter, "chain_steps", 0)}
+                "chain_steps": self.bole_drafter.chain_steps if self.bole_drafter is not None else 0}
 
     def bole_graph_counts(self) -> tuple[int, int]:
         """(verification graphs, drafter graphs: level and whole-level) captured so far; the holders only grow,
