@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from vllm_bole.kernels.tree_gdn.triton_commit import launch_plan
+from vllm_bole.kernels.launch import launch_plan
 from vllm_bole.spec_decode.device_beam import device_constant
 
 

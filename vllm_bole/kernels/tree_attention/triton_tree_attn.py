@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tree_gdn.triton_commit import device_table, launch_plan
+from ..launch import device_table, launch_plan
 from .reference import FlashPagedKV, paged_tree_attention
 
 META_FIELDS = 5  # batch index, first query row, rows, region length, first row of bits

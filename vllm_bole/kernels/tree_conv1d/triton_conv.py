@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tree_gdn.triton_commit import device_table, launch_plan
+from ..launch import device_table, launch_plan
 
 
 @triton.jit
