@@ -109,7 +109,8 @@ def test_triton_walk_is_the_torch_walk(seed):
     """The one-launch Triton walk against the torch walk (its reference) on random forests: chains, stars, k-ary,
     random and deep trees, planted paths under any sibling rank, repeated sibling tokens, a loose depth bound and a
     loose size bound (padded tiles)."""
-    from vllm_bole.spec_decode.device_walk import greedy_walk_reference
+    from vllm_bole.kernels.tree_walk import reference
+    from vllm_bole.spec_decode.device_walk import DeviceWalk
 
     rng = random.Random(100 + seed)
     trees = _case(rng, rng.choice([2, 3, 8, 1000]))
@@ -118,7 +119,7 @@ def test_triton_walk_is_the_torch_walk(seed):
     max_depth = depth + rng.randint(0, 2)
     bonus = torch.randint(0, 50, argmax.shape) if seed % 2 else argmax
     max_nodes = max(len(t[0]) for t in trees) + rng.choice([0, 0, 5, 40])
-    want = greedy_walk_reference(argmax, tokens, parent, cu, max_depth, bonus)
+    want = DeviceWalk(*reference.greedy_walk(argmax, tokens, parent, cu, max_depth, bonus))
     got = _triton_walk(argmax, tokens, parent, cu, max_depth, bonus, max_nodes)
     for name in ("rows", "length", "deepest", "emitted"):
         a, b = getattr(got, name), getattr(want, name)
@@ -157,7 +158,8 @@ def test_triton_synthetic_targets_are_the_torch_targets(seed):
     sibling rates at all, and a loose size bound."""
     from triton_modes import DEV, import_kernel_modules, interpreter
 
-    from vllm_bole.spec_decode.device_walk import _synthetic_rates, synthetic_targets_reference
+    from vllm_bole.kernels.tree_walk import reference
+    from vllm_bole.spec_decode.device_walk import _synthetic_rates
     from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
 
     rng = random.Random(200 + seed)
@@ -170,7 +172,7 @@ def test_triton_synthetic_targets_are_the_torch_targets(seed):
     max_depth = depth + rng.randint(0, 2)
     u = torch.rand(parent.numel(), 1 + len(siblings), generator=torch.Generator().manual_seed(seed))
     first, sib = _synthetic_rates(synthetic, max_depth, "cpu")
-    want = synthetic_targets_reference(tokens, parent, cu, max_depth, u, first, sib)
+    want = reference.synthetic_targets(tokens, parent, cu, max_depth, u, first, sib)
     (mod,) = import_kernel_modules("vllm_bole.kernels.tree_walk.triton_walk")
     with interpreter():
         got = mod.synthetic_targets(*(t.to(DEV) for t in (tokens, parent, cu)), max_depth, u.to(DEV), first.to(DEV),

@@ -1,1 +1,2 @@
-"""The greedy tree walk in one launch (``triton_walk.py``); its torch twin is ``spec_decode/device_walk.py``."""
+"""The greedy tree walk in one launch (``triton_walk.py``) and its torch twin (``reference.py``); the runner calls
+both through ``spec_decode/device_walk.py``."""

@@ -1,10 +1,9 @@
 """The greedy tree walk of a packed forest in one Triton launch: one program per tree, the whole tree in registers
 (and, for benchmarks, the synthetic targets it walks, in one more).
 
-Same contract as the torch walk (``spec_decode/device_walk.greedy_walk``, the reference): node i is accepted when
-its parent is and its token is the target's token after the parent's row, and no earlier sibling of it matches;
-the accepted nodes form one path from the root, one node per depth, so the path's column j is its node at depth
-j. The torch walk runs tens of tiny ops per tree level; here the rounds that settle acceptance and depth (one
+Same contract as the torch walk (``reference.greedy_walk``): node i is accepted when its parent is and its token is
+the target's token after the parent's row, and no earlier sibling of it matches; the accepted nodes form one path
+from the root, one node per depth, so the path's column j is its node at depth j. The torch walk runs tens of tiny ops per tree level; here the rounds that settle acceptance and depth (one
 per level, parents before children) are register gathers within one program.
 """
 
