@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from test_device_beam import _case, _grow, _stand_in, random_candidates
-from vllm_bole.spec_decode.device_beam import DeviceBeam, queued_selection, quota_mask, trees_of_selection
+from vllm_bole.kernels.tree_select.reference import quota_mask, quota_select
+from vllm_bole.spec_decode.device_beam import DeviceBeam, trees_of_selection
 from vllm_bole.spec_decode.drafter import DraftStep
 from vllm_bole.spec_decode.queued_drafts import PLACEHOLDER, QueuedDrafts, quotas_of, select_quotas
 from vllm_bole.spec_decode.tree import DraftTree
@@ -38,10 +39,12 @@ def test_quota_selection_is_select_quotas(seed):
     trees = [DraftTree(tokens[j].tolist(), parents[j].tolist(), scores[j].tolist()) for j in range(g)]
     want = select_quotas(trees, counts)
     assert [(t.tokens, t.parents, t.scores) for t in got] == [(t.tokens, t.parents, t.scores) for t in want]
-    queued = queued_selection(chosen, torch.tensor(tokens, dtype=torch.float64),
-                              torch.tensor(parents, dtype=torch.float64), torch.tensor(depths),
-                              [f"r{j}" for j in range(g)], counts)
-    _assert_queued_is(queued, want)
+    again, tok, par, dep = quota_select(torch.tensor(scores), torch.tensor(depths),
+                                        torch.tensor(tokens, dtype=torch.float64),
+                                        torch.tensor(parents, dtype=torch.float64), torch.tensor(counts),
+                                        max(max(counts), 1))
+    assert torch.equal(again, chosen.double())
+    _assert_queued_is(SimpleNamespace(counts=counts, tokens=tok, parents=par, depths=dep), want)
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -67,11 +70,11 @@ def test_triton_quota_selection_is_the_torch_one(seed):
     width = max(max(counts), 1)
     with interpreter():
         chosen, q_tok, q_par, q_dep = mod.quota_select(sc, dep, tok, par, torch.tensor(counts, device=DEV), width)
-    want_chosen = quota_mask(sc.cpu(), dep.cpu(), torch.tensor(counts))
-    assert torch.equal(chosen.cpu(), want_chosen.double())
-    want = queued_selection(want_chosen, tok.cpu(), par.cpu(), dep.cpu(), [f"r{j}" for j in range(g)], counts)
+    want_chosen, w_tok, w_par, w_dep = quota_select(sc.cpu(), dep.cpu(), tok.cpu(), par.cpu(), torch.tensor(counts),
+                                                    width)
+    assert torch.equal(chosen.cpu(), want_chosen)
     for j, c in enumerate(counts):
-        for got, ref in ((q_tok, want.tokens), (q_par, want.parents), (q_dep, want.depths)):
+        for got, ref in ((q_tok, w_tok), (q_par, w_par), (q_dep, w_dep)):
             assert got[j, :c].cpu().tolist() == ref[j, :c].tolist(), (j, c)
 
 

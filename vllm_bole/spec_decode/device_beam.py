@@ -23,6 +23,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.utils.torch_utils import async_tensor_h2d
 
 from ..kernels import _use_triton
+from ..kernels.tree_select import reference as select_reference
 from ..step.forest import TreeRows
 from ..step.host_copy import HostCopy
 from .tree import DraftTree
@@ -99,13 +100,6 @@ def selection_alive(scores: torch.Tensor, frontier_scores: torch.Tensor, per_req
     return alive.any()
 
 
-def _best_first(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """``[G, n]``: each request's candidate indices by (score descending, shallower, lower index); stable sorts,
-    least significant key first."""
-    by_depth = torch.sort(depths, stable=True).indices
-    return by_depth[torch.sort(scores[:, by_depth], dim=1, descending=True, stable=True).indices]
-
-
 def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int | None,
                   budget: int | None) -> torch.Tensor:
     """``[G, n]`` bool: the nodes :func:`tree.select_step` keeps of ``G`` candidate trees with ``[G, n]`` scores
@@ -113,7 +107,7 @@ def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int |
     (score, shallower, lower index), then the ``budget`` best of those by (score, shallower, lower request, lower
     index); stable sorts, least significant key first."""
     g, n = scores.shape
-    order = _best_first(scores, depths)
+    order = select_reference.best_first(scores, depths)
     keep = order if per_request is None else order[:, :max(min(per_request, n), 0)]
     rows = torch.arange(g, device=scores.device)[:, None].expand_as(keep).reshape(-1)
     idx = keep.reshape(-1)
@@ -129,52 +123,25 @@ def selected_mask(scores: torch.Tensor, depths: torch.Tensor, per_request: int |
     return chosen
 
 
-def quota_mask(scores: torch.Tensor, depths: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``[G, n]`` bool: each request's ``counts[g]`` best nodes by (score, shallower, lower index), the order of
-    :func:`selected_mask` (and of ``tree.select_global`` per tree): a connected tree per request."""
-    g, n = scores.shape
-    order = _best_first(scores, depths)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(n, device=scores.device).expand(g, n))
-    return rank < counts[:, None]
-
-
-def queued_selection(chosen: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                     req_ids: list[str], counts: list[int]):
-    """The selected nodes of ``[G, n]`` candidates as :class:`~.queued_drafts.QueuedDrafts` on the device: each
-    request's chosen candidates in candidate order (parents first), parents re-indexed among them."""
-    from .queued_drafts import QueuedDrafts
-
-    g, n = chosen.shape
-    width = max(max(counts, default=0), 1)
-    slot = torch.arange(n, device=chosen.device).expand(g, n)
-    picked = torch.where(chosen, slot, n).sort(dim=1).values[:, :width]        # [G, Q]; n pads short rows
-    index = picked.clamp(max=n - 1)
-    local = torch.full((g, n + 1), -1, dtype=torch.long, device=chosen.device)
-    local.scatter_(1, picked, torch.arange(width, device=chosen.device).expand(g, width))
-    parent = parents.gather(1, index).long()
-    parent = torch.where(parent >= 0, local.gather(1, parent.clamp(min=0)), -1)
-    return QueuedDrafts(req_ids=req_ids, counts=counts, tokens=tokens.gather(1, index).long(), parents=parent,
-                        depths=depths[index])
-
-
 def quota_selection(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                     req_ids: list[str], counts: list[int]):
-    """(chosen ``[G, n]`` float64 0/1, :class:`~.queued_drafts.QueuedDrafts`): :func:`quota_mask` with
-    ``counts`` then :func:`queued_selection`; on CUDA one Triton launch (``kernels/tree_select``) instead of their
-    twenty-odd ops. Entries of the queued rows past a request's count are unspecified."""
+    """(chosen ``[G, n]`` float64 0/1, :class:`~.queued_drafts.QueuedDrafts`): each request's ``counts[g]`` best
+    candidates, queued in candidate order (``kernels/tree_select/reference.quota_select``); on CUDA one Triton
+    launch (``kernels/tree_select/triton_select.py``) instead of the torch twin's twenty-odd ops. Entries of the
+    queued rows past a request's count are unspecified."""
+    from .queued_drafts import QueuedDrafts
+
     device, n = scores.device, scores.shape[1]
     counts_dev = device_constant(tuple(counts), device)
+    width = max(max(counts, default=0), 1)
+    select = select_reference.quota_select
     if _use_triton(scores):
         from ..kernels.tree_select import triton_select
-        from .queued_drafts import QueuedDrafts
 
         if n <= triton_select.MAX_CANDIDATES:
-            width = max(max(counts, default=0), 1)
-            chosen, tok, par, dep = triton_select.quota_select(scores, depths, tokens, parents, counts_dev, width)
-            return chosen, QueuedDrafts(req_ids=req_ids, counts=counts, tokens=tok, parents=par, depths=dep)
-    chosen = quota_mask(scores, depths, counts_dev)
-    return chosen.double(), queued_selection(chosen, tokens, parents, depths, req_ids, counts)
+            select = triton_select.quota_select
+    chosen, tok, par, dep = select(scores, depths, tokens, parents, counts_dev, width)
+    return chosen, QueuedDrafts(req_ids=req_ids, counts=counts, tokens=tok, parents=par, depths=dep)
 
 
 def trees_of_selection(host: np.ndarray, g: int, n: int) -> list[DraftTree]:

@@ -1,2 +1,3 @@
-"""The device beam's per-request quota selection in one launch (``triton_select.py``); its torch twin is
-``spec_decode/device_beam.quota_mask`` + ``queued_selection``."""
+"""The device beam's kernels: the top children of each query (``top_children.py``, with its torch twin), a level's
+beam advance (``triton_beam.py``; twin ``spec_decode/device_beam.DeviceBeam.advance_reference``) and the
+per-request quota selection in one launch (``triton_select.py``; twin ``reference.py``)."""
