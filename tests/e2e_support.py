@@ -69,7 +69,7 @@ def run_engine(tmp_path, name: str, spec: dict, timeout: int | None = None, runn
     """Run ``vllm_bole.testing.<runner>`` on ``spec`` in a subprocess and return its JSON output. An engine still
     running after ``timeout`` seconds (VLLM_BOLE_TEST_ENGINE_TIMEOUT, 900) fails the test with its log's tail and
     every thread's stack (the runner dumps them on SIGUSR1), so a hung engine says where it hung."""
-    timeout = timeout or int(os.environ.get("VLLM_BOLE_TEST_ENGINE_TIMEOUT", "900"))
+    timeout = timeout or envs.VLLM_BOLE_TEST_ENGINE_TIMEOUT
     spec_path, out_path, log_path = (tmp_path / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")

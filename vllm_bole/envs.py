@@ -67,6 +67,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Tests: the GPU memory share of each tiny engine, so that several run side by side (None: vLLM's default).
     "VLLM_BOLE_TEST_GPU_SHARE": lambda: float(os.environ["VLLM_BOLE_TEST_GPU_SHARE"])
     if os.environ.get("VLLM_BOLE_TEST_GPU_SHARE") else None,
+    # Tests: seconds a test's engine may run before the test fails with its log tail and thread stacks.
+    "VLLM_BOLE_TEST_ENGINE_TIMEOUT": lambda: _non_negative_int("VLLM_BOLE_TEST_ENGINE_TIMEOUT") or 900,
     # Tests: a folder with copies of vLLM's FLA kernel files, for a GPU machine without vLLM.
     "BOLE_VLLM_FLA_DIR": lambda: os.environ.get("BOLE_VLLM_FLA_DIR") or None,
 }
