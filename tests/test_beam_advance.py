@@ -1,6 +1,7 @@
 """A device-beam level's bookkeeping in one Triton launch (kernels/tree_select/triton_beam.py; the interpreter
-without a GPU) leaves the beam state exactly as its torch twin ``DeviceBeam.advance_reference`` does: candidates,
-the next frontier (stable on score ties), and the next level's ancestor regions, token ids and hidden rows."""
+without a GPU) leaves the beam state exactly as its torch twin (``kernels/tree_select/reference.beam_advance``)
+does: candidates, the next frontier (stable on score ties), and the next level's ancestor regions, token ids and
+hidden rows."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from triton_modes import DEV, import_kernel_modules, interpreter
+from vllm_bole.kernels.tree_select import reference
 from vllm_bole.spec_decode.device_beam import BeamState, DeviceBeam
 
 # The interpreter converts 1-element arrays to scalars, which numpy now warns about on every kernel step.
@@ -65,7 +67,8 @@ def test_triton_advance_is_the_torch_one(seed):
     top = torch.tensor(np.concatenate([probs, rng.integers(0, 50000, (g * k, k))], axis=1), dtype=torch.float32)
     beam = _beam(k, depth, synthetic)
     want = _to(s, "cpu")
-    beam.advance_reference(want, d, out, top)
+    cpu_rates = beam._synthetic_rates("cpu")
+    reference.beam_advance(want, d, out, top, None if cpu_rates is None else cpu_rates[d + 1])
     got = _to(s, DEV)
     # A wider top-children buffer, as the drafter's rows may be strided.
     wide = torch.cat([top, torch.full((g * k, 3), -1.0)], dim=1).to(DEV)[:, :2 * k]

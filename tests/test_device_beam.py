@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_bole.spec_decode.device_beam import DeviceBeam, pack_bits, selected_mask, selection_alive, trees_of_selection
+from vllm_bole.kernels.forest import pack_bits
+from vllm_bole.spec_decode.device_beam import DeviceBeam, selected_mask, selection_alive, trees_of_selection
 from vllm_bole.spec_decode.drafter import DraftStep
 from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance

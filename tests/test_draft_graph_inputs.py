@@ -10,7 +10,7 @@ import pytest
 import torch
 from vllm.config import CUDAGraphMode
 
-from vllm_bole.spec_decode.device_beam import pack_bits
+from vllm_bole.kernels.forest import pack_bits
 from vllm_bole.spec_decode.draft_graphs import DraftGraphs
 from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
 from vllm_bole.step.forest import DeviceTreeRows, TreeRows

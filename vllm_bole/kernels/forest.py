@@ -51,3 +51,14 @@ def validate_forest(parent: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
             if not -1 <= par[i] < local:
                 raise ValueError(
                     f"parent[{i}]={par[i]} (request {b}, local node {local}) must be -1 or a local index < {local}")
+
+
+def pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
+    """``[rows, cols]`` bool -> ``[rows, words]`` int32, column j at bit j % 32 of word j // 32 (the layout of
+    ``DeviceTreeRows.bits``), on the mask's device."""
+    rows, cols = mask.shape
+    wide = torch.zeros(rows, words * 32, dtype=torch.int64, device=mask.device)
+    wide[:, :cols] = mask
+    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(32, device=mask.device)
+    packed = (wide.view(rows, words, 32) * weights).sum(dim=-1)        # < 2^32: the int32 bit pattern
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)

@@ -23,6 +23,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.utils.torch_utils import async_tensor_h2d
 
 from ..kernels import _use_triton
+from ..kernels.forest import pack_bits
 from ..kernels.tree_select import reference as select_reference
 from ..step.forest import TreeRows
 from ..step.host_copy import HostCopy
@@ -57,17 +58,6 @@ def region_words(max_depth: int, topk: int) -> int:
     """Bit words of a drafter level's region (a request's queries so far, at most depth * topk keys), with the
     width of the drafter level graphs' bit buffer."""
     return cdiv(max_depth * topk + 1, 32)
-
-
-def pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
-    """``[rows, cols]`` bool -> ``[rows, words]`` int32, column j at bit j % 32 of word j // 32 (the layout of
-    ``DeviceTreeRows.bits``), on the mask's device."""
-    rows, cols = mask.shape
-    wide = torch.zeros(rows, words * 32, dtype=torch.int64, device=mask.device)
-    wide[:, :cols] = mask
-    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(32, device=mask.device)
-    packed = (wide.view(rows, words, 32) * weights).sum(dim=-1)        # < 2^32: the int32 bit pattern
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def selection_alive(scores: torch.Tensor, frontier_scores: torch.Tensor, per_request: int | None,
@@ -453,39 +443,12 @@ class DeviceBeam:
     def advance(self, s: BeamState, d: int, out: torch.Tensor, top: torch.Tensor) -> None:
         """After level ``d``'s forward: each query's ``topk`` children as candidates, the ``topk`` best of them
         (ties to the earlier) as the next frontier, and the next level's inputs. One Triton launch on a GPU
-        (``kernels/tree_select/triton_beam.py``); :meth:`advance_reference` is its torch twin."""
+        (``kernels/tree_select/triton_beam.py``), else its torch twin (``kernels/tree_select/reference.py``)."""
+        rates = self._synthetic_rates(top.device)
+        advance = select_reference.beam_advance
         if _use_triton(s.front):
-            from ..kernels.tree_select.triton_beam import beam_advance
-
-            rates = self._synthetic_rates(top.device)
-            beam_advance(s, d, out, top, None if rates is None else rates[d + 1])
-        else:
-            self.advance_reference(s, d, out, top)
-
-    def advance_reference(self, s: BeamState, d: int, out: torch.Tensor, top: torch.Tensor) -> None:
-        k, g = self.k, s.front.shape[0]
-        top = top.double()
-        n = k + (d - 1) * k * k
-        p = self._child_probs(top[:, :k], d + 1).reshape(g, k, k)
-        child_tok = top[:, k:].reshape(g, k * k)
-        child_score = (s.front_score[:, :, None] * p).reshape(g, k * k)
-        s.tokens[:, n:n + k * k] = child_tok
-        s.scores[:, n:n + k * k] = child_score
-        s.parents[:, n:n + k * k] = s.front.double()[:, :, None].expand(g, k, k).reshape(g, k * k)
-        order = torch.sort(child_score, dim=1, descending=True, stable=True).indices[:, :k]
-        s.front.copy_(n + order)
-        s.front_tok.copy_(child_tok.gather(1, order))
-        s.front_score.copy_(child_score.gather(1, order))
-        s.front_slot.copy_(order // k)
-        # The next level: each new frontier node's query sees its parent query's region and itself (key d*k + j),
-        # and reads the hidden state of the query that predicted it.
-        s.front_ids.copy_(s.front_tok)
-        s.anc.copy_(s.anc.gather(1, s.front_slot[:, :, None].expand(-1, -1, s.anc.shape[2])))
-        if (d + 1) * k <= s.anc.shape[2]:   # (no level after the deepest one)
-            s.anc[:, :, d * k:(d + 1) * k] |= torch.eye(k, dtype=torch.bool, device=s.anc.device)
-        s.bits.copy_(pack_bits(s.anc.reshape(g * k, -1), s.bits.shape[1]))
-        rows = torch.arange(g, device=order.device)[:, None] * k + s.front_slot
-        s.hid.copy_(out[rows.reshape(-1)])
+            from ..kernels.tree_select.triton_beam import beam_advance as advance
+        advance(s, d, out, top, None if rates is None else rates[d + 1])
 
     def host_rows(self, hidden: torch.Tensor) -> bool:
         """Whether the attention backend reads tree rows as host masks (CPU) rather than device bits (GPU)."""

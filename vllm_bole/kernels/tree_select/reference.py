@@ -1,7 +1,9 @@
-"""The torch twin of the device beam's per-request quota selection (``triton_select.py``): the CPU path and the
-kernel's reference."""
+"""The torch twins of the device beam's kernels: a level's beam advance (``triton_beam.py``) and the per-request
+quota selection (``triton_select.py``). The CPU path and the kernels' reference."""
 
 import torch
+
+from ..forest import pack_bits
 
 
 def best_first(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -38,3 +40,36 @@ def quota_select(scores: torch.Tensor, depths: torch.Tensor, tokens: torch.Tenso
     parent = parents.gather(1, index).long()
     parent = torch.where(parent >= 0, local.gather(1, parent.clamp(min=0)), -1)
     return chosen.double(), tokens.gather(1, index).long(), parent, depths[index]
+
+
+def beam_advance(state, d: int, out: torch.Tensor, top: torch.Tensor, rates: torch.Tensor | None) -> None:
+    """Level ``d``'s update of ``state`` (a ``spec_decode/device_beam.BeamState`` of G requests, ``k`` frontier
+    nodes each), in place, the contract of ``triton_beam.beam_advance``: each frontier query's ``k`` children
+    (``top`` ``[G*k, 2k]``: probabilities, token ids; scored by ``rates`` ``[k]``, the synthetic child scores at
+    depth d + 1, where given) become candidates, the ``k`` best of them (ties to the earlier) the next frontier,
+    and the next level's inputs follow: ancestor regions and bits, and the hidden states of ``out`` ``[G*k, H]``
+    that predicted them."""
+    g, k = state.front.shape
+    top = top.double()
+    n = k + (d - 1) * k * k
+    p = top[:, :k] if rates is None else rates.expand(g * k, k)
+    p = p.reshape(g, k, k)
+    child_tok = top[:, k:].reshape(g, k * k)
+    child_score = (state.front_score[:, :, None] * p).reshape(g, k * k)
+    state.tokens[:, n:n + k * k] = child_tok
+    state.scores[:, n:n + k * k] = child_score
+    state.parents[:, n:n + k * k] = state.front.double()[:, :, None].expand(g, k, k).reshape(g, k * k)
+    order = torch.sort(child_score, dim=1, descending=True, stable=True).indices[:, :k]
+    state.front.copy_(n + order)
+    state.front_tok.copy_(child_tok.gather(1, order))
+    state.front_score.copy_(child_score.gather(1, order))
+    state.front_slot.copy_(order // k)
+    # The next level: each new frontier node's query sees its parent query's region and itself (key d*k + j),
+    # and reads the hidden state of the query that predicted it.
+    state.front_ids.copy_(state.front_tok)
+    state.anc.copy_(state.anc.gather(1, state.front_slot[:, :, None].expand(-1, -1, state.anc.shape[2])))
+    if (d + 1) * k <= state.anc.shape[2]:   # (no level after the deepest one)
+        state.anc[:, :, d * k:(d + 1) * k] |= torch.eye(k, dtype=torch.bool, device=state.anc.device)
+    state.bits.copy_(pack_bits(state.anc.reshape(g * k, -1), state.bits.shape[1]))
+    rows = torch.arange(g, device=order.device)[:, None] * k + state.front_slot
+    state.hid.copy_(out[rows.reshape(-1)])

@@ -1,9 +1,9 @@
 """One device-beam level's bookkeeping after its MTP forward, in one Triton launch: one program per request.
 
-Same contract as the torch twin ``spec_decode/device_beam.DeviceBeam.advance_reference``: each frontier query's
-``k`` top children become candidates (token, cumulative score, parent), the ``k`` best of them (score
-descending, ties to the earlier candidate) the next frontier, and the next level's inputs are laid out: each new
-frontier node's ancestor region (its parent query's, plus itself) and the MTP hidden state that predicted it.
+Same contract as the torch twin ``reference.beam_advance``: each frontier query's ``k`` top children become
+candidates (token, cumulative score, parent), the ``k`` best of them (score descending, ties to the earlier
+candidate) the next frontier, and the next level's inputs are laid out: each new frontier node's ancestor region
+(its parent query's, plus itself) and the MTP hidden state that predicted it.
 In torch that is some thirty small kernels per level (casts, a sort, gathers, slice writes); inside a level's
 CUDA graph each still costs a launch slot and a few microseconds of an otherwise idle GPU.
 """

@@ -1,9 +1,10 @@
 """Per-request quota selection of the device beam's candidates in one Triton launch: one program per request.
 
 Same contract as the torch twin ``reference.quota_select``: each request keeps its ``counts[g]`` best candidates by
-(score descending, shallower, lower index) and lists them in candidate order with parents re-indexed among them. The torch version runs some twenty small ops (stable sorts,
-scatters, gathers) whose launches cost the host more than the GPU spends on them; here a candidate's rank is the
-number of candidates that beat it ([BLOCK, BLOCK] comparisons) and its place among the kept ones a prefix sum.
+(score descending, shallower, lower index) and lists them in candidate order with parents re-indexed among them.
+The torch version runs some twenty small ops (stable sorts, scatters, gathers) whose launches cost the host more
+than the GPU spends on them; here a candidate's rank is the number of candidates that beat it ([BLOCK, BLOCK]
+comparisons) and its place among the kept ones a prefix sum.
 """
 
 import torch
