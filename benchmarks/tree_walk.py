@@ -32,7 +32,7 @@ from forest_shapes import deep_chain_with_branches, make_tree  # noqa: E402
 from vllm_bole.kernels.tree_walk.triton_walk import tree_walk  # noqa: E402
 from vllm_bole.kernels.tree_walk.triton_walk import synthetic_targets as synthetic_targets_triton  # noqa: E402
 from vllm_bole.kernels.tree_walk import reference  # noqa: E402
-from vllm_bole.spec_decode.device_walk import DeviceWalk, _synthetic_rates, greedy_walk, synthetic_targets  # noqa: E402
+from vllm_bole.spec_decode.device_walk import _synthetic_rates, greedy_walk, synthetic_targets  # noqa: E402
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance  # noqa: E402
 
 SHAPES = ("single", "chain", "star", "kary2", "kary3", "kary4", "random", "deep")
@@ -72,13 +72,13 @@ def check(cases: int) -> int:
         max_nodes = max(len(t[0]) for t in trees) + rng.choice([0, 3])
         cu = torch.tensor(cu, dtype=torch.int32).cuda()
         bonus = torch.randint(0, 50, argmax.shape, device="cuda") if seed % 2 else argmax
-        want = DeviceWalk(*reference.greedy_walk(argmax, tokens, parent, cu, max_depth, bonus))
+        want = reference.greedy_walk(argmax, tokens, parent, cu, max_depth, bonus)
         got = tree_walk(argmax, tokens, parent, cu, max_depth, bonus, max_nodes)
         # The synthetic targets of the same forest from the same draws, both ways.
         synthetic = SyntheticAcceptance(sibling_rates=((), (0.4,), (0.35, 0.2, 0.1))[seed % 3])
         first, siblings = _synthetic_rates(synthetic, max_depth, "cuda")
         u = torch.rand(parent.numel(), 1 + len(synthetic.sibling_rates), device="cuda")
-        pairs = [(getattr(want, f), g, f) for f, g in zip(("rows", "length", "deepest", "emitted"), got)]
+        pairs = list(zip(want, got, ("rows", "length", "deepest", "emitted")))
         pairs.append((reference.synthetic_targets(tokens, parent, cu, max_depth, u, first, siblings),
                       synthetic_targets_triton(tokens, parent, cu, max_depth, u, first, siblings, max_nodes),
                       "synthetic targets"))

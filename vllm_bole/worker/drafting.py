@@ -92,7 +92,7 @@ class Drafting:
             # Structured-output requests' trees: the scheduler fills one grammar row per node after its path.
             proposed = runner.bole_forest_builder.trees
             trees = {req_id: proposed[req_id].parents for req_id in drafts.req_ids
-                     if runner._structured(req_id) and req_id in proposed}
+                     if self._structured(req_id) and req_id in proposed}
             if trees:
                 setattr(drafts, PARENTS_ATTR, trees)
             setattr(drafts, BUDGET_ATTR, runner.bole_budget.choice)
@@ -107,7 +107,7 @@ class Drafting:
         forest = runner._bole_forest
         if forest is None:
             return None
-        index = [i for i, req_id in enumerate(forest.req_ids) if runner._structured(req_id)]
+        index = [i for i, req_id in enumerate(forest.req_ids) if self._structured(req_id)]
         if not index:
             return None
         forest.materialize()
@@ -178,6 +178,11 @@ class Drafting:
             first -= 1
         output[first:] = last[:len(output) - first]
 
+    def _structured(self, req_id: str) -> bool:
+        """Whether the request has structured outputs (the scheduler fills grammar rows along its tree)."""
+        params = self.runner.requests[req_id].sampling_params
+        return params is not None and params.structured_outputs is not None
+
     # ---- the step's size ----------------------------------------------------------------------------------
     def plan(self, step: DraftStep, placeholders: Placeholders, queued: bool) -> None:
         """The step's per-request cap, node budget and, for drafts that go to vLLM as placeholders, each
@@ -200,7 +205,7 @@ class Drafting:
         runner = self.runner
         if runner.bole_config.selection != "per_request":
             return False
-        return not any(runner._structured(req_id) for req_id in step.req_ids)
+        return not any(self._structured(req_id) for req_id in step.req_ids)
 
     def _plan_async(self, step: DraftStep, placeholders: Placeholders) -> None:
         """Under async scheduling the scheduler fixed the next trees' sizes when it scheduled this step: each

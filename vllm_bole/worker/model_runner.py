@@ -157,10 +157,6 @@ class BoleModelRunnerMixin:
         this one's drafts exist, and this step's tokens stay on the device (docs/design.md, "Async scheduling")."""
         return bool(getattr(self, "use_async_spec_decode", False))
 
-    def _structured(self, req_id: str) -> bool:
-        params = self.requests[req_id].sampling_params
-        return params is not None and params.structured_outputs is not None
-
     def _walks_tree(self, req_id: str) -> bool:
         """Whether the request's tree is walked past its root (``tree_sampler.walks_tree``); root-only requests
         (prompt logprobs; under async scheduling min_tokens) draft nothing."""

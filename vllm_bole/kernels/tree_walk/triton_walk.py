@@ -3,8 +3,9 @@
 
 Same contract as the torch walk (``reference.greedy_walk``): node i is accepted when its parent is and its token is
 the target's token after the parent's row, and no earlier sibling of it matches; the accepted nodes form one path
-from the root, one node per depth, so the path's column j is its node at depth j. The torch walk runs tens of tiny ops per tree level; here the rounds that settle acceptance and depth (one
-per level, parents before children) are register gathers within one program.
+from the root, one node per depth, so the path's column j is its node at depth j. The torch walk runs tens of tiny
+ops per tree level; here the rounds that settle acceptance and depth (one per level, parents before children) are
+register gathers within one program.
 """
 
 import torch
