@@ -94,8 +94,8 @@ from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES
 # ("async_scheduling" is the engine's setting; the others keep the engine's default scheduling: asynchronous on a
 # GPU, except where selection "global" or budget_rule "step" need synchronous steps).
 BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_rule": "step"},
-                 # The drafter proposes from the 32768 lowest token ids only. Synthetic acceptance draws the
-                 # accepted paths by rank, so this row cannot show the acceptance such a subset costs on real text.
+                 # The drafter proposes from 32768 token ids only; synthetic acceptance pays for the target's
+                 # tokens outside them (--draft-vocab-coverage).
                  "bole_vocab32k": {"draft_vocab": 32768},
                  "bole_decode_vocab32k": {"budget_rule": "decode", "draft_vocab": 32768},
                  # Drafting after the host walk (before it is the default: speculative_config.early_drafting).
@@ -104,6 +104,12 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  "bole_vocab32k_sync": {"draft_vocab": 32768, "async_scheduling": False}}
 # Keys of a variant that are engine settings, not speculative config keys.
 ENGINE_KEYS = ("async_scheduling",)
+# A variant's key for its synthetic_acceptance's draft_vocab_coverage (apply_overrides).
+COVERAGE_KEY = "draft_vocab_coverage"
+# --draft-vocab-coverage's default: the coverage of the 512 tokens most frequent in the training text on the trained
+# small Qwen3.5's held-out output (docs/results.md, "Draft vocabulary on the trained model"): 12.5% of its
+# vocabulary, the share draft_vocab 32768 is of Qwen3.5's.
+DEFAULT_DRAFT_VOCAB_COVERAGE = 0.945
 MAX_CHAIN = 8   # mtp1 .. mtp8
 DEFAULT_CONFIGS = "ar,mtp1,mtp2,mtp3,mtp4,bole"
 # Token counts vLLM pads a step to, and so the token sizes of Bole's verification and drafter graphs. Tree steps
@@ -224,16 +230,24 @@ def is_bole(name: str, variants: dict[str, dict] | None = None) -> bool:
     return bole_overrides(name, variants) is not None
 
 
-def apply_overrides(spec: dict, overrides: dict) -> tuple[dict, dict]:
-    """(speculative config, engine settings) of ``overrides`` over the speculative config ``spec``."""
+def apply_overrides(spec: dict, overrides: dict, coverage: float | None = None) -> tuple[dict, dict]:
+    """(speculative config, engine settings) of ``overrides`` over the speculative config ``spec``. Where the
+    result drafts from a ``draft_vocab`` under synthetic acceptance, that acceptance pays for the subset:
+    ``draft_vocab_coverage`` (a variant's own key, else ``coverage``: ``--draft-vocab-coverage``) goes into its
+    ``synthetic_acceptance``."""
     spec, engine = dict(spec), {}
     for key, value in overrides.items():
         if key in ENGINE_KEYS:
             engine[key] = value
+        elif key == COVERAGE_KEY:
+            coverage = value
         elif value is None:
             spec.pop(key, None)
         else:
             spec[key] = value
+    if spec.get("draft_vocab") is not None and isinstance(spec.get("synthetic_acceptance"), dict) \
+            and coverage is not None:
+        spec["synthetic_acceptance"] = {**spec["synthetic_acceptance"], COVERAGE_KEY: coverage}
     return spec, engine
 
 
@@ -298,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-share", type=float, default=0.28, help="gpu_memory_utilization per engine")
     p.add_argument("--rates", type=_floats, default=list(DEFAULT_RATES), help="unconditional, per position")
     p.add_argument("--sibling-rates", type=_floats, default=list(DEFAULT_SIBLING_RATES))
+    p.add_argument("--draft-vocab-coverage", type=float, default=DEFAULT_DRAFT_VOCAB_COVERAGE,
+                   help="Bole configurations with a draft_vocab: the share of the target's tokens inside it "
+                        "(synthetic_acceptance.draft_vocab_coverage; a variant's own draft_vocab_coverage key wins)")
     p.add_argument("--acceptance-profile", metavar="FILE", default=None,
                    help="--rates and --sibling-rates from an acceptance profile (vllm-bole acceptance-profile)")
     p.add_argument("--depth", type=int, default=8, help="Bole num_speculative_tokens (deepest level)")
@@ -398,7 +415,8 @@ def engine_kwargs(args, name: str) -> dict:
         spec, engine = apply_overrides({
             "method": "bole", "num_speculative_tokens": args.depth, "topk": args.topk, "budget": "auto",
             "budget_table": args.budget_table,
-            "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}, overrides)
+            "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}, overrides,
+            args.draft_vocab_coverage)
         if args.smoke and "draft_vocab" in spec:
             # The tiny model's vocabulary has 1024 tokens: half of it, so the smoke run drafts from a subset too.
             spec["draft_vocab"] = 512

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--acceptance", choices=("synthetic", "real"), default="synthetic")
     p.add_argument("--rates", type=serve._floats, default=list(DEFAULT_RATES))
     p.add_argument("--sibling-rates", type=serve._floats, default=list(DEFAULT_SIBLING_RATES))
+    p.add_argument("--draft-vocab-coverage", type=float, default=serve.DEFAULT_DRAFT_VOCAB_COVERAGE,
+                   help="as serve.py's")
     p.add_argument("--budget-table", default=DEFAULT_BUDGET_TABLE)
     p.add_argument("--out", default=None)
     p.add_argument("--log-dir", default=None)

@@ -77,8 +77,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import soak  # noqa: E402
-from e2e import (DEFAULT_BUDGET_TABLE, DEFAULT_CONFIGS, MODEL_CANDIDATES, apply_overrides,  # noqa: E402
-                 bole_overrides, chain_k, is_bole, is_chain, parse_variant)
+from e2e import (DEFAULT_BUDGET_TABLE, DEFAULT_CONFIGS, DEFAULT_DRAFT_VOCAB_COVERAGE, MODEL_CANDIDATES,  # noqa: E402
+                 apply_overrides, bole_overrides, chain_k, is_bole, is_chain, parse_variant)
 from e2e import config_names as _config_names  # noqa: E402
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--acceptance", choices=("synthetic", "real"), default="synthetic")
     p.add_argument("--rates", type=_floats, default=list(DEFAULT_RATES), help="unconditional, per position")
     p.add_argument("--sibling-rates", type=_floats, default=list(DEFAULT_SIBLING_RATES))
+    p.add_argument("--draft-vocab-coverage", type=float, default=DEFAULT_DRAFT_VOCAB_COVERAGE,
+                   help="Bole configurations with a draft_vocab: the share of the target's tokens inside it "
+                        "(synthetic_acceptance.draft_vocab_coverage; a variant's own draft_vocab_coverage key wins)")
     p.add_argument("--budget-table", default=DEFAULT_BUDGET_TABLE,
                    help="Bole's budget_table ('': Bole's own lookup; default: %(default)s)")
 
@@ -239,7 +242,7 @@ def config_setup(name: str, opts, on_gpu: bool) -> tuple[dict | None, list[str],
         spec["budget_table"] = str(opts.budget_table)
     if synthetic:
         spec["synthetic_acceptance"] = {"rates": opts.rates, "sibling_rates": opts.sibling_rates, "seed": 0}
-    spec, engine = apply_overrides(spec, bole_overrides(name, dict(opts.variant)) or {})
+    spec, engine = apply_overrides(spec, bole_overrides(name, dict(opts.variant)) or {}, opts.draft_vocab_coverage)
     flags = [] if "async_scheduling" not in engine else \
         ["--async-scheduling" if engine["async_scheduling"] else "--no-async-scheduling"]
     if opts.smoke and isinstance(spec.get("draft_vocab"), int):

@@ -48,7 +48,10 @@ def test_kept_names_run_the_same_settings():
     assert list(e2e.BOLE_VARIANTS) == [n for n in BEFORE if n != "bole"]
     for name, (keys, async_scheduling, synchronous) in BEFORE.items():
         kw = e2e.engine_kwargs(args, name)
-        assert kw["speculative_config"] == _bole_spec(args) | keys, name
+        want = _bole_spec(args) | keys
+        if "draft_vocab" in keys:   # synthetic acceptance pays for the subset
+            want["synthetic_acceptance"] |= {"draft_vocab_coverage": e2e.DEFAULT_DRAFT_VOCAB_COVERAGE}
+        assert kw["speculative_config"] == want, name
         assert kw.get("async_scheduling") == async_scheduling, name
         assert kw["compilation_config"]["cudagraph_capture_sizes"] == BOLE_SIZES, name
         assert e2e.schedules_synchronously(name) == synchronous, name
@@ -68,6 +71,25 @@ def test_kept_names_run_the_same_settings():
         e2e.engine_kwargs(args, "mtp8")
     with pytest.raises(SystemExit, match="^--configs: unknown bole_global_step; allowed: ar, "):
         e2e.engine_kwargs(args, "bole_global_step")
+
+
+def test_draft_vocab_coverage_reaches_the_synthetic_acceptance():
+    """--draft-vocab-coverage goes to every configuration with a draft vocabulary, a variant's own key wins, and
+    the engine's config check accepts the result."""
+    from vllm_bole.config import parse_bole_config
+
+    args = _args("--draft-vocab-coverage", "0.9", "--variant", 'low={"draft_vocab": 32768, "draft_vocab_coverage": 0.8}',
+                 "--variant", 'full={"topk": 2}')
+    coverage = lambda name: e2e.engine_kwargs(args, name)["speculative_config"]["synthetic_acceptance"].get(  # noqa: E731
+        "draft_vocab_coverage")
+    assert [coverage(n) for n in ("bole_vocab32k", "bole_decode_vocab32k", "low", "full", "bole")] == \
+        [0.9, 0.9, 0.8, None, None]
+    spec = e2e.engine_kwargs(args, "low")["speculative_config"]
+    assert "draft_vocab_coverage" not in spec and spec["draft_vocab"] == 32768
+    parse_bole_config(spec)
+    opts = serve.build_parser().parse_args(["--configs", "bole_vocab32k", "--draft-vocab-coverage", "0.7"])
+    spec, _, _ = serve.config_setup("bole_vocab32k", opts, on_gpu=True)
+    assert spec["synthetic_acceptance"]["draft_vocab_coverage"] == 0.7
 
 
 def test_smoke_drafts_from_half_the_tiny_vocabulary():
@@ -147,7 +169,11 @@ def test_serve_takes_the_same_settings():
     base = serve.config_setup("bole", opts, True)[0]
     for name, (keys, async_scheduling, _) in BEFORE.items():
         spec, flags, _ = serve.config_setup(name, opts, True)
-        assert spec == base | keys, name
+        want = base | keys
+        if "draft_vocab" in keys:
+            want["synthetic_acceptance"] = base["synthetic_acceptance"] | {
+                "draft_vocab_coverage": e2e.DEFAULT_DRAFT_VOCAB_COVERAGE}
+        assert spec == want, name
         assert flags == ([] if async_scheduling is None else ["--no-async-scheduling"]), name
     assert serve.config_setup("mine", opts, True) == (base, ["--async-scheduling"], None)
 

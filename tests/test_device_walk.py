@@ -208,15 +208,18 @@ def test_walked_moves_are_the_host_paths_moves(seed):
     assert (src[keep].tolist(), dst[keep].tolist()) == accepted_row_moves(forest)
 
 
-def test_synthetic_targets_accept_like_the_host_synthetic_walk():
+@pytest.mark.parametrize("coverage", [1.0, 0.85])
+def test_synthetic_targets_accept_like_the_host_synthetic_walk(coverage):
     """Synthetic acceptance on the device: the accepted depth and the rank path of full 3-ary trees follow the
-    host walk's distribution (``SyntheticAcceptance.walk``), over many trees."""
+    host walk's distribution (``SyntheticAcceptance.walk``), over many trees; also with a draft vocabulary's
+    coverage below 1."""
     from collections import Counter
 
     from vllm_bole.spec_decode.device_walk import synthetic_targets
     from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
 
-    synthetic = SyntheticAcceptance(rates=(0.9, 0.7, 0.5, 0.3), sibling_rates=(0.4, 0.25), seed=3)
+    synthetic = SyntheticAcceptance(rates=(0.9, 0.7, 0.5, 0.3), sibling_rates=(0.4, 0.25), seed=3,
+                                    draft_vocab_coverage=coverage)
     parents = [-1] + [(i - 1) // 3 for i in range(1, 121)]           # full 3-ary tree of depth 4
     trees = 3000
     parent = torch.tensor(parents * trees, dtype=torch.int32)

@@ -25,8 +25,10 @@ def test_rates_are_followed_per_depth_and_rank():
     assert abs(rank1_at_depth1 / n - 0.1 * 0.4) < 0.006
 
 
-def test_child_probability_is_the_walks_frequency():
-    syn = SyntheticAcceptance(rates=(0.8, 0.6), sibling_rates=(0.5, 0.25), seed=3)   # conditional 0.8, 0.75
+@pytest.mark.parametrize("coverage", [1.0, 0.7])
+def test_child_probability_is_the_walks_frequency(coverage):
+    syn = SyntheticAcceptance(rates=(0.8, 0.6), sibling_rates=(0.5, 0.25), seed=3,   # conditional 0.8, 0.75
+                              draft_vocab_coverage=coverage)
     parents = full_tree(4, 2)          # root children 1..4, each with 4 children
     n = 40000
     first_rank, second_rank = [0] * 4, [0] * 4
@@ -40,8 +42,25 @@ def test_child_probability_is_the_walks_frequency():
         assert abs(first_rank[rank] / n - syn.child_probability(1, rank)) < 0.01
         assert abs(second_rank[rank] / n - syn.child_probability(1, 0) * syn.child_probability(2, rank)) < 0.01
     assert syn.child_probability(1, 3) == 0.0                 # only two sibling rates
-    assert syn.child_probability(5, 0) == syn.child_probability(2, 0) == pytest.approx(0.75)   # last repeats
-    assert abs(sum(syn.child_probability(2, r) for r in range(3)) - (0.75 + 0.25 * (0.5 + 0.5 * 0.25))) < 1e-12
+    assert syn.child_probability(5, 0) == syn.child_probability(2, 0) == pytest.approx(0.75 * coverage)   # repeats
+    assert syn.rank1_rate(2) == pytest.approx(0.75 * coverage) and syn.in_vocab_rank1_rate(2) == pytest.approx(0.75)
+    assert sum(syn.child_probability(2, r) for r in range(3)) == pytest.approx(
+        coverage * (0.75 + 0.25 * (0.5 + 0.5 * 0.25)))
+
+
+def test_draft_vocab_coverage_discounts_every_depth():
+    """A chain under coverage c reaches depth d with rates[d-1] * c**d: each accepted token had to be one the
+    drafter could propose. Coverage 1 draws exactly as before (no extra draw)."""
+    rates = (0.9, 0.8, 0.6)
+    chain = [-1, 0, 1, 2]
+    syn = SyntheticAcceptance(rates=rates, sibling_rates=(), seed=7, draft_vocab_coverage=0.8)
+    n = 40000
+    depths = [len(syn.walk(chain)) - 1 for _ in range(n)]
+    for d, rate in enumerate(rates, start=1):
+        assert abs(sum(x >= d for x in depths) / n - rate * 0.8 ** d) < 0.01
+    plain, full = SyntheticAcceptance(rates=rates, seed=7), SyntheticAcceptance(rates=rates, seed=7,
+                                                                                  draft_vocab_coverage=1.0)
+    assert [plain.walk(chain) for _ in range(200)] == [full.walk(chain) for _ in range(200)]
 
 
 def test_a_chain_accepts_like_vllms_synthetic_chain():
@@ -61,10 +80,20 @@ def test_missing_rank_stops_the_walk():
     assert syn.walk([-1, 0, 0]) == [0, 2]
 
 
-@pytest.mark.parametrize("value", ["yes", {"rates": [1.5]}, {"rate": [0.5]}, {"rates": []}, {"rates": [0.5, 0.6]}])
+@pytest.mark.parametrize("value", ["yes", {"rates": [1.5]}, {"rate": [0.5]}, {"rates": []}, {"rates": [0.5, 0.6]},
+                                   {"draft_vocab_coverage": 0}, {"draft_vocab_coverage": 1.2},
+                                   {"draft_vocab_coverage": True}, {"draft_vocab_coverage": "0.9"}])
 def test_bad_values_name_the_field(value):
     with pytest.raises(BoleConfigError, match="synthetic_acceptance"):
-        parse_bole_config({"method": "bole", "synthetic_acceptance": value})
+        parse_bole_config({"method": "bole", "draft_vocab": 64, "synthetic_acceptance": value})
+
+
+def test_draft_vocab_coverage_needs_a_draft_vocab():
+    with pytest.raises(BoleConfigError, match="draft_vocab_coverage applies only with draft_vocab"):
+        parse_bole_config({"method": "bole", "synthetic_acceptance": {"draft_vocab_coverage": 0.9}})
+    cfg, _ = parse_bole_config({"method": "bole", "draft_vocab": 64, "synthetic_acceptance": {
+        "draft_vocab_coverage": 0.9}})
+    assert parse_synthetic(cfg.synthetic_acceptance).draft_vocab_coverage == 0.9
 
 
 def test_defaults():

@@ -123,6 +123,9 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if not isinstance(cuda_graphs, bool):
         raise BoleConfigError(f"speculative_config.cuda_graphs must be true or false, got {cuda_graphs!r}")
     draft_vocab = _draft_vocab_field(spec.get("draft_vocab"), topk, drafter)
+    if isinstance(synthetic, dict) and "draft_vocab_coverage" in synthetic and draft_vocab is None:
+        raise BoleConfigError("speculative_config.synthetic_acceptance.draft_vocab_coverage applies only with "
+                              "draft_vocab (the share of the target's tokens inside it)")
     early_drafting = spec.get("early_drafting", True)
     if not isinstance(early_drafting, bool):
         raise BoleConfigError(f"speculative_config.early_drafting must be true or false, got {early_drafting!r}")

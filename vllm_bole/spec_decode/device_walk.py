@@ -46,25 +46,34 @@ def synthetic_targets(tokens: torch.Tensor, parent: torch.Tensor, cu_seqlens: to
     ranks = 1 + len(synthetic.sibling_rates)
     first, siblings = _synthetic_rates(synthetic, max_depth, device)
     u = torch.rand(n, ranks, generator=generator, device=device)
+    targets = None
     if max_nodes is not None and _use_triton(parent):
         from ..kernels.tree_walk import triton_walk
 
         if max_nodes <= triton_walk.MAX_TREE_NODES:
-            return triton_walk.synthetic_targets(tokens, parent, cu_seqlens, max_depth, u, first, siblings, max_nodes)
-    return reference.synthetic_targets(tokens, parent, cu_seqlens, max_depth, u, first, siblings)
+            targets = triton_walk.synthetic_targets(tokens, parent, cu_seqlens, max_depth, u, first, siblings,
+                                                    max_nodes)
+    if targets is None:
+        targets = reference.synthetic_targets(tokens, parent, cu_seqlens, max_depth, u, first, siblings)
+    if synthetic.draft_vocab_coverage < 1.0:   # the target's token outside the draft vocabulary: no child matches
+        inside = torch.rand(n, generator=generator, device=device) < synthetic.draft_vocab_coverage
+        targets = torch.where(inside, targets, -1)
+    return targets
 
 
 _RATES: dict = {}
 
 
 def _synthetic_rates(synthetic, max_depth: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rank 1's conditional rate for the children of a row at depth 0..max_depth, the sibling rates), float32
+    """(rank 1's conditional rate for the children of a row at depth 0..max_depth inside the draft vocabulary, the
+    sibling rates), float32
     on ``device``; made once per (rates, depth bound, device): a fresh copy each step would cost a transfer."""
     key = (synthetic.rates, synthetic.sibling_rates, max_depth, str(device))
     if key not in _RATES:
         if len(_RATES) > 64:
             _RATES.clear()
-        first = torch.tensor([synthetic.rank1_rate(d) for d in range(1, max_depth + 2)], dtype=torch.float32)
+        first = torch.tensor([synthetic.in_vocab_rank1_rate(d) for d in range(1, max_depth + 2)],
+                             dtype=torch.float32)
         siblings = torch.tensor(list(synthetic.sibling_rates) or [0.0], dtype=torch.float32)
         _RATES[key] = (first.to(device, non_blocking=True), siblings.to(device, non_blocking=True))
     return _RATES[key]

@@ -10,6 +10,11 @@ with the same list. At depth d the target's token is the node's rank-1 child wit
 rank is drawn) the walk stops. A child's rank is its order among its siblings, which is the drafter's
 probability order.
 
+``draft_vocab_coverage`` (with ``draft_vocab``: the drafter proposes from part of the vocabulary) is the share of the
+target's tokens inside that part, as ``vllm-bole draft-vocab`` measures it on text: at every depth the target's
+token falls outside it with probability ``1 - draft_vocab_coverage``, no child can match, and the walk stops; else
+the ranks are drawn as above. Rank-based draws alone would let a draft vocabulary cost no acceptance at all.
+
 An acceptance profile (``vllm-bole acceptance-profile``: rates measured on a model's own trees) replays through
 ``{"profile": FILE}``: its ``synthetic_acceptance`` block holds the two lists.
 """
@@ -32,6 +37,7 @@ class SyntheticAcceptance:
     rates: tuple[float, ...] = DEFAULT_RATES
     sibling_rates: tuple[float, ...] = DEFAULT_SIBLING_RATES
     seed: int = 0
+    draft_vocab_coverage: float = 1.0
     _rng: random.Random = field(default=None, compare=False, repr=False)
     _conditional: tuple[float, ...] = field(default=(), compare=False, repr=False)
 
@@ -47,12 +53,19 @@ class SyntheticAcceptance:
 
     def rank1_rate(self, depth: int) -> float:
         """Probability that the rank-1 child at ``depth`` is accepted, given its parent was."""
+        return self.draft_vocab_coverage * self.in_vocab_rank1_rate(depth)
+
+    def in_vocab_rank1_rate(self, depth: int) -> float:
+        """:meth:`rank1_rate` given that the target's token is one the drafter can propose (inside its draft
+        vocabulary): the rank-1 rate the draws use after the coverage draw."""
         return self._conditional[min(depth, len(self._conditional)) - 1]
 
     def draw_rank(self, depth: int) -> int | None:
         """0-based sibling rank of the target's token at ``depth`` (1 = children of the root), or None."""
         rng = self._rng
-        if rng.random() < self.rank1_rate(depth):
+        if self.draft_vocab_coverage < 1.0 and rng.random() >= self.draft_vocab_coverage:
+            return None   # the target's token is outside the draft vocabulary
+        if rng.random() < self.in_vocab_rank1_rate(depth):
             return 0
         for rank, rate in enumerate(self.sibling_rates, start=1):
             if rng.random() < rate:
@@ -62,12 +75,12 @@ class SyntheticAcceptance:
     def child_probability(self, depth: int, rank: int) -> float:
         """Probability that :meth:`draw_rank` at ``depth`` returns ``rank``: what a calibrated drafter's
         conditional probability of that child would be."""
-        first = self.rank1_rate(depth)
+        first = self.in_vocab_rank1_rate(depth)
         if rank == 0:
-            return first
+            return self.draft_vocab_coverage * first
         if rank > len(self.sibling_rates):
             return 0.0
-        p = 1.0 - first
+        p = self.draft_vocab_coverage * (1.0 - first)
         for rate in self.sibling_rates[:rank - 1]:
             p *= 1.0 - rate
         return p * self.sibling_rates[rank - 1]
@@ -86,26 +99,33 @@ class SyntheticAcceptance:
 
 def parse_synthetic(value) -> SyntheticAcceptance | None:
     """From ``speculative_config["synthetic_acceptance"]``: false/None, true (defaults),
-    ``{"rates": [...], "sibling_rates": [...], "seed": int}`` or ``{"profile": FILE, "seed": int}``."""
+    ``{"rates": [...], "sibling_rates": [...], "seed": int}`` or ``{"profile": FILE, "seed": int}``, either dict
+    with ``"draft_vocab_coverage": float`` in (0, 1] too."""
     if value in (None, False):
         return None
     if value is True:
         return SyntheticAcceptance()
-    if not isinstance(value, dict) or set(value) - {"rates", "sibling_rates", "seed", "profile"}:
+    if not isinstance(value, dict) or set(value) - {"rates", "sibling_rates", "seed", "profile",
+                                                    "draft_vocab_coverage"}:
         raise BoleConfigError("speculative_config.synthetic_acceptance must be true or a dict with keys "
-                              f"'rates', 'sibling_rates', 'seed' (or 'profile', 'seed'); got {value!r}")
+                              f"'rates', 'sibling_rates', 'seed' (or 'profile', 'seed') and optionally "
+                              f"'draft_vocab_coverage'; got {value!r}")
     seed = value.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise BoleConfigError(f"speculative_config.synthetic_acceptance.seed must be an integer, got {seed!r}")
+    coverage = value.get("draft_vocab_coverage", 1.0)
+    if isinstance(coverage, bool) or not isinstance(coverage, (int, float)) or not 0.0 < coverage <= 1.0:
+        raise BoleConfigError("speculative_config.synthetic_acceptance.draft_vocab_coverage must be a number in "
+                              f"(0, 1], got {coverage!r}")
     if "profile" in value:
         if {"rates", "sibling_rates"} & set(value):
             raise BoleConfigError("speculative_config.synthetic_acceptance takes 'profile' or 'rates' and "
                                   f"'sibling_rates', not both; got {value!r}")
-        return SyntheticAcceptance.from_profile(value["profile"], seed)
+        return SyntheticAcceptance(*profile_rates(value["profile"]), seed, float(coverage))
     rates = tuple(value.get("rates", DEFAULT_RATES))
     siblings = tuple(value.get("sibling_rates", DEFAULT_SIBLING_RATES))
     _check_rates(rates, siblings, "speculative_config.synthetic_acceptance")
-    return SyntheticAcceptance(rates, siblings, seed)
+    return SyntheticAcceptance(rates, siblings, seed, float(coverage))
 
 
 def resolved_synthetic(value):
@@ -113,7 +133,8 @@ def resolved_synthetic(value):
     and its rates replace it."""
     synthetic = parse_synthetic(value)
     if isinstance(value, dict) and "profile" in value:
-        return {"rates": list(synthetic.rates), "sibling_rates": list(synthetic.sibling_rates), "seed": synthetic.seed}
+        return {"rates": list(synthetic.rates), "sibling_rates": list(synthetic.sibling_rates), "seed": synthetic.seed,
+                **({"draft_vocab_coverage": synthetic.draft_vocab_coverage} if "draft_vocab_coverage" in value else {})}
     return value
 
 

@@ -152,5 +152,6 @@ def synthetic_chain_nodes(bole_config) -> int:
     synthetic = parse_synthetic(bole_config.synthetic_acceptance)
     if synthetic is None:
         return 0
-    first = [synthetic.rank1_rate(d) for d in range(1, bole_config.max_depth + 1)]
+    # Inside the draft vocabulary: its coverage scales every child alike and cancels out of the comparison.
+    first = [synthetic.in_vocab_rank1_rate(d) for d in range(1, bole_config.max_depth + 1)]
     return chain_nodes(first, list(synthetic.sibling_rates), bole_config.topk, bole_config.max_depth)
