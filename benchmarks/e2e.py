@@ -8,14 +8,14 @@ Configurations (``--configs``; ``benchmarks/serve.py`` takes the same names): ``
 ``mtp1`` .. ``mtp8`` (vLLM's MTP chain of k drafts with ``rejection_sample_method: "synthetic"``) and ``mtp1_sync``
 .. ``mtp8_sync`` (the chain with ``async_scheduling: false``: rows gain ``mtp_sync_tok_s_by_k``; not counted as the
 best chain); ``bole`` (tree speculation with ``synthetic_acceptance`` and ``budget: "auto"``, otherwise Bole's
-defaults, among them ``selection: "per_request"`` and the engine's default scheduling: asynchronous on a GPU since
-7be5de8, synchronous before, so the ``bole`` rows of earlier result files are synchronous); Bole's named variants
+defaults, among them ``selection: "per_request"`` and the engine's default scheduling: asynchronous on a GPU;
+the ``bole`` rows of the oldest result files ran synchronously); Bole's named variants
 (``BOLE_VARIANTS``, keys over ``bole``'s speculative config): ``bole_global`` (``selection: "global"``: the best
 nodes over the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget
 also weighs the step's measured time besides its target forward), ``bole_vocab32k`` (``draft_vocab: 32768``: the
-drafter's LM head over the 32768 lowest token ids; synthetic acceptance accepts by rank, so its row shows the
-cheaper levels but not what a subset costs in acceptance on real text; its rows in result files up to e2b13ff ran
-the rule "decode"), ``bole_decode_vocab32k`` (also ``budget_rule: "decode"``: the calibrated B_ver every step, the
+drafter's LM head over the 32768 lowest token ids; its synthetic acceptance stops the walk wherever the target's
+token is outside them, with probability 1 − ``--draft-vocab-coverage`` per depth; result files from before that
+option accepted by rank alone, at no cost for the subset), ``bole_decode_vocab32k`` (also ``budget_rule: "decode"``: the calibrated B_ver every step, the
 default before "throughput"), ``bole_late`` (``early_drafting: false``: the drafter catches up after the host walk
 instead of being queued before it), ``bole_sync`` and ``bole_vocab32k_sync`` (``async_scheduling: false``); and
 ``--variant NAME=JSON`` (repeatable: keys over ``bole``'s speculative config, ``null`` removes one,
