@@ -242,20 +242,39 @@ def test_budget_log_says_how_often_the_rule_chose(caplog):
                for r in caplog.records)
 
 
-def test_async_budget_source_is_held_weakly():
-    """The scheduler reads the runner's method through a weak reference: a runner that is gone leaves no source
-    (the scheduler then warns once and uses the calibrated budget)."""
+def test_budget_source_is_linked_per_engine_and_held_weakly():
+    """The runner hands the scheduler of its own engine its budget method, keyed by the VllmConfig both are built
+    from: another engine's config (or a copy or pickle of it: a worker in another process) holds no source, and a
+    runner that is gone leaves none (the scheduler then warns once and uses the calibrated budget)."""
+    import copy
     import gc
+    import pickle
 
-    from vllm_bole.spec_decode import budget as budget_mod
+    from vllm.config import VllmConfig
+
+    from vllm_bole._vllm_compat import engine_link
 
     class Runner:
         def bole_async_budget(self, batch, context_len):
             return 8 * batch
 
+    config, other = VllmConfig(), VllmConfig()
     runner = Runner()
-    budget_mod.set_async_budget_source(runner.bole_async_budget)
-    assert budget_mod.async_budget_source()(2, None) == 16
+    engine_link(config).set_budget_source(runner.bole_async_budget)
+    assert engine_link(config).budget_source()(2, None) == 16
+    assert engine_link(other).budget_source() is None
+    assert engine_link(copy.deepcopy(config)).budget_source() is None
+    assert engine_link(pickle.loads(pickle.dumps(config))).budget_source() is None
+    assert engine_link(config).budget_source()(3, None) == 24   # copies leave the original's link alone
+    # vLLM rebuilds configs from their attributes (config.utils.replace, the drafter's config) and refuses any
+    # that is no field: the link adds none
+    assert set(vars(config)) == set(vars(other))
     del runner
     gc.collect()
-    assert budget_mod.async_budget_source() is None
+    assert engine_link(config).budget_source() is None
+    from vllm_bole import _vllm_compat
+
+    links = len(_vllm_compat._LINKS)
+    del config
+    gc.collect()
+    assert len(_vllm_compat._LINKS) == links - 1   # a config that is gone leaves no link behind

@@ -31,7 +31,10 @@ Patches:
    With it, the start-up check that one request of ``max_model_len`` fits the KV cache counts the block vLLM's
    block pool keeps as its null block (:func:`wrap_kv_cache_check`): vLLM 0.26 checks the request against every
    block, so a cache of exactly one request's blocks starts and its longest requests wait forever.
-7. The private names of vLLM objects Bole reads, writes or overrides are all below ("Private vLLM names"): the
+7. :func:`engine_link`: the model runner hands the scheduler of its own engine what the scheduler asks it
+   (the budget policy under async scheduling), keyed by the ``VllmConfig`` object both are built from at
+   tensor_parallel_size 1; vLLM builds the scheduler with no handle on the worker.
+8. The private names of vLLM objects Bole reads, writes or overrides are all below ("Private vLLM names"): the
    model runner's and scheduler's private methods Bole's classes override (checked when they are built), the MTP
    proposer's input buffers that Bole's drafter fills, the structured-output manager's bitmask, the runner's
    pending drafts and sampled-count copy, and two attributes of vLLM's GDN layer.
@@ -39,6 +42,7 @@ Patches:
 
 import contextlib
 import importlib
+import weakref
 
 import numpy as np
 import vllm
@@ -167,6 +171,39 @@ def engine_core_of(llm):
 def model_runner_of(llm):
     """The model runner of an in-process ``LLM`` with one worker (:func:`engine_core_of`)."""
     return engine_core_of(llm).model_executor.driver_worker.worker.model_runner
+
+
+class EngineLink:
+    """What the model runner hands the scheduler of the same engine (:func:`engine_link`), held weakly."""
+
+    def __init__(self):
+        self._budget_source = None
+
+    def set_budget_source(self, method) -> None:
+        """``method(batch_size, context_len) -> int | None``: the runner's budget policy
+        (``worker/budget_policy.BudgetPolicy.async_budget``), for the async scheduler."""
+        self._budget_source = weakref.WeakMethod(method)
+
+    def budget_source(self):
+        """The method :meth:`set_budget_source` was given, or None (none in this process, or gone)."""
+        return None if self._budget_source is None else self._budget_source()
+
+
+_LINKS: dict[int, EngineLink] = {}   # id of a live VllmConfig -> its engine's link
+
+
+def engine_link(vllm_config) -> EngineLink:
+    """The link between the model runner and the scheduler of the engine that ``vllm_config`` configures: vLLM
+    builds both from this one object where the worker runs inside the engine core (tensor_parallel_size 1, the
+    uniprocess executor); a worker in another process holds a copy and so links to no scheduler. Kept beside the
+    object, not on it: vLLM's ``config.utils.replace`` rebuilds a config from its attributes and refuses unknown
+    ones."""
+    key = id(vllm_config)
+    link = _LINKS.get(key)
+    if link is None:
+        link = _LINKS[key] = EngineLink()
+        weakref.finalize(vllm_config, _LINKS.pop, key, None)
+    return link
 
 
 # ---- Private vLLM names ---------------------------------------------------------------------------------------

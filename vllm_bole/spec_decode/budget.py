@@ -19,15 +19,14 @@ curves for the model and GPU it runs as "decode" (:func:`with_applicable_rule`).
 
 Under async scheduling the scheduler fixes each request's next tree size before the step that drafts it runs
 (``worker/scheduler.async_budget`` and ``async_quotas``). The rules "decode" and "throughput" apply there: for
-"throughput" the scheduler asks the model runner's budget policy in its own process (``worker/budget_policy.py``,
-:func:`set_async_budget_source`; at tensor_parallel_size 1 vLLM runs the worker inside the engine core), which
-holds the step clock and the acceptance model.
+"throughput" the scheduler asks the model runner's budget policy of its own engine (``worker/budget_policy.py``,
+handed over by ``_vllm_compat.engine_link``; at tensor_parallel_size 1 vLLM runs the worker inside the engine
+core), which holds the step clock and the acceptance model.
 """
 
 import collections
 import dataclasses
 import functools
-import weakref
 from pathlib import Path
 
 from vllm.utils.math_utils import next_power_of_2
@@ -113,21 +112,6 @@ def with_applicable_rule(bole_config, model_config=None):
     if budgets is not None and budgets.curves:
         return bole_config
     return dataclasses.replace(bole_config, budget_rule="decode")
-
-
-_ASYNC_SOURCE: "weakref.WeakMethod | None" = None
-
-
-def set_async_budget_source(method) -> None:
-    """``method(batch_size, context_len) -> int | None``: the node budget of the next step under ``budget_rule
-    "throughput"`` (None until it has measurements), for the async scheduler of this process. Held weakly."""
-    global _ASYNC_SOURCE
-    _ASYNC_SOURCE = weakref.WeakMethod(method)
-
-
-def async_budget_source():
-    """The method :func:`set_async_budget_source` registered, or None (none in this process, or gone)."""
-    return None if _ASYNC_SOURCE is None else _ASYNC_SOURCE()
 
 
 # Synchronous scheduling: the runner's budget choice of a step, ``(batch size, nodes, by the throughput rule)``,

@@ -66,8 +66,8 @@ _RATES: dict = {}
 
 def _synthetic_rates(synthetic, max_depth: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(rank 1's conditional rate for the children of a row at depth 0..max_depth inside the draft vocabulary, the
-    sibling rates), float32
-    on ``device``; made once per (rates, depth bound, device): a fresh copy each step would cost a transfer."""
+    sibling rates), float32 on ``device``; made once per (rates, depth bound, device): a fresh copy each step would
+    cost a transfer."""
     key = (synthetic.rates, synthetic.sibling_rates, max_depth, str(device))
     if key not in _RATES:
         if len(_RATES) > 64:

@@ -2,7 +2,7 @@
 
 The model runner holds one :class:`BudgetPolicy` and asks it once per drafting step: :meth:`BudgetPolicy.plan`
 under synchronous scheduling, :meth:`BudgetPolicy.planned_async` where the async scheduler fixed the quotas already
-(it asks :meth:`BudgetPolicy.async_budget` for them, ``spec_decode.budget.set_async_budget_source``).
+(it asks :meth:`BudgetPolicy.async_budget` for them, handed over by ``_vllm_compat.engine_link``).
 """
 
 import collections
@@ -10,10 +10,10 @@ import functools
 import time
 
 from .. import envs
+from .._vllm_compat import engine_link
 from ..config import bole_config_from_vllm
 from ..spec_decode.acceptance_model import TREES_PER_STEP, AcceptanceModel, DeviceWalks, chain_nodes
-from ..spec_decode.budget import (StepClock, auto_budgets, node_budget, set_async_budget_source, verify_ms,
-                                  with_applicable_rule)
+from ..spec_decode.budget import StepClock, auto_budgets, node_budget, verify_ms, with_applicable_rule
 from ..spec_decode.synthetic import parse_synthetic
 
 
@@ -49,11 +49,11 @@ class BudgetPolicy:
     def refresh(self) -> None:
         """``budget_rule`` as it applies with the calibration table as it is now (:func:`with_applicable_rule`:
         "throughput" needs T_ver curves); called again after a table was written in this process
-        (``budget.reload_budget_tables``). Under "throughput" the async scheduler of this process asks
+        (``budget.reload_budget_tables``). Under "throughput" the async scheduler of this engine asks
         :meth:`async_budget`."""
         self.config = with_applicable_rule(bole_config_from_vllm(self.vllm_config), self.model_config)
         if self.rule == "throughput":
-            set_async_budget_source(self.async_budget)
+            engine_link(self.vllm_config).set_budget_source(self.async_budget)
 
     def tick(self, num_reqs: int, context_len: int | None, tree_only: bool, verified_nodes: int,
              graphs: int) -> None:

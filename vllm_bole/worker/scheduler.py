@@ -21,11 +21,11 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
-from .._vllm_compat import (SCHEDULER_OVERRIDES, check_overrides, hit_as_without_drafter,
-                             keep_state_blocks_until_cached, publish_blocks_when_finished)
+from .._vllm_compat import (SCHEDULER_OVERRIDES, check_overrides, engine_link, hit_as_without_drafter,
+                            keep_state_blocks_until_cached, publish_blocks_when_finished)
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
-from ..spec_decode.budget import BUDGET_ATTR, BudgetLog, async_budget_source, node_budget, with_applicable_rule
+from ..spec_decode.budget import BUDGET_ATTR, BudgetLog, node_budget, with_applicable_rule
 from ..spec_decode.tree_sampler import walks_tree
 from .tree_grammar import PARENTS_ATTR, REQUEST_ATTR, tree_grammar_bitmask, tree_parents
 
@@ -197,7 +197,7 @@ class BoleAsyncScheduler(_BudgetLines, _TreeGrammars, _NoPlaceholderPadding, _Pr
         """The model runner's ``BudgetPolicy.async_budget`` (``budget_rule "throughput"``), or None: the rule "decode"."""
         if self.bole_config.budget_rule != "throughput":
             return None
-        source = async_budget_source()
+        source = engine_link(self.vllm_config).budget_source()
         if source is None and not self._source_missing_logged:
             logger.warning("Bole budget_rule 'throughput' under async scheduling reads the model runner of the "
                            "engine core process, and there is none here (a multiprocess executor): using the "
