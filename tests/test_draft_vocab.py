@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_bole.config import BoleConfigError
+from vllm_bole.config import BoleConfigError, parse_bole_config
 from vllm_bole.spec_decode.draft_vocab import DraftVocab, draft_token_ids, eos_token_ids
 from vllm_bole.spec_decode.mtp_tree_drafter import MTPTreeDrafter
 
@@ -29,6 +29,48 @@ def test_bad_files_name_the_field(tmp_path, content, match):
     with pytest.raises(BoleConfigError, match=match) as e:
         draft_token_ids(str(path), 100, set())
     assert "speculative_config.draft_vocab" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_auto_starts_from_an_eighth_of_the_lowest_ids():
+    assert draft_token_ids("auto", 80, {79}).tolist() == list(range(10)) + [79]
+    cfg, _ = parse_bole_config({"method": "bole", "draft_vocab": "auto"})
+    assert cfg.draft_vocab == "auto"
+    with pytest.raises(BoleConfigError, match='a token count, "auto" or the path'):
+        parse_bole_config({"method": "bole", "draft_vocab": "autox"})
+
+
+def test_auto_follows_the_emitted_tokens_in_place():
+    """``draft_vocab: "auto"``: every REFRESH_STEPS steps the subset becomes the most emitted ids (the EOS id
+    always in), with the full head's rows, written into the same tensors (the drafter's graphs read them by
+    address); older counts fade, so a change of traffic moves it."""
+    from vllm_bole.spec_decode import draft_vocab as dv
+
+    gen = torch.Generator().manual_seed(1)
+    vocab, hidden = 96, 8
+    head = _head(vocab, hidden, gen)
+    model = SimpleNamespace(lm_head=head, logits_processor=SimpleNamespace(scale=1.0, soft_cap=None))
+    model_config = SimpleNamespace(get_vocab_size=lambda: vocab, hf_text_config=SimpleNamespace(eos_token_id=95),
+                                   try_get_generation_config=lambda: {})
+    draft = DraftVocab.of_model(model, "auto", model_config, tp_size=1)
+    assert draft.ids.tolist() == list(range(12)) + [95] and draft.adaptive is not None
+    ptrs = draft.ids.data_ptr(), draft.weight.data_ptr()
+    hot = torch.arange(40, 52)
+    for step in range(1, dv.REFRESH_STEPS + 1):   # 3 emissions of each per step
+        draft.observe(torch.cat([hot, hot, hot]))
+        assert draft.refreshes == (step >= dv.FIRST_REFRESH) + (step >= dv.REFRESH_STEPS), step
+        if step == dv.FIRST_REFRESH:
+            assert (draft.ids.data_ptr(), draft.weight.data_ptr()) == ptrs
+            assert draft.ids.tolist() == hot.tolist() + [95]   # the 12 emitted ids and the EOS id
+            assert torch.equal(draft.weight, head.weight[draft.ids])
+    # The traffic moves: other ids, once each per step. Three refreshes later they have been emitted as often
+    # as the first ones were, which only the fading counts put first.
+    for _ in range(3 * dv.REFRESH_STEPS):
+        draft.observe(torch.arange(60, 72))
+    assert draft.refreshes == 5 and draft.ids.tolist() == list(range(60, 72)) + [95]
+    assert torch.equal(draft.weight, head.weight[draft.ids])
+    fixed = DraftVocab.of_model(model, 12, model_config, tp_size=1)
+    fixed.observe(hot)   # a fixed subset stays
+    assert fixed.adaptive is None and fixed.ids.tolist() == list(range(12)) + [95]
 
 
 def test_a_count_past_the_vocabulary_fails():

@@ -174,6 +174,25 @@ def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, 
     assert out["acceptance_steps"] > 0, out
 
 
+def test_mtp_drafter_with_a_learned_draft_vocabulary_is_lossless(tmp, model, requests_, reference):
+    """``draft_vocab: "auto"``: the subset starts as the lowest eighth of the ids and moves to the tokens the target
+    emits, in place, while the drafter's levels run (graphs on a GPU); the output stays exact and the drafts
+    keep being accepted."""
+    vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
+    engine = bole_engine(tmp, "mtp_vocab_auto", depth=3, topk=4, budget=48, drafter="mtp", max_num_seqs=16)
+    engine["speculative_config"] |= {"draft_vocab": "auto"}
+    out = run_engine(tmp, "mtp_vocab_auto", {"model": model, "requests": requests_, "logprobs": 2, "engine": engine})
+    assert_lossless(reference, out, max_near_ties=2)
+    ids, counters = out["draft_vocab"], out["counters"]
+    print(f"mtp_vocab_auto: {out['draft_vocab_refreshes']} refreshes; counters {counters}")
+    assert out["draft_vocab_refreshes"] >= 1, out["draft_vocab_refreshes"]
+    assert len(ids) <= vocab // 8 + 2 and ids[:vocab // 8] != list(range(vocab // 8)), ids   # it moved
+    emitted = {t for r in out["outputs"] for t in r["tokens"]}
+    assert len(emitted & set(ids)) >= min(len(emitted), len(ids)) // 2, (sorted(emitted), ids)
+    assert counters["num_accepted_tokens"] > 0, counters
+    assert_graphs_used(out, drafter=True)
+
+
 def test_drafting_after_the_walk_when_drafting_before_it_fails(tmp, model, requests_, reference):
     """With the drafting before the walk on, a failure of it (here planted in its third step) leaves that step
     to the drafting after the walk, and turns it off for the engine: the outputs stay exact."""

@@ -136,17 +136,20 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
 
 
 def _draft_vocab_field(value: Any, topk: int, drafter: str) -> int | str | None:
-    """``draft_vocab``: None, an int of at least ``topk`` tokens, or the path of an existing file (its ids are
-    checked against the vocabulary where the model config is known: ``plugin.apply_bole_engine_args``)."""
+    """``draft_vocab``: None, an int of at least ``topk`` tokens, ``"auto"`` (learned from the served tokens:
+    ``spec_decode/draft_vocab.py``), or the path of an existing file (its ids are checked against the vocabulary
+    where the model config is known: ``plugin.apply_bole_engine_args``)."""
     if value is None:
         return None
     if drafter != "mtp":
         raise BoleConfigError(
             f"speculative_config.draft_vocab applies only with drafter 'mtp', got drafter={drafter!r}")
+    if value == "auto":
+        return value
     if isinstance(value, str):
         if not value or not os.path.isfile(value):
-            raise BoleConfigError(f"speculative_config.draft_vocab must be a token count or the path of a JSON list "
-                                  f"of token ids; no file {value!r}")
+            raise BoleConfigError(f"speculative_config.draft_vocab must be a token count, \"auto\" or the path of a "
+                                  f"JSON list of token ids; no file {value!r}")
         return value
     return _int_field("draft_vocab", value, topk, 1 << 24)
 

@@ -8,6 +8,14 @@ is outside the subset.
 
 The subset's rows of the LM head are copied once, when the drafter is built (before vLLM sizes the KV cache, so
 they count as weights); a later weight reload leaves the copy stale, which lowers acceptance only.
+
+``draft_vocab: "auto"`` learns the subset from what is served: an eighth of the vocabulary (:func:`auto_size`),
+first the lowest ids, then after ``FIRST_REFRESH`` steps and every ``REFRESH_STEPS`` steps the ids the target
+emitted most often (each step's first
+token of every request: the target's own token, whatever was drafted), with older counts fading
+(:class:`AdaptiveCounts`). The refresh rewrites the subset's ids and LM-head rows in place, so the drafter's CUDA
+graphs, which read them by address, stay valid; a step's drafts and their probabilities come from the subset of
+the moment they were drafted.
 """
 
 import json
@@ -37,10 +45,24 @@ def eos_token_ids(model_config) -> set[int]:
     return ids
 
 
+AUTO = "auto"
+AUTO_SHARE = 8        # "auto": an eighth of the vocabulary (32768 of Qwen3.5's 248k would be 7.6)
+FIRST_REFRESH = 8     # "auto": steps before the first refresh of the subset (the lowest ids until then)
+REFRESH_STEPS = 64    # "auto": steps between two later refreshes
+DECAY = 0.5           # "auto": what the counts keep at each refresh (recent traffic weighs more)
+
+
+def auto_size(vocab_size: int) -> int:
+    """The size of the ``"auto"`` draft vocabulary."""
+    return max(vocab_size // AUTO_SHARE, 1)
+
+
 def draft_token_ids(setting: int | str, vocab_size: int, always: set[int]) -> torch.Tensor:
     """Sorted token ids of the draft vocabulary: ``setting`` an int N, the N lowest ids (byte-level BPE
-    vocabularies such as Qwen's number tokens in merge order, so low ids tend to be frequent), or the path of a
-    JSON list of token ids; plus ``always``."""
+    vocabularies such as Qwen's number tokens in merge order, so low ids tend to be frequent), ``"auto"`` (to
+    start with: the :func:`auto_size` lowest), or the path of a JSON list of token ids; plus ``always``."""
+    if setting == AUTO:
+        setting = auto_size(vocab_size)
     if isinstance(setting, int):
         if setting > vocab_size:
             raise BoleConfigError(f"speculative_config.draft_vocab must be at most the vocabulary size "
@@ -61,13 +83,54 @@ def draft_token_ids(setting: int | str, vocab_size: int, always: set[int]) -> to
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
-class DraftVocab:
-    """LM-head rows of the draft vocabulary: ``logits(hidden)`` over them, ``ids`` their token ids."""
+class AdaptiveCounts:
+    """``draft_vocab: "auto"``: how often the target emitted each token lately, on the device. ``observe`` adds a
+    step's tokens without waiting for the device; :meth:`top` names the subset to draft from next. A small prior
+    falling with the id orders tokens never seen as the lowest-ids subset does."""
 
-    def __init__(self, ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logits_processor=None):
+    def __init__(self, vocab_size: int, always: torch.Tensor, device):
+        self.counts = 1e-3 * (1.0 - torch.arange(vocab_size, dtype=torch.float32, device=device) / vocab_size)
+        self.counts[always] = float("inf")   # the EOS ids stay in the subset
+        self.steps = 0
+
+    def observe(self, tokens: torch.Tensor) -> bool:
+        """Counts ``tokens`` (a device tensor of token ids); True when a refresh is due."""
+        self.counts.index_add_(0, tokens.long(), torch.ones_like(tokens, dtype=torch.float32))
+        self.steps += 1
+        return self.steps == FIRST_REFRESH or self.steps % REFRESH_STEPS == 0
+
+    def top(self, size: int) -> torch.Tensor:
+        """The ``size`` most emitted ids, sorted; the counts then fade (``DECAY``)."""
+        ids = self.counts.topk(size).indices.sort().values
+        self.counts.mul_(DECAY)
+        return ids
+
+
+class DraftVocab:
+    """LM-head rows of the draft vocabulary: ``logits(hidden)`` over them, ``ids`` their token ids. ``adaptive``:
+    the counts that move the subset (``draft_vocab: "auto"``), else None; ``head``: the full LM head's weight and
+    bias (where the refreshed rows come from)."""
+
+    def __init__(self, ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logits_processor=None,
+                 adaptive: AdaptiveCounts | None = None, head: tuple | None = None):
         self.ids, self.weight, self.bias = ids, weight, bias
         self.scale = getattr(logits_processor, "scale", 1.0)
         self.soft_cap = getattr(logits_processor, "soft_cap", None)
+        self.adaptive, self._head = adaptive, head
+        self.refreshes = 0
+
+    def observe(self, tokens: torch.Tensor) -> None:
+        """``draft_vocab: "auto"``: a step's emitted ``tokens`` (device ids); every ``REFRESH_STEPS`` steps the
+        subset moves to the most emitted ids, in place (no-op for a fixed subset)."""
+        if self.adaptive is None or not self.adaptive.observe(tokens):
+            return
+        ids = self.adaptive.top(self.size)
+        self.ids.copy_(ids)
+        weight, bias = self._head
+        torch.index_select(weight, 0, ids, out=self.weight)
+        if bias is not None:
+            torch.index_select(bias, 0, ids, out=self.bias)
+        self.refreshes += 1
 
     @property
     def size(self) -> int:
@@ -84,12 +147,19 @@ class DraftVocab:
                            "%s): the drafter keeps the full vocabulary", tp_size, method)
             return None
         vocab_size = model_config.get_vocab_size()
-        ids = draft_token_ids(setting, vocab_size, eos_token_ids(model_config)).to(head.weight.device)
+        always = eos_token_ids(model_config)
+        ids = draft_token_ids(setting, vocab_size, always).to(head.weight.device)
         bias = getattr(head, "bias", None)
+        adaptive = None
+        if setting == AUTO:
+            eos = torch.tensor(sorted(t for t in always if 0 <= t < vocab_size), dtype=torch.long)
+            adaptive = AdaptiveCounts(vocab_size, eos.to(head.weight.device), head.weight.device)
         vocab = cls(ids, head.weight.index_select(0, ids).contiguous(),
-                    None if bias is None else bias.index_select(0, ids), getattr(model, "logits_processor", None))
-        logger.info("Bole drafts from %d of the %d vocabulary tokens (draft_vocab; %.0f MiB of LM-head rows)",
-                    vocab.size, vocab_size, vocab.weight.numel() * vocab.weight.element_size() / 2**20)
+                    None if bias is None else bias.index_select(0, ids), getattr(model, "logits_processor", None),
+                    adaptive, (head.weight, bias))
+        logger.info("Bole drafts from %d of the %d vocabulary tokens (draft_vocab%s; %.0f MiB of LM-head rows)",
+                    vocab.size, vocab_size, ": the most emitted, refreshed every %d steps" % REFRESH_STEPS
+                    if adaptive is not None else "", vocab.weight.numel() * vocab.weight.element_size() / 2**20)
         return vocab
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

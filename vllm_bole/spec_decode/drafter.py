@@ -90,6 +90,9 @@ class TreeDrafter:
     # target forward, before the host walks, says so and implements first_pass_all_rows and propose_from_walk
     # (the MTP drafter); the others draft after the walk.
     drafts_early = False
+    # A drafter that learns from what the target emits (the MTP drafter's draft_vocab "auto") says so and
+    # implements observe_emitted; the runner then hands it each step's tokens.
+    observes_emitted = False
 
     def __init__(self, runner, bole_config):
         self.runner = runner
@@ -104,6 +107,12 @@ class TreeDrafter:
     def beams(self) -> list:
         """The device beams growing its levels, if any (each with its CUDA graphs, ``graphs``)."""
         return [] if self.beam is None else [self.beam]
+
+    def observe_emitted(self, tokens: torch.Tensor) -> None:
+        """Once per step, before its forward (with ``observes_emitted``): ``tokens``, a device tensor of the first
+        token each request's step reads (for a decode the target's last token: what it emitted, whatever was
+        drafted)."""
+        raise NotImplementedError
 
     def own_kv_layers(self) -> tuple[str, ...]:
         """Attention layers whose K/V the drafter rewrites itself at every committed position; the runner's

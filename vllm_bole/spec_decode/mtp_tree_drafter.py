@@ -95,6 +95,7 @@ class MTPTreeDrafter(TreeDrafter):
 
             self.draft_vocab = DraftVocab.of_model(self.proposer.model, bole_config.draft_vocab, runner.model_config,
                                                    runner.parallel_config.tensor_parallel_size)
+            self.observes_emitted = self.draft_vocab is not None and self.draft_vocab.adaptive is not None
         self.graphs = None   # full CUDA graphs of the tree levels (GPU): spec_decode/draft_graphs.py
         if runner.device.type == "cuda" and getattr(runner, "_bole_graphs_allowed", False):
             from .draft_graphs import DraftGraphs
@@ -335,6 +336,9 @@ class MTPTreeDrafter(TreeDrafter):
         ids = runner.input_batch.req_ids
         offsets = [runner.requests[ids[r]].mrope_position_delta or 0 for r in reqs]
         return offsets if any(offsets) else None
+
+    def observe_emitted(self, tokens: torch.Tensor) -> None:
+        self.draft_vocab.observe(tokens)   # draft_vocab "auto": the subset follows the emitted tokens
 
     def own_kv_layers(self) -> tuple[str, ...]:
         # The catch-up writes the MTP layer's K/V at every committed position of every request that ran.

@@ -205,6 +205,8 @@ def run(spec: dict) -> dict:
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": graph_summary(llm),
             "device_levels": _beam_levels(llm), "chain_levels": _chain_levels(llm),
             "draft_vocab": _draft_vocab_ids(llm),
+            "draft_vocab_refreshes": getattr(getattr(getattr(_runner(llm), "bole_drafter", None), "draft_vocab",
+                                                     None), "refreshes", None),
             **step_counts(llm),
             "acceptance_steps": getattr(_budget(llm, "acceptance"), "steps", None),
             # tree steps the phase timer counted (VLLM_BOLE_PROFILE_STEPS)

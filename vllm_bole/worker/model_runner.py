@@ -183,6 +183,10 @@ class BoleModelRunnerMixin:
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self.bole_drafter is not None and self.bole_drafter.observes_emitted and len(num_scheduled_tokens):
+            # each request's first input token: for a decode, the target's last emitted one (on the device)
+            starts = self.query_start_loc.gpu[:len(num_scheduled_tokens)]
+            self.bole_drafter.observe_emitted(self.input_ids.gpu[starts])
         self._bole_forest = None
         if spec_meta is not None or self._plain_decode_step(num_scheduled_tokens):
             with record_function_or_nullcontext("bole: build_forest"):
