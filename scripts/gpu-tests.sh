@@ -9,12 +9,12 @@
 # each on an H200), and a file's tests share one worker (its reference runs once), so a group takes minutes.
 #   kernels       Triton kernels and graph helpers against the torch references (no engine)
 #   lossless      the core lossless engine tests (deep global and per-request trees, the MTP drafter, a draft
-#                 vocabulary served from a table under the default budget rule, async scheduling, a request at
-#                 max_model_len, chain steps under async scheduling), with graph stand-ins forced wherever a larger
-#                 graph fits (VLLM_BOLE_CAPTURE_AFTER=1000000: tests/e2e_support.assert_graphs_used then checks one
-#                 was used); a test per worker (LOSSLESS_WORKERS, 7), each starting two engines (about 300 s a
-#                 test on an H200 or H100; with a file per worker and the calibration test in the group, 3 of 7 were unfinished
-#                 after 660 s). The rule "throughput" is in charge in the draft-vocabulary test (a made-up
+#                 vocabulary served from a table under the default budget rule, a learned one ("auto"), async
+#                 scheduling, a request at max_model_len, chain steps under async scheduling), with graph stand-ins
+#                 forced wherever a larger graph fits (VLLM_BOLE_CAPTURE_AFTER=1000000:
+#                 tests/e2e_support.assert_graphs_used then checks one was used); a test per worker
+#                 (LOSSLESS_WORKERS, 8), each starting two engines (about 300 s a test on an H200 or H100; seven of
+#                 them side by side with two more engine tests passed in 368 s on an H100). The rule "throughput" is in charge in the draft-vocabulary test (a made-up
 #                 table with curves for the tiny model).
 #   calibration   tests/test_calibration.py::test_calibrate_then_serve_auto_budget alone: a calibration, then
 #                 seven engines in a row (the budget rules, and the planted drafter served from the table it
@@ -37,7 +37,7 @@ shift
 GROUPS_RUN=("$@")
 [ ${#GROUPS_RUN[@]} -eq 0 ] && GROUPS_RUN=(kernels lossless serving)
 mkdir -p "$LOG"
-export VLLM_BOLE_TEST_CUDA_GRAPHS=1 VLLM_BOLE_TEST_GPU_SHARE=${VLLM_BOLE_TEST_GPU_SHARE:-0.12}
+export VLLM_BOLE_TEST_CUDA_GRAPHS=1 VLLM_BOLE_TEST_GPU_SHARE=${VLLM_BOLE_TEST_GPU_SHARE:-0.1}
 # An engine (a subprocess of its test) still running after this many seconds fails its test with its log's tail and
 # its threads' stacks (tests/e2e_support.run_engine), before GROUP_TIMEOUT stops the group without them.
 export VLLM_BOLE_TEST_ENGINE_TIMEOUT=${VLLM_BOLE_TEST_ENGINE_TIMEOUT:-360}
@@ -65,12 +65,13 @@ for group in "${GROUPS_RUN[@]}"; do
         tests/test_beam_graphs.py ;;
     lossless)
       # One worker per test (--dist load): each starts two engines (about 300 s on the H200).
-      LOSSLESS_XDIST=(); [ "$WORKERS" -gt 1 ] && LOSSLESS_XDIST=(-n "${LOSSLESS_WORKERS:-7}" --dist load)
+      LOSSLESS_XDIST=(); [ "$WORKERS" -gt 1 ] && LOSSLESS_XDIST=(-n "${LOSSLESS_WORKERS:-8}" --dist load)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless "${LOSSLESS_XDIST[@]}" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8]" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8_per_request_tokens48]" \
         "tests/test_e2e_lossless.py::test_mtp_tree_drafter_is_lossless_and_accepts[per_request-16-None]" \
         tests/test_e2e_lossless.py::test_mtp_drafter_with_a_draft_vocabulary_is_lossless \
+        tests/test_e2e_lossless.py::test_mtp_drafter_with_a_learned_draft_vocabulary_is_lossless \
         tests/test_async_scheduling.py::test_planted_trees_async_are_lossless_and_deep \
         tests/test_async_scheduling.py::test_logprobs_and_a_request_at_max_model_len_async \
         "tests/test_e2e_lossless.py::test_mtp_chain_steps_are_lossless[per_request-True]" ;;
