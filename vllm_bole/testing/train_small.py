@@ -459,8 +459,9 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
     ``chains`` and with Bole (its default, and depth 8 / topk 4 / 32 nodes per request): spec-decode counters
     (mean acceptance length = 1 + accepted / drafts) and whether each run's tokens equal the plain run's. Each
     size N in ``draft_vocabs`` adds the depth 8 / topk 4 row with ``draft_vocab`` N (the N lowest ids) and with
-    the N most frequent ids of :func:`training_token_counts`; ``draft_vocab_coverage`` is the share of the plain
-    run's output tokens inside each subset."""
+    the N most frequent ids of :func:`training_token_counts`, and ``"auto"`` the row with ``draft_vocab: "auto"``
+    (learned during the run); ``draft_vocab_coverage`` is the share of the plain run's output tokens inside each
+    subset (for "auto", ``auto_final``: the subset it ended with)."""
     prompts = code_prompts(model_dir, count)
     requests = [{"prompt": p, "max_tokens": max_tokens} for p in prompts]
     batch = len(prompts)
@@ -476,8 +477,11 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
     from vllm_bole.calibration.draft_vocab import most_frequent
 
     subsets = {}
-    counts = training_token_counts(model_dir) if draft_vocabs else None
+    counts = training_token_counts(model_dir) if any(n != "auto" for n in draft_vocabs) else None
     for n in draft_vocabs:
+        if n == "auto":   # learned while serving; its coverage: of the subset it ended with
+            configs["bole_d8_t4_b32_auto"] = {"speculative_config": wide | {"draft_vocab": "auto"}}
+            continue
         subsets[f"lowest{n}"] = set(range(n))
         configs[f"bole_d8_t4_b32_lowest{n}"] = {"speculative_config": wide | {"draft_vocab": n}}
         ids = most_frequent(counts, n)
@@ -493,6 +497,8 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
         if plain is None:
             plain = tokens
         c = out["counters"]
+        if name.endswith("_auto"):
+            subsets["auto_final"] = set(out["draft_vocab"] or ())
         rows[name] = {"config": extra.get("speculative_config"), "identical": tokens == plain,
                       "identical_requests": sum(a == b for a, b in zip(tokens, plain)),
                       "mean_acceptance_length": c["mean_acceptance_length"], "num_drafts": c["num_drafts"],
@@ -616,13 +622,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--chains", default="1,2,3,4", help="--measure: vLLM MTP chain lengths ('' for none)")
     parser.add_argument("--draft-vocab", default="",
-                        help="--measure: draft_vocab sizes to add (each as the lowest ids and as the most frequent)")
+                        help="--measure: draft_vocab sizes to add (each as the lowest ids and as the most frequent), "
+                             "and 'auto' (learned during the run)")
     parser.add_argument("--report", help="write the --check / --measure / --measure-shared-prefix JSON here too")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.check or args.measure or args.measure_shared_prefix:
-        sizes = lambda text: tuple(int(x) for x in text.split(",") if x)   # noqa: E731
+        sizes = lambda text: tuple(x if x == "auto" else int(x) for x in text.split(",") if x)   # noqa: E731
         if args.check:
             report = check(args.check)
         elif args.measure_shared_prefix:
