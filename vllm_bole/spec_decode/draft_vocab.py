@@ -11,11 +11,11 @@ they count as weights); a later weight reload leaves the copy stale, which lower
 
 ``draft_vocab: "auto"`` learns the subset from what is served: an eighth of the vocabulary (:func:`auto_size`),
 first the lowest ids, then after ``FIRST_REFRESH`` steps and every ``REFRESH_STEPS`` steps the ids the target
-emitted most often (each step's first
-token of every request: the target's own token, whatever was drafted), with older counts fading
-(:class:`AdaptiveCounts`). The refresh rewrites the subset's ids and LM-head rows in place, so the drafter's CUDA
-graphs, which read them by address, stay valid; a step's drafts and their probabilities come from the subset of
-the moment they were drafted.
+emitted most often (each step's first token of every request: the target's own token, whatever was drafted),
+with older counts fading (:class:`AdaptiveCounts`). The refresh rewrites the subset's ids and LM-head rows in
+place, so the drafter's CUDA graphs, which read them by address, stay valid; a step's drafts come from the subset
+of the moment they were drafted (the target verifies them over the full vocabulary, so outputs never depend on
+it).
 """
 
 import json
@@ -120,8 +120,8 @@ class DraftVocab:
         self.refreshes = 0
 
     def observe(self, tokens: torch.Tensor) -> None:
-        """``draft_vocab: "auto"``: a step's emitted ``tokens`` (device ids); every ``REFRESH_STEPS`` steps the
-        subset moves to the most emitted ids, in place (no-op for a fixed subset)."""
+        """``draft_vocab: "auto"``: a step's emitted ``tokens`` (device ids); when a refresh is due the subset moves
+        to the most emitted ids, in place (no-op for a fixed subset)."""
         if self.adaptive is None or not self.adaptive.observe(tokens):
             return
         ids = self.adaptive.top(self.size)
