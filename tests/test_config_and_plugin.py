@@ -41,7 +41,7 @@ def test_values_and_dashes():
     ("tree", [[0]], "unknown key"),
     ("draft_vocab", 3, r"draft_vocab must be an integer in \[4, "),   # fewer tokens than topk children
     ("draft_vocab", True, "draft_vocab"),
-    ("draft_vocab", "/no/such/ids.json", "draft_vocab must be a token count or the path"),
+    ("draft_vocab", "/no/such/ids.json", "draft_vocab must be a token count, \"auto\" or the path"),
 ])
 def test_bad_values_name_the_field(key, value, field):
     with pytest.raises(BoleConfigError, match=field) as e:
