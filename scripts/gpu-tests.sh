@@ -9,11 +9,11 @@
 # each on an H200), and a file's tests share one worker (its reference runs once), so a group takes minutes.
 #   kernels       Triton kernels and graph helpers against the torch references (no engine)
 #   lossless      the core lossless engine tests (deep global and per-request trees, the MTP drafter, a draft
-#                 vocabulary served from a table under the default budget rule, a learned one ("auto"), async
+#                 vocabulary served from a table under the default budget rule, a learned one ("auto", sync and async), async
 #                 scheduling, a request at max_model_len, chain steps under async scheduling), with graph stand-ins
 #                 forced wherever a larger graph fits (VLLM_BOLE_CAPTURE_AFTER=1000000:
 #                 tests/e2e_support.assert_graphs_used then checks one was used); a test per worker
-#                 (LOSSLESS_WORKERS, 8), each starting two engines (about 300 s a test on an H200 or H100; seven of
+#                 (LOSSLESS_WORKERS, 9), each starting two engines (about 300 s a test on an H200 or H100; seven of
 #                 them side by side with two more engine tests passed in 368 s on an H100). The rule "throughput" is in charge in the draft-vocabulary test (a made-up
 #                 table with curves for the tiny model).
 #   calibration   tests/test_calibration.py::test_calibrate_then_serve_auto_budget alone: a calibration, then
@@ -65,7 +65,7 @@ for group in "${GROUPS_RUN[@]}"; do
         tests/test_beam_graphs.py ;;
     lossless)
       # One worker per test (--dist load): each starts two engines (about 300 s on the H200).
-      LOSSLESS_XDIST=(); [ "$WORKERS" -gt 1 ] && LOSSLESS_XDIST=(-n "${LOSSLESS_WORKERS:-8}" --dist load)
+      LOSSLESS_XDIST=(); [ "$WORKERS" -gt 1 ] && LOSSLESS_XDIST=(-n "${LOSSLESS_WORKERS:-9}" --dist load)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group lossless "${LOSSLESS_XDIST[@]}" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8]" \
         "tests/test_e2e_lossless.py::test_planted_trees_are_lossless[k2_d8_per_request_tokens48]" \

@@ -174,17 +174,22 @@ def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, 
     assert out["acceptance_steps"] > 0, out
 
 
-def test_mtp_drafter_with_a_learned_draft_vocabulary_is_lossless(tmp, model, requests_, reference):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_mtp_drafter_with_a_learned_draft_vocabulary_is_lossless(tmp, model, requests_, reference, asynchronous):
     """``draft_vocab: "auto"``: the subset starts as the lowest eighth of the ids and moves to the tokens the target
     emits, in place, while the drafter's levels run (graphs on a GPU); the output stays exact and the drafts
-    keep being accepted."""
+    keep being accepted, under vLLM's async scheduling too (the step's first tokens then come from the device)."""
     vocab = json.load(open(f"{model}/config.json"))["text_config"]["vocab_size"]
-    engine = bole_engine(tmp, "mtp_vocab_auto", depth=3, topk=4, budget=48, drafter="mtp", max_num_seqs=16)
+    name = f"mtp_vocab_auto_{'async' if asynchronous else 'sync'}"
+    engine = bole_engine(tmp, name, depth=3, topk=4, budget=48, drafter="mtp", max_num_seqs=16)
     engine["speculative_config"] |= {"draft_vocab": "auto"}
-    out = run_engine(tmp, "mtp_vocab_auto", {"model": model, "requests": requests_, "logprobs": 2, "engine": engine})
+    engine["async_scheduling"] = asynchronous
+    out = run_engine(tmp, name, {"model": model, "requests": requests_, "logprobs": 2, "engine": engine,
+                                 "cpu_async_scheduling": asynchronous})
+    assert out["scheduling"]["async_scheduling"] == asynchronous, out["scheduling"]
     assert_lossless(reference, out, max_near_ties=2)
     ids, counters = out["draft_vocab"], out["counters"]
-    print(f"mtp_vocab_auto: {out['draft_vocab_refreshes']} refreshes; counters {counters}")
+    print(f"{name}: {out['draft_vocab_refreshes']} refreshes; counters {counters}")
     assert out["draft_vocab_refreshes"] >= 1, out["draft_vocab_refreshes"]
     assert len(ids) <= vocab // 8 + 2 and ids[:vocab // 8] != list(range(vocab // 8)), ids   # it moved
     emitted = {t for r in out["outputs"] for t in r["tokens"]}
