@@ -9,13 +9,13 @@
 # each on an H200), and a file's tests share one worker (its reference runs once), so a group takes minutes.
 #   kernels       Triton kernels and graph helpers against the torch references (no engine)
 #   lossless      the core lossless engine tests (deep global and per-request trees, the MTP drafter, a draft
-#                 vocabulary served from a table under the default budget rule, a learned one ("auto", sync and async), async
-#                 scheduling, a request at max_model_len, chain steps under async scheduling), with graph stand-ins
-#                 forced wherever a larger graph fits (VLLM_BOLE_CAPTURE_AFTER=1000000:
+#                 vocabulary served from a table under the default budget rule, a learned one ("auto", sync and
+#                 async), async scheduling, a request at max_model_len, chain steps under async scheduling), with
+#                 graph stand-ins forced wherever a larger graph fits (VLLM_BOLE_CAPTURE_AFTER=1000000:
 #                 tests/e2e_support.assert_graphs_used then checks one was used); a test per worker
 #                 (LOSSLESS_WORKERS, 9), each starting two engines (about 300 s a test on an H200 or H100; seven of
-#                 them side by side with two more engine tests passed in 368 s on an H100). The rule "throughput" is in charge in the draft-vocabulary test (a made-up
-#                 table with curves for the tiny model).
+#                 them side by side with two more engine tests passed in 368 s on an H100). The rule "throughput"
+#                 is in charge in the draft-vocabulary test (a made-up table with curves for the tiny model).
 #   calibration   tests/test_calibration.py::test_calibrate_then_serve_auto_budget alone: a calibration, then
 #                 seven engines in a row (the budget rules, and the planted drafter served from the table it
 #                 calibrated, synchronously and asynchronously); over 15 minutes
