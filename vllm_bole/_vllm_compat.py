@@ -222,6 +222,21 @@ def check_overrides(base: type, names: tuple[str, ...]) -> None:
                           f"which Bole overrides; install vllm=={SUPPORTED_VLLM_VERSION}")
 
 
+def step_methods(runner) -> tuple:
+    """The model runner's ``_prepare_inputs`` and ``_model_forward`` as bound now (calibration's forward timer
+    wraps them: :func:`set_step_methods`)."""
+    return runner._prepare_inputs, runner._model_forward
+
+
+def set_step_methods(runner, prepare, forward) -> None:
+    """Instance-level replacements of the runner's ``_prepare_inputs`` and ``_model_forward``; None removes
+    them (the class's methods again)."""
+    if prepare is None:
+        del runner._prepare_inputs, runner._model_forward
+    else:
+        runner._prepare_inputs, runner._model_forward = prepare, forward
+
+
 def drafter_padding(proposer, num_tokens: int):
     """(CUDA graph mode, padded token count, ...) with which vLLM's MTP proposer runs ``num_tokens`` rows."""
     return proposer._determine_batch_execution_and_padding(num_tokens)

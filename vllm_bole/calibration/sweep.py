@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .._vllm_compat import model_runner_of
+from .._vllm_compat import model_runner_of, set_step_methods, step_methods
 from ..logger import init_logger
 from ..spec_decode.budget import reload_budget_tables
 from ..spec_decode.budget_table import device_name, make_entry, model_fingerprint, write_table
@@ -51,7 +51,7 @@ class ForwardTimer:
         self._pending: list[tuple[dict, object, object]] = []
         self._cuda = runner.device.type == "cuda"
         self._step: dict | None = None
-        prepare, forward = runner._prepare_inputs, runner._model_forward
+        prepare, forward = step_methods(runner)
 
         def timed_prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs):
             out = prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
@@ -79,7 +79,7 @@ class ForwardTimer:
                 self.samples.append(step)
             return out
 
-        runner._prepare_inputs, runner._model_forward = timed_prepare, timed_forward
+        set_step_methods(runner, timed_prepare, timed_forward)
 
     def collect(self) -> list[dict]:
         """All samples so far (waits for pending CUDA events); clears them."""
@@ -92,7 +92,7 @@ class ForwardTimer:
         return out
 
     def remove(self) -> None:
-        del self.runner._prepare_inputs, self.runner._model_forward
+        set_step_methods(self.runner, None, None)
 
 
 @contextmanager

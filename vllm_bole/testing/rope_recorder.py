@@ -4,6 +4,7 @@ batch's requests (id, prompt length, M-RoPE text offset). Tests of the drafter's
 
 import json
 
+from .._vllm_compat import drafter_positions
 from ..spec_decode.mtp_tree_drafter import MTPTreeDrafter
 
 
@@ -21,5 +22,5 @@ class RopeRecordingDrafter(MTPTreeDrafter):
                  for r in runner.input_batch.req_ids]
         with open(self.log, "a") as f:
             f.write(json.dumps({"positions": [int(p) for p in plain[:n]],
-                                "rope": self.proposer._get_positions(n).tolist(), "batch": batch}) + "\n")
+                                "rope": drafter_positions(self.proposer, n).tolist(), "batch": batch}) + "\n")
         return written
