@@ -15,9 +15,10 @@ nodes over the whole batch, the scheduler waits for the drafts), ``bole_step`` (
 also weighs the step's measured time besides its target forward), ``bole_vocab32k`` (``draft_vocab: 32768``: the
 drafter's LM head over the 32768 lowest token ids; its synthetic acceptance stops the walk wherever the target's
 token is outside them, with probability 1 − ``--draft-vocab-coverage`` per depth; result files from before that
-option accepted by rank alone, at no cost for the subset), ``bole_decode_vocab32k`` (also ``budget_rule: "decode"``: the calibrated B_ver every step, the
-default before "throughput"), ``bole_late`` (``early_drafting: false``: the drafter catches up after the host walk
-instead of being queued before it), ``bole_sync`` and ``bole_vocab32k_sync`` (``async_scheduling: false``); and
+option accepted by rank alone, at no cost for the subset), ``bole_decode_vocab32k`` (also ``budget_rule:
+"decode"``: the calibrated B_ver every step, the default before "throughput"), ``bole_late``
+(``early_drafting: false``: the drafter catches up after the host walk instead of being queued before it),
+``bole_sync`` and ``bole_vocab32k_sync`` (``async_scheduling: false``); and
 ``--variant NAME=JSON`` (repeatable: keys over ``bole``'s speculative config, ``null`` removes one,
 ``async_scheduling`` is the engine's setting), e.g. ``--variant bole_tput='{"budget_rule": "throughput"}'``. Each
 Bole configuration besides ``bole`` adds ``<name>_*`` fields to the rows and a table of its own; result files

@@ -88,9 +88,11 @@ class AdaptiveCounts:
     step's tokens without waiting for the device; :meth:`top` names the subset to draft from next. A small prior
     falling with the id orders tokens never seen as the lowest-ids subset does."""
 
-    def __init__(self, vocab_size: int, always: torch.Tensor, device):
+    def __init__(self, vocab_size: int, always: set[int], device):
         self.counts = 1e-3 * (1.0 - torch.arange(vocab_size, dtype=torch.float32, device=device) / vocab_size)
-        self.counts[always] = float("inf")   # the EOS ids stay in the subset
+        for t in always:   # the EOS ids stay in the subset
+            if 0 <= t < vocab_size:
+                self.counts[t] = float("inf")
         self.steps = 0
 
     def observe(self, tokens: torch.Tensor) -> bool:
@@ -150,10 +152,7 @@ class DraftVocab:
         always = eos_token_ids(model_config)
         ids = draft_token_ids(setting, vocab_size, always).to(head.weight.device)
         bias = getattr(head, "bias", None)
-        adaptive = None
-        if setting == AUTO:
-            eos = torch.tensor(sorted(t for t in always if 0 <= t < vocab_size), dtype=torch.long)
-            adaptive = AdaptiveCounts(vocab_size, eos.to(head.weight.device), head.weight.device)
+        adaptive = AdaptiveCounts(vocab_size, always, head.weight.device) if setting == AUTO else None
         vocab = cls(ids, head.weight.index_select(0, ids).contiguous(),
                     None if bias is None else bias.index_select(0, ids), getattr(model, "logits_processor", None),
                     adaptive, (head.weight, bias))

@@ -47,9 +47,9 @@ class SyntheticAcceptance:
         object.__setattr__(self, "_conditional", tuple(r / p if p > 0 else 0.0 for r, p in zip(self.rates, prev)))
 
     @classmethod
-    def from_profile(cls, path: str, seed: int = 0) -> "SyntheticAcceptance":
+    def from_profile(cls, path: str, seed: int = 0, draft_vocab_coverage: float = 1.0) -> "SyntheticAcceptance":
         """The rates of an acceptance profile (:func:`profile_rates`)."""
-        return cls(*profile_rates(path), seed)
+        return cls(*profile_rates(path), seed, draft_vocab_coverage)
 
     def rank1_rate(self, depth: int) -> float:
         """Probability that the rank-1 child at ``depth`` is accepted, given its parent was."""
@@ -121,7 +121,7 @@ def parse_synthetic(value) -> SyntheticAcceptance | None:
         if {"rates", "sibling_rates"} & set(value):
             raise BoleConfigError("speculative_config.synthetic_acceptance takes 'profile' or 'rates' and "
                                   f"'sibling_rates', not both; got {value!r}")
-        return SyntheticAcceptance(*profile_rates(value["profile"]), seed, float(coverage))
+        return SyntheticAcceptance.from_profile(value["profile"], seed, float(coverage))
     rates = tuple(value.get("rates", DEFAULT_RATES))
     siblings = tuple(value.get("sibling_rates", DEFAULT_SIBLING_RATES))
     _check_rates(rates, siblings, "speculative_config.synthetic_acceptance")

@@ -71,9 +71,14 @@ def _chain_levels(llm) -> int | None:
     return None if chain is None else chain.levels_run
 
 
+def _draft_vocab(llm):
+    """The MTP drafter's draft vocabulary (None: the full vocabulary, or another drafter)."""
+    return getattr(getattr(_runner(llm), "bole_drafter", None), "draft_vocab", None)
+
+
 def _draft_vocab_ids(llm) -> list[int] | None:
     """Token ids the MTP drafter may propose (None: the full vocabulary, or another drafter)."""
-    vocab = getattr(getattr(_runner(llm), "bole_drafter", None), "draft_vocab", None)
+    vocab = _draft_vocab(llm)
     return None if vocab is None else vocab.ids.tolist()
 
 
@@ -205,8 +210,7 @@ def run(spec: dict) -> dict:
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": graph_summary(llm),
             "device_levels": _beam_levels(llm), "chain_levels": _chain_levels(llm),
             "draft_vocab": _draft_vocab_ids(llm),
-            "draft_vocab_refreshes": getattr(getattr(getattr(_runner(llm), "bole_drafter", None), "draft_vocab",
-                                                     None), "refreshes", None),
+            "draft_vocab_refreshes": getattr(_draft_vocab(llm), "refreshes", None),
             **step_counts(llm),
             "acceptance_steps": getattr(_budget(llm, "acceptance"), "steps", None),
             # tree steps the phase timer counted (VLLM_BOLE_PROFILE_STEPS)
