@@ -98,6 +98,8 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  # The drafter proposes from 32768 token ids only; synthetic acceptance pays for the target's
                  # tokens outside them (--draft-vocab-coverage).
                  "bole_vocab32k": {"draft_vocab": 32768},
+                 # An eighth of the vocabulary, learned from the tokens the target emits (draft_vocab "auto").
+                 "bole_vocab_auto": {"draft_vocab": "auto"},
                  "bole_decode_vocab32k": {"budget_rule": "decode", "draft_vocab": 32768},
                  # Drafting after the host walk (before it is the default: speculative_config.early_drafting).
                  "bole_late": {"early_drafting": False},
