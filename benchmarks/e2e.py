@@ -8,8 +8,9 @@ Configurations (``--configs``; ``benchmarks/serve.py`` takes the same names): ``
 ``mtp1`` .. ``mtp8`` (vLLM's MTP chain of k drafts with ``rejection_sample_method: "synthetic"``) and ``mtp1_sync``
 .. ``mtp8_sync`` (the chain with ``async_scheduling: false``: rows gain ``mtp_sync_tok_s_by_k``; not counted as the
 best chain); ``bole`` (tree speculation with ``synthetic_acceptance`` and ``budget: "auto"``, otherwise Bole's
-defaults, among them ``selection: "per_request"`` and the engine's default scheduling: asynchronous on a GPU;
-the ``bole`` rows of the oldest result files ran synchronously); Bole's named variants
+defaults, among them ``selection: "per_request"``, ``draft_vocab: "auto"`` (its synthetic acceptance pays for the
+subset, below) and the engine's default scheduling: asynchronous on a GPU; the ``bole`` rows of result files from
+before that default drafted from the full vocabulary); Bole's named variants
 (``BOLE_VARIANTS``, keys over ``bole``'s speculative config): ``bole_global`` (``selection: "global"``: the best
 nodes over the whole batch, the scheduler waits for the drafts), ``bole_step`` (``budget_rule: "step"``: the budget
 also weighs the step's measured time besides its target forward), ``bole_vocab32k`` (``draft_vocab: 32768``: the
@@ -18,8 +19,9 @@ token is outside them, with probability 1 − ``--draft-vocab-coverage`` per dep
 option accepted by rank alone, at no cost for the subset), ``bole_decode_vocab32k`` (also ``budget_rule:
 "decode"``: the calibrated B_ver every step, the default before "throughput"), ``bole_late``
 (``early_drafting: false``: the drafter catches up after the host walk instead of being queued before it),
-``bole_sync`` and ``bole_vocab32k_sync`` (``async_scheduling: false``); and
-``--variant NAME=JSON`` (repeatable: keys over ``bole``'s speculative config, ``null`` removes one,
+``bole_full_vocab`` (``draft_vocab: null``: the drafter's full LM head), ``bole_sync`` and ``bole_vocab32k_sync``
+(``async_scheduling: false``); and ``--variant NAME=JSON`` (repeatable: keys over ``bole``'s speculative config,
+``null`` as the config reads it, e.g. ``"budget_table": null`` no table,
 ``async_scheduling`` is the engine's setting), e.g. ``--variant bole_tput='{"budget_rule": "throughput"}'``. Each
 Bole configuration besides ``bole`` adds ``<name>_*`` fields to the rows and a table of its own; result files
 may also hold configurations no longer offered (``bole_global_step``, ``bole_tput_vocab32k``, ...), reported
@@ -88,6 +90,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vllm_bole._vllm_compat import engine_core_of, model_runner_of  # noqa: E402
+from vllm_bole.config import draft_vocab_of  # noqa: E402
 from vllm_bole.errors import BoleConfigError  # noqa: E402
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES, profile_rates  # noqa: E402
 
@@ -98,8 +101,9 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  # The drafter proposes from 32768 token ids only; synthetic acceptance pays for the target's
                  # tokens outside them (--draft-vocab-coverage).
                  "bole_vocab32k": {"draft_vocab": 32768},
-                 # An eighth of the vocabulary, learned from the tokens the target emits (draft_vocab "auto").
-                 "bole_vocab_auto": {"draft_vocab": "auto"},
+                 # The full vocabulary (the default draft_vocab "auto" is an eighth of it, learned from the
+                 # tokens the target emits).
+                 "bole_full_vocab": {"draft_vocab": None},
                  "bole_decode_vocab32k": {"budget_rule": "decode", "draft_vocab": 32768},
                  # Drafting after the host walk (before it is the default: speculative_config.early_drafting).
                  "bole_late": {"early_drafting": False},
@@ -244,11 +248,9 @@ def apply_overrides(spec: dict, overrides: dict, coverage: float | None = None) 
             engine[key] = value
         elif key == COVERAGE_KEY:
             coverage = value
-        elif value is None:
-            spec.pop(key, None)
         else:
             spec[key] = value
-    if spec.get("draft_vocab") is not None and isinstance(spec.get("synthetic_acceptance"), dict) \
+    if draft_vocab_of(spec) is not None and isinstance(spec.get("synthetic_acceptance"), dict) \
             and coverage is not None:
         spec["synthetic_acceptance"] = {**spec["synthetic_acceptance"], COVERAGE_KEY: coverage}
     return spec, engine
@@ -420,7 +422,7 @@ def engine_kwargs(args, name: str) -> dict:
             "budget_table": args.budget_table,
             "synthetic_acceptance": {"rates": args.rates, "sibling_rates": args.sibling_rates, "seed": 0}}, overrides,
             args.draft_vocab_coverage)
-        if args.smoke and "draft_vocab" in spec:
+        if args.smoke and isinstance(spec.get("draft_vocab"), int):
             # The tiny model's vocabulary has 1024 tokens: half of it, so the smoke run drafts from a subset too.
             spec["draft_vocab"] = 512
         kw["speculative_config"] = spec

@@ -20,12 +20,13 @@ Configurations:
 * ``mtp1`` .. ``mtp8``: vLLM's MTP chain of k drafts with ``rejection_sample_method: "synthetic"`` and the first
   k of ``--rates`` (vLLM's CPU sampler has no synthetic mode: on CPU MTP verifies against the target);
   ``mtp1_sync`` .. ``mtp8_sync``: the chain with ``--no-async-scheduling`` (not counted as the best chain);
-* ``bole``: the default ``{"method": "bole"}`` (8 levels, top-4, budget "auto") with ``synthetic_acceptance``
-  (``--rates`` and ``--sibling-rates``) and ``budget_table: --budget-table`` (e2e.py's default table; ``""``:
-  Bole's own lookup);
+* ``bole``: the default ``{"method": "bole"}`` (8 levels, top-4, budget "auto", draft_vocab "auto") with
+  ``synthetic_acceptance`` (``--rates`` and ``--sibling-rates``; ``--draft-vocab-coverage`` for the draft
+  vocabulary) and ``budget_table: --budget-table`` (e2e.py's default table; ``""``: Bole's own lookup);
 * Bole's named variants of ``benchmarks/e2e.py`` (``BOLE_VARIANTS``: ``bole_global``, ``bole_step``,
-  ``bole_vocab32k``, ``bole_decode_vocab32k``, ``bole_late``, ``bole_sync``, ``bole_vocab32k_sync``),
-  ``--variant NAME=JSON`` (keys merged into ``bole``'s speculative config, a null value removes a key;
+  ``bole_vocab32k``, ``bole_full_vocab``, ``bole_decode_vocab32k``, ``bole_late``, ``bole_sync``,
+  ``bole_vocab32k_sync``), ``--variant NAME=JSON`` (keys merged into ``bole``'s speculative config, null as the
+  config reads it;
   ``async_scheduling`` true/false goes to the server's flag instead), or inline ``bole:{"budget_rule": "decode"}``
   inside ``--configs`` (its name is the text as given). The names and their settings are e2e.py's
   (``config_names``, ``bole_overrides``); an unknown name exits with one line that lists the allowed ones.

@@ -25,6 +25,7 @@ BEFORE = {"bole": ({}, None, False),
           "bole_global": ({"selection": "global"}, None, True),
           "bole_step": ({"budget_rule": "step"}, None, True),
           "bole_vocab32k": ({"draft_vocab": 32768}, None, False),
+          "bole_full_vocab": ({"draft_vocab": None}, None, False),
           "bole_decode_vocab32k": ({"budget_rule": "decode", "draft_vocab": 32768}, None, False),
           "bole_late": ({"early_drafting": False}, None, False),
           "bole_sync": ({}, False, True),
@@ -49,7 +50,7 @@ def test_kept_names_run_the_same_settings():
     for name, (keys, async_scheduling, synchronous) in BEFORE.items():
         kw = e2e.engine_kwargs(args, name)
         want = _bole_spec(args) | keys
-        if "draft_vocab" in keys:   # synthetic acceptance pays for the subset
+        if keys.get("draft_vocab", "auto") is not None:   # synthetic acceptance pays for the subset
             want["synthetic_acceptance"] |= {"draft_vocab_coverage": e2e.DEFAULT_DRAFT_VOCAB_COVERAGE}
         assert kw["speculative_config"] == want, name
         assert kw.get("async_scheduling") == async_scheduling, name
@@ -79,11 +80,11 @@ def test_draft_vocab_coverage_reaches_the_synthetic_acceptance():
     from vllm_bole.config import parse_bole_config
 
     args = _args("--draft-vocab-coverage", "0.9", "--variant", 'low={"draft_vocab": 32768, "draft_vocab_coverage": 0.8}',
-                 "--variant", 'full={"topk": 2}')
+                 "--variant", 'full={"topk": 2, "draft_vocab": null}')
     coverage = lambda name: e2e.engine_kwargs(args, name)["speculative_config"]["synthetic_acceptance"].get(  # noqa: E731
         "draft_vocab_coverage")
-    assert [coverage(n) for n in ("bole_vocab32k", "bole_decode_vocab32k", "low", "full", "bole")] == \
-        [0.9, 0.9, 0.8, None, None]
+    assert [coverage(n) for n in ("bole_vocab32k", "bole_decode_vocab32k", "low", "full", "bole_full_vocab", "bole")] \
+        == [0.9, 0.9, 0.8, None, None, 0.9]   # bole: draft_vocab "auto"
     spec = e2e.engine_kwargs(args, "low")["speculative_config"]
     assert "draft_vocab_coverage" not in spec and spec["draft_vocab"] == 32768
     parse_bole_config(spec)
@@ -96,7 +97,7 @@ def test_smoke_drafts_from_half_the_tiny_vocabulary():
     args = _args("--smoke")
     e2e.apply_smoke(args)
     assert e2e.engine_kwargs(args, "bole_vocab32k_sync")["speculative_config"]["draft_vocab"] == 512
-    assert "draft_vocab" not in e2e.engine_kwargs(args, "bole_sync")["speculative_config"]
+    assert "draft_vocab" not in e2e.engine_kwargs(args, "bole_sync")["speculative_config"]   # "auto": an eighth
 
 
 def test_names_chains_and_run_order():
@@ -119,8 +120,9 @@ def test_an_unknown_name_fails_with_one_line(configs):
         _args("--configs", configs)
     message = str(info.value)
     assert "\n" not in message and message.startswith("--configs: ")
-    assert "allowed: ar, mtp1..mtp8, bole, bole_global, bole_step, bole_vocab32k, bole_decode_vocab32k, " \
-           "bole_late, bole_sync, bole_vocab32k_sync, mtp1_sync..mtp8_sync (and names given by --variant" in message
+    assert "allowed: ar, mtp1..mtp8, bole, bole_global, bole_step, bole_vocab32k, bole_full_vocab, " \
+           "bole_decode_vocab32k, bole_late, bole_sync, bole_vocab32k_sync, mtp1_sync..mtp8_sync (and names given " \
+           "by --variant" in message
     # serve.py: the same names, and its inline form
     with pytest.raises(SystemExit, match="mtp1_sync..mtp8_sync, bole:{JSON}"):
         serve.config_names(serve.build_parser().parse_args(["--configs", "ar,bole_step_vocab32k"]))
@@ -132,8 +134,8 @@ def test_the_script_prints_the_one_line():
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
         "--configs: unknown bole_global_step; allowed: ar, mtp1..mtp8, bole, bole_global, bole_step, bole_vocab32k, "
-        "bole_decode_vocab32k, bole_late, bole_sync, bole_vocab32k_sync, mtp1_sync..mtp8_sync (and names given by "
-        "--variant NAME=JSON)"]
+        "bole_full_vocab, bole_decode_vocab32k, bole_late, bole_sync, bole_vocab32k_sync, mtp1_sync..mtp8_sync (and "
+        "names given by --variant NAME=JSON)"]
 
 
 def test_variant_keys_over_bole():
@@ -145,8 +147,9 @@ def test_variant_keys_over_bole():
     variant = 'mine={"topk": 2, "budget_table": null, "selection": "global", "async_scheduling": false}'
     args = _args("--configs", "bole,mine", "--variant", variant, "--variant", 'bole_sync={"draft_vocab": 4096}')
     spec = e2e.engine_kwargs(args, "mine")["speculative_config"]
-    assert spec == {k: v for k, v in _bole_spec(args).items() if k != "budget_table"} | {
-        "topk": 2, "selection": "global"}
+    want = _bole_spec(args)
+    want["synthetic_acceptance"] |= {"draft_vocab_coverage": e2e.DEFAULT_DRAFT_VOCAB_COVERAGE}   # draft_vocab "auto"
+    assert spec == want | {"topk": 2, "budget_table": None, "selection": "global"}
     assert e2e.engine_kwargs(args, "mine")["async_scheduling"] is False
     variants = dict(args.variant)
     assert e2e.is_bole("mine", variants) and not e2e.is_bole("mine") and not e2e.is_bole("mtp3", variants)
@@ -170,9 +173,9 @@ def test_serve_takes_the_same_settings():
     for name, (keys, async_scheduling, _) in BEFORE.items():
         spec, flags, _ = serve.config_setup(name, opts, True)
         want = base | keys
-        if "draft_vocab" in keys:
-            want["synthetic_acceptance"] = base["synthetic_acceptance"] | {
-                "draft_vocab_coverage": e2e.DEFAULT_DRAFT_VOCAB_COVERAGE}
+        if keys.get("draft_vocab", "auto") is None:   # the full vocabulary: nothing to pay for
+            want["synthetic_acceptance"] = {k: v for k, v in base["synthetic_acceptance"].items()
+                                            if k != "draft_vocab_coverage"}
         assert spec == want, name
         assert flags == ([] if async_scheduling is None else ["--no-async-scheduling"]), name
     assert serve.config_setup("mine", opts, True) == (base, ["--async-scheduling"], None)

@@ -67,7 +67,9 @@ def test_selection():
 
 
 def test_draft_vocab(tmp_path):
-    assert parse_bole_config({"method": "bole"})[0].draft_vocab is None
+    assert parse_bole_config({"method": "bole"})[0].draft_vocab == "auto"   # the default of the MTP drafter
+    assert parse_bole_config({"method": "bole", "draft_vocab": None})[0].draft_vocab is None   # the full vocabulary
+    assert parse_bole_config({"method": "bole", "drafter": "pkg.mod:Drafter"})[0].draft_vocab is None
     assert parse_bole_config({"method": "bole", "draft-vocab": 32768})[0].draft_vocab == 32768
     ids = tmp_path / "ids.json"
     ids.write_text("[5, 7, 9]")

@@ -16,6 +16,9 @@ from .spec_decode.synthetic import resolved_synthetic
 BOLE_METHOD = "bole"
 BUDGET_RULES = ("decode", "step", "throughput")
 SELECTIONS = ("per_request", "global")
+# The MTP drafter's draft vocabulary when the config names none: learned from the served tokens (a full-vocabulary
+# LM head is most of a draft level's cost at small batch; docs/results.md, "Draft vocabulary").
+DEFAULT_DRAFT_VOCAB = "auto"
 ADDITIONAL_CONFIG_KEY = "bole"
 # Keys vLLM's SpeculativeConfig accepts next to a Bole method and that Bole passes through unchanged.
 _PASSTHROUGH_KEYS = {"draft_tensor_parallel_size", "max_model_len", "disable_by_batch_size"}
@@ -48,9 +51,10 @@ class BoleConfig:
     synthetic_acceptance: bool | dict[str, Any] | None = None
     # GPU: replay tree verification steps from Bole's own full CUDA graphs (off under enforce_eager).
     cuda_graphs: bool = True
-    # MTP drafter: propose tokens from part of the vocabulary only (spec_decode/draft_vocab.py): None, all of it;
-    # an int N, the N lowest token ids; a path, a JSON list of token ids. The model's EOS ids are always in it.
-    draft_vocab: int | str | None = None
+    # MTP drafter: propose tokens from part of the vocabulary only (spec_decode/draft_vocab.py): "auto" (the
+    # default), an eighth of it, the tokens the target emitted most; an int N, the N lowest token ids; a path, a JSON
+    # list of token ids; None, all of it. The model's EOS ids are always in it.
+    draft_vocab: int | str | None = "auto"
     # Queue the drafting of the next trees (and the walk and commit) on the device right behind the target forward,
     # before the host walks the trees (worker/early_drafting.py), in steps whose requests are all greedy or plainly
     # sampled trees; false: the drafter catches up after the host walk.
@@ -122,7 +126,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     cuda_graphs = spec.get("cuda_graphs", True)
     if not isinstance(cuda_graphs, bool):
         raise BoleConfigError(f"speculative_config.cuda_graphs must be true or false, got {cuda_graphs!r}")
-    draft_vocab = _draft_vocab_field(spec.get("draft_vocab"), topk, drafter)
+    draft_vocab = _draft_vocab_field(draft_vocab_of(spec), topk, drafter)
     if isinstance(synthetic, dict) and "draft_vocab_coverage" in synthetic and draft_vocab is None:
         raise BoleConfigError("speculative_config.synthetic_acceptance.draft_vocab_coverage applies only with "
                               "draft_vocab (the share of the target's tokens inside it)")
@@ -135,10 +139,16 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
                       early_drafting=early_drafting), rest
 
 
+def draft_vocab_of(spec: dict[str, Any]) -> Any:
+    """The ``draft_vocab`` setting of a speculative config dict, its default where it names none."""
+    spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    return spec.get("draft_vocab", DEFAULT_DRAFT_VOCAB if spec.get("drafter", "mtp") == "mtp" else None)
+
+
 def _draft_vocab_field(value: Any, topk: int, drafter: str) -> int | str | None:
-    """``draft_vocab``: None, an int of at least ``topk`` tokens, ``"auto"`` (learned from the served tokens:
-    ``spec_decode/draft_vocab.py``), or the path of an existing file (its ids are checked against the vocabulary
-    where the model config is known: ``plugin.apply_bole_engine_args``)."""
+    """``draft_vocab``: None (the full vocabulary), an int of at least ``topk`` tokens, ``"auto"`` (learned from the
+    served tokens: ``spec_decode/draft_vocab.py``; the MTP drafter's default), or the path of an existing file (its
+    ids are checked against the vocabulary where the model config is known: ``plugin.apply_bole_engine_args``)."""
     if value is None:
         return None
     if drafter != "mtp":

@@ -43,7 +43,7 @@ def apply_bole_engine_args(engine_args, target_model_config, target_parallel_con
         raise BoleConfigError(
             "pipeline_parallel_size: speculative method 'bole' supports 1 only, got "
             f"{target_parallel_config.pipeline_parallel_size}")
-    if cfg.draft_vocab is not None:   # its ids against the vocabulary, here where a bad one fails in one line
+    if cfg.draft_vocab not in (None, "auto"):   # its ids against the vocabulary, here where a bad one fails in one line
         from .spec_decode.draft_vocab import draft_token_ids
 
         draft_token_ids(cfg.draft_vocab, target_model_config.get_vocab_size(), set())

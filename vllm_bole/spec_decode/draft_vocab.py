@@ -145,8 +145,10 @@ class DraftVocab:
         head = model.lm_head
         method = type(getattr(head, "quant_method", None)).__name__
         if tp_size > 1 or method != "UnquantizedEmbeddingMethod":
-            logger.warning("Bole's draft_vocab needs an unquantized LM head on one rank (tensor parallel size %d, "
-                           "%s): the drafter keeps the full vocabulary", tp_size, method)
+            # "auto" (the default) asks for a draft vocabulary only where one can be had: no warning for it
+            log = logger.info if setting == AUTO else logger.warning
+            log("Bole's draft_vocab needs an unquantized LM head on one rank (tensor parallel size %d, %s): the "
+                "drafter keeps the full vocabulary", tp_size, method)
             return None
         vocab_size = model_config.get_vocab_size()
         always = eos_token_ids(model_config)
