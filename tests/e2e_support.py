@@ -197,6 +197,14 @@ def bole_engine(tmp_path, name, depth, topk, budget, drafter="planted", selectio
     return {"speculative_config": spec, **engine}
 
 
+def full_vocab(engine: dict) -> dict:
+    """``engine`` (:func:`bole_engine`'s kwargs) with the MTP drafter over the full vocabulary: a tiny model's random
+    weights spread its output over the whole vocabulary, which the default draft vocabulary (an eighth of it,
+    learned from the output) does not cover in a short run; tests of the MTP head's acceptance take it whole."""
+    engine["speculative_config"]["draft_vocab"] = None
+    return engine
+
+
 def tiny_budget_table(path, model_dir: str, batch_sizes=(1, 2, 4, 8, 16), nodes=(16, 32, 64)):
     """A calibration table for a tiny checkpoint on this device with made-up times (T_ver 20% up per point, so
     B_ver is the smallest N and the rule "throughput" has the larger ones to choose from): for engines whose budget

@@ -194,12 +194,15 @@ def test_probes_find_a_rest_that_grows_with_the_trees(lag):
 
     assert max(t_ver, key=rate) == 128
 
-    def run(probing: bool) -> list[int]:   # as the budget policy does (BudgetPolicy._throughput; B_ver before a fit)
+    def run(probing: bool, stall_every: int = 0) -> list[int]:
+        # as the budget policy does (BudgetPolicy._throughput; B_ver before a fit); a stall of 800 ms (a Triton JIT,
+        # a host pause) every ``stall_every`` steps
         clock, t, chosen, keep = StepClock(), 0.0, [256] * (lag + 1), None
         clock.tick(t, 16, True, t_ver[256], nodes=256)
-        for _ in range(400):
+        for i in range(400):
             ran = chosen[-1 - lag]
             t += (t_ver[ran] + rest_of(ran)) / 1e3
+            t += 0.8 if stall_every and i % stall_every == stall_every - 1 else 0.0
             clock.tick(t, 16, True, t_ver[chosen[-1]], nodes=chosen[-1])
             probe = clock.probe(16) if probing else 0
             rest = clock.rest_model(16)
@@ -210,9 +213,10 @@ def test_probes_find_a_rest_that_grows_with_the_trees(lag):
 
     # Flat at 256's rest (14.8 ms): 256 looks best (90 / 28.8 against 80 / 25.8) and stays chosen, forever.
     assert set(run(probing=False)) == {256}
-    last = run(probing=True)[-100:]
-    assert max(set(last), key=last.count) == 128
-    assert last.count(128) >= 80              # the probes stop once the slope is known
+    for stall_every in (0, 37):               # stalls stay out of the clock: the same choice
+        last = run(probing=True, stall_every=stall_every)[-100:]
+        assert max(set(last), key=last.count) == 128, stall_every
+        assert last.count(128) >= 80, stall_every   # the probes stop once the slope is known
 
 
 def test_throughput_rule_in_node_budget(tmp_path, monkeypatch):

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from e2e_support import (assert_graphs_used, assert_lossless, assert_same_logprobs, bole_engine, random_requests,
-                          run_engine, vocab_size, write_oracle)
+from e2e_support import (assert_graphs_used, assert_lossless, assert_same_logprobs, bole_engine, full_vocab,
+                          random_requests, run_engine, vocab_size, write_oracle)
 
 pytestmark = pytest.mark.vllm
 
@@ -86,7 +86,7 @@ def _assert_async(out):
 def test_mtp_drafter_async_is_lossless_and_accepts_as_sync(tmp, model, requests_, reference):
     # 36 nodes over at most 6 requests: every request's quota is its 6 nodes (depth 3, topk 2) in both modes.
     requests_, reference = _short(requests_, reference)
-    engine = bole_engine(tmp, "mtp", depth=3, topk=2, budget=36, drafter="mtp", max_num_seqs=6)
+    engine = full_vocab(bole_engine(tmp, "mtp", depth=3, topk=2, budget=36, drafter="mtp", max_num_seqs=6))
     sync = _run(tmp, model, requests_, "mtp_sync", engine, False)
     out = _run(tmp, model, requests_, "mtp_async", engine, True)
     _assert_async(out)

@@ -196,6 +196,9 @@ def test_step_clock_fits_the_rest_against_the_tree_size():
         falling.tick(t, 4, True, 5.0, nodes=nodes)
     model = falling.rest_model(4)
     assert model(8) == pytest.approx(model(32)) and 6.0 < model(8) < 10.0
+    assert falling.fit_summary(4)["slope_ms"] < 0
+    # ... and, the sizes spread as they are, the clock still probes other sizes (a flat model favours the largest)
+    assert any(falling.probe(4) for _ in range(budget_mod.StepClock.PROBE_EVERY))
 
 
 def test_step_clock_leaves_out_steps_that_captured_a_graph():
@@ -472,3 +475,28 @@ def test_calibrate_then_serve_auto_budget(tmp_path):
         assert {n for b, n, _ in out["budgets"] if b == 2} <= {3, 5, 8}, out["budgets"]
         assert out["counters"]["accepted_per_pos"][1] > 0, out["counters"]   # depth-2 paths accepted
     assert out["async_budgets"] and out["stale_placeholders"] == 0, out
+
+
+def test_step_clock_leaves_out_stalls():
+    """A period far past the average (a Triton JIT, a host pause: hundreds of ms) is not a step's cost: neither
+    the average nor the fit sees it. Stalls in a row past ``STALL_RUN`` are the steps' cost again."""
+    clock = budget_mod.StepClock()
+    t = 0.0
+    clock.tick(t, 16, True, 5.0, nodes=64)
+    for nodes, rest in [(64, 10.0)] * 20 + [(128, 14.0)] * 20:   # 1 ms per node per request
+        t += (5.0 + rest) / 1e3
+        clock.tick(t, 16, True, 5.0, nodes=nodes)
+    before = (clock.rest_ms(16), clock.rest_model(16)(64), clock.rest_model(16)(128))
+    t += 0.800                                  # an 800 ms period of the size before it
+    clock.tick(t, 16, True, 5.0, nodes=128)
+    for _ in range(3):                          # the sizes it held, the rest they cost
+        t += 0.019
+        clock.tick(t, 16, True, 5.0, nodes=128)
+    after = (clock.rest_ms(16), clock.rest_model(16)(64), clock.rest_model(16)(128))
+    assert after[1:] == pytest.approx(before[1:], abs=0.3) and after[1] < after[2], (before, after)
+    assert after[0] == pytest.approx(14.0, abs=0.5)
+    assert clock.fit_summary(16)["slope_ms"] == pytest.approx(1.0, abs=0.05)
+    for _ in range(budget_mod.StepClock.STALL_RUN + 1):   # the steps got slower: a run of them counts
+        t += 0.105
+        clock.tick(t, 16, True, 5.0, nodes=128)
+    assert clock.rest_ms(16) > 30.0

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from e2e_support import (assert_graphs_used, assert_lossless, assert_same_logprobs, bole_engine,
+from e2e_support import (assert_graphs_used, assert_lossless, assert_same_logprobs, bole_engine, full_vocab,
                           random_requests, run_engine, tiny_budget_table, write_oracle)
 from vllm_bole import envs
 
@@ -111,8 +111,8 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     reqs.append({"prompt": requests_[3]["prompt"], "max_tokens": 20, "temperature": 0.8, "seed": 7})
     name = f"mtp_{selection}" + (f"_seqs{seqs}_tokens{tokens}" if tokens else "")
     engine = {"max_num_batched_tokens": tokens} if tokens else {}
-    engine = bole_engine(tmp, name, depth=3, topk=4, budget="auto", drafter="mtp", selection=selection,
-                         max_num_seqs=seqs, **engine)
+    engine = full_vocab(bole_engine(tmp, name, depth=3, topk=4, budget="auto", drafter="mtp", selection=selection,
+                                    max_num_seqs=seqs, **engine))
     engine["speculative_config"]["early_drafting"] = first_pass
     out = run_engine(tmp, name, {"model": model, "requests": reqs, "logprobs": 2, "engine": engine})
     sampled = out["outputs"].pop()
@@ -216,7 +216,7 @@ def test_phase_timer_keeps_drafting(tmp, model, requests_, reference, monkeypatc
     and vLLM keeps what that call returns: the trees still reach the scheduler (they once became no drafts, so
     a profiled engine decoded without speculation), the output stays exact and the timer counts tree steps."""
     monkeypatch.setenv("VLLM_BOLE_PROFILE_STEPS", "4")
-    engine = bole_engine(tmp, "profiled", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16)
+    engine = full_vocab(bole_engine(tmp, "profiled", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16))
     out = run_engine(tmp, "profiled", {"model": model, "requests": requests_, "logprobs": 2, "engine": engine})
     assert_lossless(reference, out, max_near_ties=2)
     counters = out["counters"]

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from e2e_support import (assert_lossless, bole_engine, random_requests, run_engine, skip_without_moe_kernels,
-                          write_oracle)
+from e2e_support import (assert_lossless, bole_engine, full_vocab, random_requests, run_engine,
+                          skip_without_moe_kernels, write_oracle)
 
 pytestmark = pytest.mark.vllm
 
@@ -25,8 +25,8 @@ def test_qwen3_next_planted_and_mtp_trees_are_lossless(tmp_path):
     assert_lossless(ref, planted, max_near_ties=1)
     assert planted["counters"]["accepted_per_pos"][4] > 0
     assert all(g["num_speculative_blocks"] == 0 for g in planted["mamba_state"])
-    mtp = run_engine(tmp_path, "mtp", base | {"engine": bole_engine(tmp_path, "mtp", 3, 2, "auto", drafter="mtp",
-                                                                    max_num_seqs=8)})
+    mtp = run_engine(tmp_path, "mtp", base | {"engine": full_vocab(bole_engine(tmp_path, "mtp", 3, 2, "auto",
+                                                                               drafter="mtp", max_num_seqs=8))})
     assert_lossless(ref, mtp, max_near_ties=1)
     print("qwen3_next mtp counters", mtp["counters"])
     assert mtp["counters"]["mean_acceptance_length"] > 1.5

@@ -122,9 +122,10 @@ def test_configs_and_flags():
     assert "rejection_sample_method" not in spec and "CPU" in note
     bole, flags, _ = serve.config_setup("bole", opts, True)
     assert bole == {"method": "bole", "budget_table": opts.budget_table, "synthetic_acceptance": {
-        "rates": opts.rates, "sibling_rates": opts.sibling_rates, "seed": 0}} and flags == []
+        "rates": opts.rates, "sibling_rates": opts.sibling_rates, "seed": 0,
+        "draft_vocab_coverage": opts.draft_vocab_coverage}} and flags == []   # draft_vocab "auto"
     spec, _, _ = serve.config_setup(names[3], opts, True)
-    assert spec["budget_rule"] == "decode" and "budget_table" not in spec
+    assert spec["budget_rule"] == "decode" and spec["budget_table"] is None
     assert serve.config_setup("bole_sync", opts, True)[1] == ["--no-async-scheduling"]
     spec, flags, _ = serve.config_setup("mine", opts, True)
     assert spec["topk"] == 2 and flags == ["--async-scheduling"]

@@ -90,7 +90,10 @@ def test_bad_values_name_the_field(value):
 
 def test_draft_vocab_coverage_needs_a_draft_vocab():
     with pytest.raises(BoleConfigError, match="draft_vocab_coverage applies only with draft_vocab"):
-        parse_bole_config({"method": "bole", "synthetic_acceptance": {"draft_vocab_coverage": 0.9}})
+        parse_bole_config({"method": "bole", "draft_vocab": None,
+                           "synthetic_acceptance": {"draft_vocab_coverage": 0.9}})
+    cfg, _ = parse_bole_config({"method": "bole", "synthetic_acceptance": {"draft_vocab_coverage": 0.9}})   # "auto"
+    assert parse_synthetic(cfg.synthetic_acceptance).draft_vocab_coverage == 0.9
     cfg, _ = parse_bole_config({"method": "bole", "draft_vocab": 64, "synthetic_acceptance": {
         "draft_vocab_coverage": 0.9}})
     assert parse_synthetic(cfg.synthetic_acceptance).draft_vocab_coverage == 0.9

@@ -81,10 +81,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def speculative_config(args, batch: int) -> dict:
-    """Bole at ``--depth`` and ``--topk``, a fixed budget of ``--nodes-per-request`` per request of the batch."""
+    """Bole at ``--depth`` and ``--topk``, a fixed budget of ``--nodes-per-request`` per request of the batch, and
+    the drafter's full vocabulary unless ``--speculative-config`` names a ``draft_vocab`` (a profile measures what
+    the trees accept; a draft vocabulary's cost is its coverage, which ``synthetic_acceptance`` adds apart)."""
     per_request = args.nodes_per_request or args.depth * args.topk
     spec = {"method": "bole", "num_speculative_tokens": args.depth, "topk": args.topk,
-            "budget": per_request * batch} | args.speculative_config
+            "budget": per_request * batch, "draft_vocab": None} | args.speculative_config
     if spec.get("synthetic_acceptance"):
         raise SystemExit("--speculative-config: a profile measures the target's acceptance; drop "
                          "synthetic_acceptance")

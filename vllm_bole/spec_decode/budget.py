@@ -178,8 +178,9 @@ class StepClock:
     rest = a + b * nodes/request over the recent steps (least squares, exponentially weighted); while those
     steps hardly differ in size the slope is unknown and the model is flat (their weighted mean). A flat model
     favours the largest trees, whose rest was never measured, and the rule would keep choosing them: so while the
-    slope is unknown, :meth:`probe` has a run of ``PROBE_RUN`` budgets of a bucket, every ``PROBE_EVERY``
-    budgets, taken one calibrated size smaller or larger (in turn), which spreads the sizes the fit sees.
+    slope is unknown or falls (bigger trees never cost less: a falling fit is noise), :meth:`probe` has a run of
+    ``PROBE_RUN`` budgets of a bucket, every ``PROBE_EVERY`` budgets, taken one calibrated size smaller or larger
+    (in turn), which spreads the sizes the fit sees.
 
     The host measures a period that may belong to a step or two before or after the one whose size it records
     with it: under async scheduling it runs ahead of the device and paces itself on waits for earlier steps. A
@@ -195,6 +196,13 @@ class StepClock:
     STEADY_TOL = 0.1    # nodes per request: sizes this close count as one (a tree short of its quota now and then)
     PROBE_RUN = 5       # budgets per probe: STEADY - 1 of them settle, the rest are measured
     PROBE_EVERY = 20    # budgets from the start of one probe to the next while the slope is unknown
+    # A period whose rest exceeds STALL_FACTOR times the bucket's average plus STALL_MS is a stall (a Triton JIT,
+    # a host pause, a capture the graph count missed): hundreds of ms that the fit's long memory would spread
+    # over every later estimate, favouring whichever size it did not land on.
+    # STALL_RUN such periods in a row are not stalls: the steps got that slow (the next one counts).
+    STALL_FACTOR = 3.0
+    STALL_MS = 20.0
+    STALL_RUN = 3
 
     def __init__(self):
         self._rest: dict[int, float] = {}
@@ -203,6 +211,7 @@ class StepClock:
         self._sizes: collections.deque = collections.deque(maxlen=self.STEADY)   # (batch size, x) per tick
         self._probes: dict[int, int] = {}   # bucket -> budgets chosen while the slope was unknown
         self._runs: dict[int, tuple[int, int]] = {}   # bucket -> (offset, budgets left) of a probe run
+        self._stalls: dict[int, int] = {}   # bucket -> stalls in a row
 
     def rest_ms(self, batch_size: int) -> float | None:
         return self._rest.get(next_power_of_2(batch_size))
@@ -220,16 +229,21 @@ class StepClock:
         xs = [x for _, x in sizes]
         return max(xs) - min(xs) <= self.STEADY_TOL
 
+    def _slope(self, sums) -> float | None:
+        """The fit's slope (ms per node per request); None while the sizes have not spread enough to show it."""
+        w, sx, sy, sxx, sxy = sums
+        var = self._spread(sums)
+        return (sxy / w - (sx / w) * (sy / w)) / var if var >= self.MIN_SPREAD ** 2 else None
+
     def rest_model(self, batch_size: int):
         """nodes -> the rest of a step of ``batch_size`` requests verifying that many nodes, in ms (never below
         zero, never falling with more nodes); None before the bucket's first measurement."""
         sums = self._fit.get(next_power_of_2(batch_size))
         if sums is None:
             return None
-        w, sx, sy, sxx, sxy = sums
+        w, sx, sy, _, _ = sums
         mx, my = sx / w, sy / w
-        var = self._spread(sums)
-        slope = max((sxy / w - mx * my) / var, 0.0) if var >= self.MIN_SPREAD ** 2 else 0.0
+        slope = max(self._slope(sums) or 0.0, 0.0)
         return lambda nodes: max(my + slope * (nodes / max(batch_size, 1) - mx), 0.0)
 
     def fit_summary(self, batch_size: int) -> dict | None:
@@ -239,16 +253,15 @@ class StepClock:
         sums = self._fit.get(next_power_of_2(batch_size))
         if sums is None:
             return None
-        w, sx, sy, sxx, sxy = sums
-        mx, my, var = sx / w, sy / w, self._spread(sums)
-        slope = (sxy / w - mx * my) / var if var >= self.MIN_SPREAD ** 2 else None
+        w, sx, sy, _, _ = sums
+        mx, my, var, slope = sx / w, sy / w, self._spread(sums), self._slope(sums)
         return {"weight": round(w, 2), "nodes_per_request": round(mx, 2), "spread": round(max(var, 0.0) ** 0.5, 2),
                 "rest_ms": round(my, 3), "slope_ms": None if slope is None else round(slope, 3)}
 
     def probe(self, batch_size: int) -> int:
         """Once per budget the rule chooses: -1 or +1 (the next smaller or larger calibrated size than the best)
         for ``PROBE_RUN`` choices in a row, starting every ``PROBE_EVERY``-th choice of a bucket whose slope is
-        unknown, else 0. A run once started is finished."""
+        unknown or falls, else 0. A run once started is finished."""
         key = next_power_of_2(batch_size)
         run = self._runs.pop(key, None)
         if run is not None:
@@ -257,7 +270,8 @@ class StepClock:
                 self._runs[key] = (offset, left - 1)
             return offset
         sums = self._fit.get(key)
-        if sums is None or self._spread(sums) >= self.MIN_SPREAD ** 2:
+        slope = None if sums is None else self._slope(sums)
+        if sums is None or (slope is not None and slope > -1e-9):   # a falling rest is noise: keep probing
             return 0
         gap = self.PROBE_EVERY - self.PROBE_RUN + 1   # choices counted here from one run's start to the next
         n = self._probes[key] = self._probes.get(key, 0) + 1
@@ -275,16 +289,20 @@ class StepClock:
         whose calibrated target forward was ``t_ver_ms``; ``nodes``: how many tree nodes it verified (the fit's
         x; None leaves the fit out). ``captured``: a CUDA graph was captured in the period (an eager warm-up and
         a capture, tens of ms each, once per new step shape): not counted, or every new tree size would look
-        slow, and the rule would keep to the sizes it has seen."""
+        slow, and the rule would keep to the sizes it has seen. A stall (``STALL_FACTOR``) is left out alike."""
         last, self._last = self._last, (now, batch_size)
-        # A step with a prefill or a capture in it also keeps its neighbours' periods out of the fit.
-        steady = tree_only and not captured and nodes is not None
-        self._sizes.append((batch_size, nodes / max(batch_size, 1)) if steady else None)
-        if last is None or last[1] != batch_size or not tree_only or t_ver_ms is None or captured:
-            return
-        rest = max((now - last[0]) * 1e3 - t_ver_ms, 0.0)
         key = next_power_of_2(batch_size)
         old = self._rest.get(key)
+        counted = not (last is None or last[1] != batch_size or not tree_only or t_ver_ms is None or captured)
+        rest = max((now - last[0]) * 1e3 - t_ver_ms, 0.0) if counted else None
+        stall = (rest is not None and old is not None and rest > self.STALL_FACTOR * old + self.STALL_MS
+                 and self._stalls.get(key, 0) < self.STALL_RUN)
+        self._stalls[key] = self._stalls.get(key, 0) + 1 if stall else 0
+        # A step with a prefill, a capture or a stall in it also keeps its neighbours' periods out of the fit.
+        steady = tree_only and not captured and not stall and nodes is not None
+        self._sizes.append((batch_size, nodes / max(batch_size, 1)) if steady else None)
+        if rest is None or stall:
+            return
         self._rest[key] = rest if old is None else old + self.ALPHA * (rest - old)
         if nodes is not None and self._steady():
             x = nodes / batch_size

@@ -467,7 +467,8 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
     batch = len(prompts)
     base = {"model": model_dir, "kind": "qwen3_5", "requests": requests, "logprobs": 2}
     engine = {"max_num_seqs": batch}
-    wide = {"method": "bole", "num_speculative_tokens": 8, "topk": 4, "budget": 32 * batch}
+    # the full vocabulary: the draft-vocabulary rows compare with it
+    wide = {"method": "bole", "num_speculative_tokens": 8, "topk": 4, "budget": 32 * batch, "draft_vocab": None}
     configs = {"plain": {}}
     configs |= {f"mtp_k{k}": {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} for k in chains}
     configs |= {"bole_default": {"speculative_config": {"method": "bole"}},
