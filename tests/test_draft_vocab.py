@@ -131,7 +131,13 @@ def test_top_children_are_the_targets_over_the_draft_ids(seed):
     torch.testing.assert_close(top[:, :k], full_p, rtol=1e-5, atol=1e-6)
 
 
-def test_a_quantized_or_sharded_head_keeps_the_full_vocabulary():
+def test_a_quantized_or_sharded_head_keeps_the_full_vocabulary(monkeypatch):
+    """A subset the config names warns that it is not used; "auto", the default, says so at info level."""
+    from vllm_bole.spec_decode import draft_vocab as draft_vocab_mod
+
+    logged = []
+    monkeypatch.setattr(draft_vocab_mod, "logger", SimpleNamespace(
+        warning=lambda *a: logged.append("warning"), info=lambda *a: logged.append("info")))
     gen = torch.Generator().manual_seed(0)
     head = _head(50, 8, gen)
     model_config = SimpleNamespace(get_vocab_size=lambda: 50, hf_text_config=SimpleNamespace(),
@@ -139,6 +145,8 @@ def test_a_quantized_or_sharded_head_keeps_the_full_vocabulary():
     assert DraftVocab.of_model(SimpleNamespace(lm_head=head), 10, model_config, tp_size=2) is None
     quantized = SimpleNamespace(weight=head.weight, quant_method=object())
     assert DraftVocab.of_model(SimpleNamespace(lm_head=quantized), 10, model_config, tp_size=1) is None
+    assert DraftVocab.of_model(SimpleNamespace(lm_head=head), "auto", model_config, tp_size=2) is None
+    assert logged == ["warning", "warning", "info"]
 
 
 def test_draft_vocab_command_counts_the_text(tmp_path):
