@@ -231,7 +231,7 @@ class StepClock:
 
     def _slope(self, sums) -> float | None:
         """The fit's slope (ms per node per request); None while the sizes have not spread enough to show it."""
-        w, sx, sy, sxx, sxy = sums
+        w, sx, sy, _, sxy = sums
         var = self._spread(sums)
         return (sxy / w - (sx / w) * (sy / w)) / var if var >= self.MIN_SPREAD ** 2 else None
 
