@@ -460,8 +460,9 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
     (mean acceptance length = 1 + accepted / drafts) and whether each run's tokens equal the plain run's. Each
     size N in ``draft_vocabs`` adds the depth 8 / topk 4 row with ``draft_vocab`` N (the N lowest ids) and with
     the N most frequent ids of :func:`training_token_counts`, and ``"auto"`` the row with ``draft_vocab: "auto"``
-    (learned during the run); ``draft_vocab_coverage`` is the share of the plain run's output tokens inside each
-    subset (for "auto", ``auto_final``: the subset it ended with)."""
+    (learned during the run) and the default's row with the full vocabulary (the default drafts from "auto");
+    ``draft_vocab_coverage`` is the share of the plain run's output tokens inside each subset (for "auto",
+    ``auto_final``: the subset it ended with)."""
     prompts = code_prompts(model_dir, count)
     requests = [{"prompt": p, "max_tokens": max_tokens} for p in prompts]
     batch = len(prompts)
@@ -482,6 +483,8 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
     for n in draft_vocabs:
         if n == "auto":   # learned while serving; its coverage: of the subset it ended with
             configs["bole_d8_t4_b32_auto"] = {"speculative_config": wide | {"draft_vocab": "auto"}}
+            # the default ("auto" too) beside the full vocabulary
+            configs["bole_default_full_vocab"] = {"speculative_config": {"method": "bole", "draft_vocab": None}}
             continue
         subsets[f"lowest{n}"] = set(range(n))
         configs[f"bole_d8_t4_b32_lowest{n}"] = {"speculative_config": wide | {"draft_vocab": n}}
