@@ -495,8 +495,8 @@ def test_step_clock_leaves_out_stalls():
     after = (clock.rest_ms(16), clock.rest_model(16)(64), clock.rest_model(16)(128))
     assert after[1:] == pytest.approx(before[1:], abs=0.3) and after[1] < after[2], (before, after)
     assert after[0] == pytest.approx(14.0, abs=0.5)
-    assert clock.fit_summary(16)["slope_ms"] == pytest.approx(1.0, abs=0.05)
+    assert clock.fit_summary(16)["slope_ms"] == pytest.approx(1.0, abs=0.05) and clock.fit_summary(16)["stalls"] == 1
     for _ in range(budget_mod.StepClock.STALL_RUN + 1):   # the steps got slower: a run of them counts
         t += 0.105
         clock.tick(t, 16, True, 5.0, nodes=128)
-    assert clock.rest_ms(16) > 30.0
+    assert clock.rest_ms(16) > 30.0 and clock.fit_summary(16)["stalls"] == 1 + budget_mod.StepClock.STALL_RUN

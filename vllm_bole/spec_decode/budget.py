@@ -212,6 +212,7 @@ class StepClock:
         self._probes: dict[int, int] = {}   # bucket -> budgets chosen while the slope was unknown
         self._runs: dict[int, tuple[int, int]] = {}   # bucket -> (offset, budgets left) of a probe run
         self._stalls: dict[int, int] = {}   # bucket -> stalls in a row
+        self._stalls_left_out: collections.Counter = collections.Counter()   # bucket -> stalls, for reports
 
     def rest_ms(self, batch_size: int) -> float | None:
         return self._rest.get(next_power_of_2(batch_size))
@@ -248,15 +249,16 @@ class StepClock:
 
     def fit_summary(self, batch_size: int) -> dict | None:
         """The rest fit of ``batch_size``'s bucket, for reports: its weight (steady periods, faded), the sizes'
-        mean and standard deviation (nodes per request), the mean rest and the slope (ms per node per request; None
-        while the sizes have not spread enough to show it)."""
+        mean and standard deviation (nodes per request), the mean rest, the slope (ms per node per request; None
+        while the sizes have not spread enough to show it) and the stalls left out so far."""
         sums = self._fit.get(next_power_of_2(batch_size))
         if sums is None:
             return None
         w, sx, sy, _, _ = sums
         mx, my, var, slope = sx / w, sy / w, self._spread(sums), self._slope(sums)
         return {"weight": round(w, 2), "nodes_per_request": round(mx, 2), "spread": round(max(var, 0.0) ** 0.5, 2),
-                "rest_ms": round(my, 3), "slope_ms": None if slope is None else round(slope, 3)}
+                "rest_ms": round(my, 3), "slope_ms": None if slope is None else round(slope, 3),
+                "stalls": self._stalls_left_out[next_power_of_2(batch_size)]}
 
     def probe(self, batch_size: int) -> int:
         """Once per budget the rule chooses: -1 or +1 (the next smaller or larger calibrated size than the best)
@@ -298,6 +300,7 @@ class StepClock:
         stall = (rest is not None and old is not None and rest > self.STALL_FACTOR * old + self.STALL_MS
                  and self._stalls.get(key, 0) < self.STALL_RUN)
         self._stalls[key] = self._stalls.get(key, 0) + 1 if stall else 0
+        self._stalls_left_out[key] += stall
         # A step with a prefill, a capture or a stall in it also keeps its neighbours' periods out of the fit.
         steady = tree_only and not captured and not stall and nodes is not None
         self._sizes.append((batch_size, nodes / max(batch_size, 1)) if steady else None)
