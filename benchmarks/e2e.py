@@ -726,7 +726,8 @@ def run_worker(args) -> None:
             estimates = runner.bole_budget.estimates(b)
             if estimates is not None:
                 row["rule_estimates"] = estimates
-            # the step clock's fit of the rest against the tree size (its slope: None while unknown; the stalls it left out)
+            # the step clock's fit of the rest against the tree size (its slope: None while unknown; the stalls
+            # it left out)
             fit = runner.bole_budget.clock.fit_summary(b)
             if fit is not None:
                 row["rest_fit"] = fit
