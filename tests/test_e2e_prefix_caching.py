@@ -189,17 +189,19 @@ def _assert_deep_trees(stats_path) -> None:
     assert max(s["depth"] for s in stats) >= 5, "the planted trees should reach deep"
 
 
-def test_qwen3_next_multi_turn_with_prefix_caching(tmp_path):
-    """The same conversations on the tiny Qwen3-Next (MoE, GDN + attention): Bole with prefix caching equals vLLM
-    without speculation, with the queries and hits it has on Qwen3.5."""
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_multi_turn_with_prefix_caching(tmp_path, kind):
+    """The same conversations on the tiny MoE models (Qwen3.5-MoE, Qwen3-Next; GDN + attention): Bole with prefix
+    caching equals vLLM without speculation, with the queries and hits it has on Qwen3.5."""
     skip_without_moe_kernels()
-    model = tiny_model_dir("qwen3_next")
-    prompts, replies = _conversations(json.load(open(f"{model}/config.json"))["vocab_size"])
-    plain = run_engine(tmp_path, "ar", _spec(model, prompts, replies, "qwen3_next", enable_prefix_caching=False),
+    model = tiny_model_dir(kind)
+    config = json.load(open(f"{model}/config.json"))
+    prompts, replies = _conversations(config.get("text_config", config)["vocab_size"])
+    plain = run_engine(tmp_path, "ar", _spec(model, prompts, replies, kind, enable_prefix_caching=False),
                        runner="multi_turn_run")
     _write_oracle(tmp_path, plain)
     planted = run_engine(tmp_path, "bole_planted", _spec(
-        model, prompts, replies, "qwen3_next", enable_prefix_caching=True,
+        model, prompts, replies, kind, enable_prefix_caching=True,
         **bole_engine(tmp_path, "bole_planted", depth=6, topk=2, budget=64)), runner="multi_turn_run")
     _assert_same_conversations(plain, planted)
     assert planted["kv_cache_usage_end"] == 0, planted["kv_cache_usage_end"]

@@ -31,8 +31,9 @@ def stock_vllm(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tiny_qwen3_5_dir) -> dict[str, str]:
-    next_dir = tiny_model_dir("qwen3_next", cache_dir=Path(tiny_qwen3_5_dir).parent)
-    return {"qwen3_5": tiny_qwen3_5_dir, "qwen3_next": next_dir}
+    cache = Path(tiny_qwen3_5_dir).parent
+    return {"qwen3_5": tiny_qwen3_5_dir, "qwen3_5_moe": tiny_model_dir("qwen3_5_moe", cache_dir=cache),
+            "qwen3_next": tiny_model_dir("qwen3_next", cache_dir=cache)}
 
 
 def _weights(model_dir: str) -> dict[str, torch.Tensor]:
@@ -67,21 +68,23 @@ def test_same_seed_gives_same_weights(tmp_path, tiny_qwen3_5_dir):
     assert not torch.equal(other["lm_head.weight"], reference["lm_head.weight"])
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_vllm_parses_config(tiny_dirs, kind, stock_vllm):
     from vllm.transformers_utils.config import get_config
 
     config = get_config(tiny_dirs[kind], trust_remote_code=False)
     text = config.get_text_config()
-    assert type(config).__name__ == {"qwen3_5": "Qwen3_5Config", "qwen3_next": "Qwen3NextConfig"}[kind]
+    assert type(config).__name__ == {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig",
+                                     "qwen3_next": "Qwen3NextConfig"}[kind]
     assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert (text.linear_num_key_heads, text.linear_num_value_heads) == (2, 4)
     assert text.mamba_ssm_dtype == "float32"
-    if kind == "qwen3_5":
-        assert text.mtp_num_hidden_layers == 1
-    else:
+    if kind == "qwen3_next":
         assert config.num_nextn_predict_layers == 1
-        assert config.num_experts == 4 and config.shared_expert_intermediate_size > 0
+    else:
+        assert text.mtp_num_hidden_layers == 1
+    if kind != "qwen3_5":
+        assert text.num_experts == 4 and text.shared_expert_intermediate_size > 0
 
 
 def test_tokenizer_round_trips_text(tiny_qwen3_5_dir):
@@ -127,7 +130,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 @pytest.mark.parametrize("part", ["target", "mtp"])
 def test_checkpoint_covers_every_vllm_parameter(tiny_dirs, kind, part, stock_vllm):
     """Build vLLM's target / MTP model class (no engine) and load the checkpoint into it."""
@@ -164,12 +167,14 @@ def test_checkpoint_covers_every_vllm_parameter(tiny_dirs, kind, part, stock_vll
     expected = {name.replace(".routed_experts.", ".") for name, _ in model.named_parameters()}
     assert expected - loaded == set()
     assert loaded - expected == set()
-    if kind == "qwen3_next":
+    if kind != "qwen3_5":
         config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = config.get("text_config", config)
         if part == "mtp":
             layers = ["mtp.layers.0"]
         else:
-            layers = [f"model.layers.{i}" for i in range(config["num_hidden_layers"])]
+            prefix = "model.language_model" if kind == "qwen3_5_moe" else "model"
+            layers = [f"{prefix}.layers.{i}" for i in range(config["num_hidden_layers"])]
         experts = {n for n in _weights(model_dir) if ".mlp.experts." in n and n.startswith(tuple(layers))}
         assert experts == {
             f"{layer}.mlp.experts.{e}.{proj}.weight"
@@ -180,6 +185,8 @@ def test_checkpoint_covers_every_vllm_parameter(tiny_dirs, kind, part, stock_vll
     assert type(model).__name__ == {
         ("qwen3_5", "target"): "Qwen3_5ForConditionalGeneration",
         ("qwen3_5", "mtp"): "Qwen3_5MTP",
+        ("qwen3_5_moe", "target"): "Qwen3_5MoeForConditionalGeneration",
+        ("qwen3_5_moe", "mtp"): "Qwen3_5MoeMTP",
         ("qwen3_next", "target"): "Qwen3NextForCausalLM",
         ("qwen3_next", "mtp"): "Qwen3NextMTP",
     }[kind, part]

@@ -1,10 +1,11 @@
-"""Test support: tiny offline Qwen3.5 / Qwen3-Next checkpoints for tests, demos and CI."""
+"""Test support: tiny offline Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints for tests, demos and CI."""
 
 __all__ = [
     "KINDS",
     "TinyShape",
     "WeightRecipe",
     "build_tiny_qwen3_5",
+    "build_tiny_qwen3_5_moe",
     "build_tiny_qwen3_next",
     "engine_kwargs",
     "tiny_model_dir",

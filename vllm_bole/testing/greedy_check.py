@@ -132,7 +132,7 @@ def run_engine(model: str, kind: str, prompts, max_tokens: int, **llm_kwargs) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", default="qwen3_5", choices=("qwen3_5", "qwen3_next"))
+    parser.add_argument("--kind", default="qwen3_5", choices=("qwen3_5", "qwen3_5_moe", "qwen3_next"))
     parser.add_argument("--model", help="checkpoint directory (default: the cached tiny model)")
     parser.add_argument("--spec", default='{"method": "mtp", "num_speculative_tokens": 3}')
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3.5 / Qwen3-Next checkpoints that vLLM loads offline.
+"""Tiny random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints that vLLM loads offline.
 
 Each builder writes an HF-style directory (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json``) whose weight names are exactly those
@@ -50,7 +50,7 @@ import torch
 
 from .. import envs
 
-KINDS = ("qwen3_5", "qwen3_5_vision", "qwen3_next")
+KINDS = ("qwen3_5", "qwen3_5_vision", "qwen3_5_moe", "qwen3_next")
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 
@@ -93,7 +93,7 @@ class TinyShape:
     linear_conv_kernel_dim: int = 4
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
-    # Qwen3-Next MoE
+    # the MoE kinds (Qwen3.5-MoE, Qwen3-Next)
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
@@ -387,7 +387,7 @@ def _decoder_layer(
     else:
         first_gdn = s.layer_types.index("linear_attention") == index
         weights = _gated_deltanet(init, s, recipe, dirs, recall=first_gdn, interleaved=kind == "qwen3_next")
-    if kind == "qwen3_next":
+    if kind in ("qwen3_5_moe", "qwen3_next"):
         weights |= _sparse_moe(init, s, recipe)
     else:
         weights |= _dense_mlp(init, s.hidden_size, s.intermediate_size, recipe.context_scale, "mlp")
@@ -572,6 +572,26 @@ def _qwen3_5_config(s: TinyShape, token_ids: dict[str, int]) -> dict:
     }
 
 
+def _qwen3_5_moe_config(s: TinyShape, token_ids: dict[str, int]) -> dict:
+    """Qwen3.5's config with Qwen3.5-MoE's names and a sparse MoE block (shared expert included) in every layer."""
+    config = _qwen3_5_config(s, token_ids)
+    text_config = {k: v for k, v in config["text_config"].items() if k != "intermediate_size"} | {
+        "model_type": "qwen3_5_moe_text",
+        "num_experts": s.num_experts,
+        "num_experts_per_tok": s.num_experts_per_tok,
+        "moe_intermediate_size": s.moe_intermediate_size,
+        "shared_expert_intermediate_size": s.shared_expert_intermediate_size,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    }
+    return config | {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text_config,
+        "vision_config": config["vision_config"] | {"model_type": "qwen3_5_moe_vision"},
+    }
+
+
 def _qwen3_next_config(s: TinyShape, token_ids: dict[str, int]) -> dict:
     return _common_text_config(s, token_ids[EOS_TOKEN], token_ids[PAD_TOKEN]) | {
         "architectures": ["Qwen3NextForCausalLM"],
@@ -605,8 +625,8 @@ def _build(path: str | os.PathLike, kind: str, shape: TinyShape, recipe: WeightR
     model, lm_head, mtp = _text_weights(
         shape, recipe, kind, tokenizer.get_vocab_size(), _printable_tokens(tokenizer)
     )
-    if kind == "qwen3_5":
-        config = _qwen3_5_config(shape, token_ids)
+    if kind in ("qwen3_5", "qwen3_5_moe"):
+        config = (_qwen3_5_config if kind == "qwen3_5" else _qwen3_5_moe_config)(shape, token_ids)
         tensors = {f"model.language_model.{name}": t for name, t in model.items()}
     else:
         config = _qwen3_next_config(shape, token_ids)
@@ -627,6 +647,15 @@ def build_tiny_qwen3_5(
     ``recipe_overrides`` are :class:`WeightRecipe` fields (``context_scale``, ``logit_scale``, ...).
     """
     return _build(path, "qwen3_5", shape or TinyShape(), WeightRecipe(seed=seed, **recipe_overrides))
+
+
+def build_tiny_qwen3_5_moe(
+    path: str | os.PathLike, *, seed: int = 0, shape: TinyShape | None = None, **recipe_overrides: float
+) -> str:
+    """Write a tiny ``Qwen3_5MoeForConditionalGeneration`` checkpoint (Qwen3.5's layout with a sparse MoE block
+    and a shared expert in every layer, MTP layer included; no vision weights: load it with
+    ``language_model_only=True``) to ``path`` and return the path."""
+    return _build(path, "qwen3_5_moe", shape or TinyShape(), WeightRecipe(seed=seed, **recipe_overrides))
 
 
 def build_tiny_qwen3_next(
@@ -663,7 +692,7 @@ def build_tiny_qwen3_5_vision(path: str | os.PathLike, *, seed: int = 0) -> str:
 
 
 BUILDERS = {"qwen3_5": build_tiny_qwen3_5, "qwen3_5_vision": build_tiny_qwen3_5_vision,
-            "qwen3_next": build_tiny_qwen3_next}
+            "qwen3_5_moe": build_tiny_qwen3_5_moe, "qwen3_next": build_tiny_qwen3_next}
 
 
 def engine_kwargs(kind: str = "qwen3_5") -> dict:
@@ -688,7 +717,7 @@ def engine_kwargs(kind: str = "qwen3_5") -> dict:
             # no engine's memory profile counts another's allocations.
             kwargs["gpu_memory_utilization"] = float(share)
             kwargs["kv_cache_memory_bytes"] = 1 << 30
-    if kind == "qwen3_5":
+    if kind in ("qwen3_5", "qwen3_5_moe"):
         kwargs["language_model_only"] = True
     elif kind == "qwen3_5_vision":
         # vLLM's processor cache applies the HF processor to the prompt text alone, which this transformers

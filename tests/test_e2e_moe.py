@@ -1,4 +1,5 @@
-"""Bole on the tiny Qwen3-Next (MoE + shared expert, GDN + attention, one MTP layer): lossless greedy."""
+"""Bole on the tiny MoE models (Qwen3.5-MoE and Qwen3-Next: routed experts + a shared expert, GDN + attention, one
+MTP layer): lossless greedy."""
 
 import json
 
@@ -10,14 +11,16 @@ from e2e_support import (assert_lossless, bole_engine, full_vocab, random_reques
 pytestmark = pytest.mark.vllm
 
 
-def test_qwen3_next_planted_and_mtp_trees_are_lossless(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_planted_and_mtp_trees_are_lossless(tmp_path, kind):
     from vllm_bole.testing.tiny_models import tiny_model_dir
 
     skip_without_moe_kernels()
-    model = tiny_model_dir("qwen3_next")
-    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    model = tiny_model_dir(kind)
+    config = json.load(open(f"{model}/config.json"))
+    vocab = config.get("text_config", config)["vocab_size"]
     reqs = random_requests(vocab, [4, 9, 17, 33, 60, 6], max_tokens=32, seed=7)
-    base = {"model": model, "kind": "qwen3_next", "requests": reqs, "logprobs": 2}
+    base = {"model": model, "kind": kind, "requests": reqs, "logprobs": 2}
     ref = run_engine(tmp_path, "ref", base | {"engine": {"max_num_seqs": 8}})
     write_oracle(tmp_path, reqs, ref)
     planted = run_engine(tmp_path, "planted", base | {"engine": bole_engine(tmp_path, "planted", 5, 3, 256,
@@ -28,5 +31,5 @@ def test_qwen3_next_planted_and_mtp_trees_are_lossless(tmp_path):
     mtp = run_engine(tmp_path, "mtp", base | {"engine": full_vocab(bole_engine(tmp_path, "mtp", 3, 2, "auto",
                                                                                drafter="mtp", max_num_seqs=8))})
     assert_lossless(ref, mtp, max_near_ties=1)
-    print("qwen3_next mtp counters", mtp["counters"])
+    print(kind, "mtp counters", mtp["counters"])
     assert mtp["counters"]["mean_acceptance_length"] > 1.5
