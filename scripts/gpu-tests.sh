@@ -2,7 +2,7 @@
 # The tests that mean more on a GPU: Triton kernels against their references, and tiny engines with Bole's CUDA
 # graphs against vLLM without speculation, several engines side by side.
 #   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless calibration lossless-all
-#                                                      serving sampling prefix-caching multimodal
+#                                                      serving sampling prefix-caching multimodal moe
 #                                                      (default: kernels lossless serving)
 # GROUP_TIMEOUT=SECONDS limits each group. Each group writes LOG_DIR/<group>.log, one line per test as it ends
 # (pytest -v: a run cut short still says which passed), and a one-line summary to stdout. Engine tests start two to four engines one after another (100-170 s
@@ -26,10 +26,12 @@
 #   sampling      sampled trees against the reference distribution
 #   prefix-caching  multi-turn conversations with prefix caching (sync and async), preemption and aborts of shared
 #                 blocks, a test per worker (5), Bole's CUDA graphs replayed (tests/e2e_support.assert_graphs_used);
-#                 the Qwen3-Next test needs vLLM's MoE kernels (make-bundle --moe), else it skips. Five side by
+#                 the MoE tests need vLLM's MoE kernels (make-bundle --moe), else they skip. Five side by
 #                 side: about 530 s on an H100
 #   multimodal    image prompts (a tiny Qwen3.5 with a vision tower): planted and MTP trees lossless, and the MTP
 #                 drafter's rows at the target's M-RoPE positions (rows written outside the level graphs)
+#   moe           the tiny MoE models (Qwen3.5 MoE, Qwen3-Next): planted and MTP trees lossless, side by side; needs
+#                 vLLM's MoE kernels (make-bundle --moe), else they skip
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:?usage: scripts/gpu-tests.sh LOG_DIR [kernels|lossless|serving ...]}
@@ -92,8 +94,11 @@ for group in "${GROUPS_RUN[@]}"; do
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group prefix-caching "${PREFIX_XDIST[@]}" tests/test_e2e_prefix_caching.py ;;
     multimodal)
       run_group multimodal tests/test_e2e_multimodal.py ;;
+    moe)
+      MOE_XDIST=(); [ "$WORKERS" -gt 1 ] && MOE_XDIST=(-n 2 --dist load)
+      VLLM_BOLE_CAPTURE_AFTER=1000000 run_group moe "${MOE_XDIST[@]}" tests/test_e2e_moe.py ;;
     *)
       echo "unknown group $group (kernels, lossless, calibration, lossless-all, serving, sampling, prefix-caching," \
-        "multimodal)" >&2; exit 2 ;;
+        "multimodal, moe)" >&2; exit 2 ;;
   esac
 done
