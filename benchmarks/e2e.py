@@ -19,7 +19,8 @@ token is outside them, with probability 1 − ``--draft-vocab-coverage`` per dep
 option accepted by rank alone, at no cost for the subset), ``bole_decode_vocab32k`` (also ``budget_rule:
 "decode"``: the calibrated B_ver every step, the default before "throughput"), ``bole_late``
 (``early_drafting: false``: the drafter catches up after the host walk instead of being queued before it),
-``bole_full_vocab`` (``draft_vocab: null``: the drafter's full LM head), ``bole_sync`` and ``bole_vocab32k_sync``
+``bole_full_vocab`` (``draft_vocab: null``: the drafter's full LM head), ``bole_vllm_kv_groups``
+(``kv_cache_groups: "vllm"``: vLLM's own KV-cache groups), ``bole_sync`` and ``bole_vocab32k_sync``
 (``async_scheduling: false``); and ``--variant NAME=JSON`` (repeatable: keys over ``bole``'s speculative config,
 ``null`` as the config reads it, e.g. ``"budget_table": null`` no table,
 ``async_scheduling`` is the engine's setting), e.g. ``--variant bole_tput='{"budget_rule": "throughput"}'``. Each
@@ -107,6 +108,9 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  "bole_decode_vocab32k": {"budget_rule": "decode", "draft_vocab": 32768},
                  # Drafting after the host walk (before it is the default: speculative_config.early_drafting).
                  "bole_late": {"early_drafting": False},
+                 # vLLM's own KV-cache groups (4 at the 9B shape, against the 11 that hold a request in the
+                 # fewest bytes).
+                 "bole_vllm_kv_groups": {"kv_cache_groups": "vllm"},
                  "bole_sync": {"async_scheduling": False},
                  "bole_vocab32k_sync": {"draft_vocab": 32768, "async_scheduling": False}}
 # Keys of a variant that are engine settings, not speculative config keys.

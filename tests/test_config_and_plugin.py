@@ -18,6 +18,8 @@ def test_values_and_dashes():
     assert (cfg.max_depth, cfg.topk, cfg.budget) == (3, 2, 64)
     assert cfg.cuda_graphs and not parse_bole_config({"method": "bole", "cuda_graphs": False})[0].cuda_graphs
     assert cfg.early_drafting and not parse_bole_config({"method": "bole", "early-drafting": False})[0].early_drafting
+    assert cfg.kv_cache_groups == "fewest_bytes"
+    assert parse_bole_config({"method": "bole", "kv_cache_groups": "vllm"})[0].kv_cache_groups == "vllm"
 
 
 @pytest.mark.parametrize("key,value,field", [
@@ -36,6 +38,7 @@ def test_values_and_dashes():
     ("cuda_graphs", 1, "cuda_graphs"),
     ("early_drafting", "on", "early_drafting must be true or false"),
     ("early_drafting", 0, "early_drafting must be true or false"),
+    ("kv_cache_groups", "fewest", r"kv_cache_groups must be one of \['fewest_bytes', 'vllm'\]"),
     ("budget_rule", "fast", "budget_rule"),
     ("selection", "per-request", r"selection must be one of \['per_request', 'global'\]"),
     ("tree", [[0]], "unknown key"),

@@ -7,7 +7,7 @@ The measured GPU runs at 18 GiB (docs/results.md): AR 159.6, Bole with vLLM's gr
 
 import pytest
 
-from shape_specs import engine_config, layer_specs
+from vllm_bole.testing.shape_specs import engine_config, layer_specs
 
 GIB = 1 << 30
 
@@ -50,10 +50,9 @@ def test_bole_concurrency_is_ar_less_the_mtp_layer_kv(gib, ar, bole):
     assert slots == 33   # 8 + 1 attention layers, 24 GDN layers: no padding slot
 
 
-def test_vllm_groups_keep_a_ninth_page_on_every_gdn_block(monkeypatch):
-    """``VLLM_BOLE_KV_GROUPS=vllm``: vLLM's own groups (9 layers each), Bole at 89% of AR, as measured."""
-    monkeypatch.setenv("VLLM_BOLE_KV_GROUPS", "vllm")
-    got, kv_config = _bole(18)
+def test_vllm_groups_keep_a_ninth_page_on_every_gdn_block():
+    """``kv_cache_groups: "vllm"``: vLLM's own groups (9 layers each), Bole at 89% of AR, as measured."""
+    got, kv_config = _concurrency({"method": "bole", "kv_cache_groups": "vllm"}, 0, True, 18)
     assert got == pytest.approx(141.71, abs=0.01)
     assert [len(g.layer_names) for g in kv_config.kv_cache_groups] == [8, 8, 8, 9]
 

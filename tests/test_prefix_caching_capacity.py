@@ -13,7 +13,7 @@ import random
 import pytest
 
 from e2e_support import assert_same_logprobs, bole_engine, run_engine, vocab_size, write_oracle
-from shape_specs import engine_config, layer_specs
+from vllm_bole.testing.shape_specs import engine_config, layer_specs
 
 ENGINE = {"enable_prefix_caching": True, "max_model_len": 512}
 TIGHT = 14   # blocks of one request of 512 tokens, without the null block

@@ -16,6 +16,7 @@ from .spec_decode.synthetic import resolved_synthetic
 BOLE_METHOD = "bole"
 BUDGET_RULES = ("decode", "step", "throughput")
 SELECTIONS = ("per_request", "global")
+KV_CACHE_GROUPS = ("fewest_bytes", "vllm")
 # The MTP drafter's draft vocabulary when the config names none: learned from the served tokens (a full-vocabulary
 # LM head is most of a draft level's cost at small batch; docs/results.md, "Draft vocabulary").
 DEFAULT_DRAFT_VOCAB = "auto"
@@ -59,6 +60,10 @@ class BoleConfig:
     # before the host walks the trees (worker/early_drafting.py), in steps whose requests are all greedy or plainly
     # sampled trees; false: the drafter catches up after the host walk.
     early_drafting: bool = True
+    # How the layers are split into KV-cache groups (worker/kv_groups.py): "fewest_bytes", the split that holds a
+    # request in the fewest bytes (more concurrent requests; more groups, each with its own block table to allocate
+    # and map every step); "vllm", vLLM's own groups.
+    kv_cache_groups: str = "fewest_bytes"
 
     @property
     def max_nodes_per_request(self) -> int:
@@ -85,7 +90,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
     known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "budget_rule", "selection",
              "drafter", "drafter_args", "synthetic_acceptance", "cuda_graphs", "draft_vocab",
-             "early_drafting"} | _PASSTHROUGH_KEYS
+             "early_drafting", "kv_cache_groups"} | _PASSTHROUGH_KEYS
     unknown = sorted(set(spec) - known)
     if unknown:
         raise BoleConfigError(
@@ -133,10 +138,14 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     early_drafting = spec.get("early_drafting", True)
     if not isinstance(early_drafting, bool):
         raise BoleConfigError(f"speculative_config.early_drafting must be true or false, got {early_drafting!r}")
+    kv_cache_groups = spec.get("kv_cache_groups", "fewest_bytes")
+    if kv_cache_groups not in KV_CACHE_GROUPS:
+        raise BoleConfigError(
+            f"speculative_config.kv_cache_groups must be one of {list(KV_CACHE_GROUPS)}, got {kv_cache_groups!r}")
     return BoleConfig(max_depth=depth, topk=topk, budget=budget, budget_table=budget_table, budget_rule=budget_rule,
                       selection=selection, drafter=drafter, drafter_args=drafter_args, synthetic_acceptance=synthetic,
                       cuda_graphs=cuda_graphs, draft_vocab=draft_vocab,
-                      early_drafting=early_drafting), rest
+                      early_drafting=early_drafting, kv_cache_groups=kv_cache_groups), rest
 
 
 def draft_vocab_of(spec: dict[str, Any]) -> Any:

@@ -32,14 +32,6 @@ def _non_negative_int(name: str) -> int | None:
     return int(value)
 
 
-def _choice(name: str, choices: tuple[str, ...]) -> str:
-    """One of ``choices``; the first when unset."""
-    value = os.environ.get(name) or choices[0]
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
-
-
 environment_variables: dict[str, Callable[[], Any]] = {
     # Calibration table that budget "auto" reads when speculative_config.budget_table is not given.
     "VLLM_BOLE_BUDGET_TABLE": lambda: os.environ.get("VLLM_BOLE_BUDGET_TABLE") or None,
@@ -55,8 +47,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_BOLE_KERNELS": lambda: os.environ.get("VLLM_BOLE_KERNELS", "triton"),
     # One threshold on the longest sequence for the tree-attention route (None: the measured rule).
     "VLLM_BOLE_INLINE_PREFIX_MAX_SEQ": lambda: _optional_int("VLLM_BOLE_INLINE_PREFIX_MAX_SEQ"),
-    # How a Bole engine splits its layers into KV-cache groups: "fewest_bytes" (worker/kv_groups.py) or "vllm".
-    "VLLM_BOLE_KV_GROUPS": lambda: _choice("VLLM_BOLE_KV_GROUPS", ("fewest_bytes", "vllm")),
     # The most nodes per request a step drafts as a one-wide chain (0: never; unset: where the acceptance
     # model's best-first tree is a chain, BudgetPolicy.width).
     "VLLM_BOLE_CHAIN_NODES": lambda: _non_negative_int("VLLM_BOLE_CHAIN_NODES"),

@@ -10,8 +10,9 @@ without the MTP layer: 56).
 Every size is tried through vLLM's own accounting (the bytes one request of ``max_model_len`` holds: per GDN group
 one state block, two with prefix caching, as vLLM's "align" mode holds them; and the pool's null block, which the
 start-up check counts for a Bole engine, ``_vllm_compat.wrap_kv_cache_check``); more groups cost host time every
-step (each has its own block table to allocate, copy and map), so ties go to fewer groups and a split never has more
-than ``MAX_GROUPS_FACTOR`` times vLLM's groups.
+step (each has its own block table to allocate, copy and map: vLLM's scheduler allocates every running request's
+slots group by group), so ties go to fewer groups and a split never has more than ``MAX_GROUPS_FACTOR`` times vLLM's
+groups. ``kv_cache_groups: "vllm"`` keeps vLLM's groups.
 """
 
 from collections import defaultdict
@@ -19,8 +20,8 @@ from collections import defaultdict
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, UniformTypeKVCacheSpecs
 
-from .. import envs
 from .._vllm_compat import kv_bytes_per_request, kv_cache_group_specs
+from ..config import bole_config_from_vllm
 from ..logger import init_logger
 
 logger = init_logger(__name__)
@@ -30,8 +31,8 @@ MAX_GROUPS_FACTOR = 3
 
 def fewest_bytes_groups(vllm_config, kv_cache_spec: dict, groups: list) -> list:
     """vLLM's ``groups`` of the layers in ``kv_cache_spec``, or a split of each spec's layers into groups of one
-    common size whose requests take fewer bytes (``$VLLM_BOLE_KV_GROUPS=vllm``: vLLM's always)."""
-    if envs.VLLM_BOLE_KV_GROUPS == "vllm" or not _splittable(groups):
+    common size whose requests take fewer bytes (speculative_config ``kv_cache_groups: "vllm"``: vLLM's always)."""
+    if bole_config_from_vllm(vllm_config).kv_cache_groups == "vllm" or not _splittable(groups):
         return groups
     spec_of = {name: g.kv_cache_spec for g in groups for name in g.layer_names}   # page sizes already unified
     by_spec = _layers_by_spec([name for name in kv_cache_spec if name in spec_of], spec_of)

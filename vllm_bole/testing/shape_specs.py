@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-MODEL = Path(__file__).parent.parent / "benchmarks" / "models" / "qwen3.5-9b-shape"
+MODEL = Path(__file__).resolve().parents[2] / "benchmarks" / "models" / "qwen3.5-9b-shape"
 
 
 def engine_config(spec, prefix_caching: bool = False):
