@@ -235,6 +235,12 @@ def test_budget_log_says_how_often_the_rule_chose(caplog):
                         f"{(24 * 8 + 6 * 12 + 32) / 21:.2f} nodes per request, batch 1-6")
     assert log.interval() == {"steps": 1, "by_rule": 1, "nodes": 96, "requests": 4}   # a new interval from 10.5 s
     assert log.totals == {"steps": 6, "by_rule": 4, "nodes": 392, "requests": 25}
+    # The CUDA graphs captured in the interval, where some were.
+    totals = [(3, 40.0), (3, 40.0), (5, 290.0)]
+    log = BudgetLog(interval_s=1.0, captures=lambda: totals.pop(0))
+    assert log.record(4, 16, True, 0.0) is None
+    assert log.record(4, 16, True, 1.5).endswith("batch 4-4")   # none captured since the log began
+    assert log.record(4, 16, True, 3.0).endswith("batch 4-4; 2 CUDA graphs captured (250 ms)")
     # Through vLLM's logger, at INFO.
     with caplog.at_level(logging.INFO, logger="vllm_bole"):
         BudgetLog(interval_s=0.0).record(2, 6, False, 5.0)

@@ -4,6 +4,7 @@
 drafter's catch-up (``spec_decode/draft_graphs.py``) and its tree levels (``spec_decode/beam_graphs.py``).
 """
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from unittest.mock import patch
@@ -143,12 +144,25 @@ def leading_rows(output, rows: int):
     return output
 
 
+# Graphs captured so far in this process and the milliseconds their captures took: a capture stalls its step, so
+# the scheduler's stats line reports those of each interval (spec_decode/budget.BudgetLog).
+_captures = [0, 0.0]
+
+
+def capture_totals() -> tuple[int, float]:
+    """(graphs captured, milliseconds capturing) since the process started."""
+    return _captures[0], _captures[1]
+
+
 def capture(call, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """``call()`` captured into a new graph in ``pool`` (after an eager warm-up at the same shapes)."""
+    start = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
     # As vLLM's own captures: no full garbage collection and cache release per graph (tens of ms each).
     with patch("gc.collect", lambda *args, **kwargs: None), \
             patch("torch.cuda.empty_cache", lambda *args, **kwargs: None), \
             torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = call()
+    _captures[0] += 1
+    _captures[1] += 1e3 * (time.perf_counter() - start)
     return graph, output

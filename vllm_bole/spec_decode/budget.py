@@ -123,9 +123,13 @@ class BudgetLog:
     """What set recent steps' node budgets, one INFO line every ``interval_s`` (vLLM's stats interval,
     ``VLLM_LOG_STATS_INTERVAL``) that had steps: how many, the share the throughput rule chose (the others took
     the calibrated B_ver, or a fixed budget), the nodes per request and the batch sizes. Online the rule needs
-    measured steps of one batch size (:class:`StepClock`), so this says how often it was in charge."""
+    measured steps of one batch size (:class:`StepClock`), so this says how often it was in charge. ``captures``:
+    a callable giving (graphs captured, milliseconds capturing) so far; the line adds the interval's, which stall
+    the steps that capture."""
 
-    def __init__(self, interval_s: float | None = None):
+    def __init__(self, interval_s: float | None = None, captures=None):
+        self._captures = captures
+        self._captures_since = captures() if captures is not None else (0, 0.0)
         if interval_s is None:
             import vllm.envs as vllm_envs
 
@@ -156,6 +160,12 @@ class BudgetLog:
                 f"{100 * c['by_rule'] / c['steps']:.0f}% chosen by the throughput rule; "
                 f"{c['nodes'] / max(c['requests'], 1):.2f} nodes per request, "
                 f"batch {self._batches[0]}-{self._batches[1]}")
+        if self._captures is not None:
+            now_captures = self._captures()
+            count, ms = (a - b for a, b in zip(now_captures, self._captures_since))
+            self._captures_since = now_captures
+            if count:
+                line += f"; {count} CUDA graphs captured ({ms:.0f} ms)"
         logger.info(line)
         self._start, self._since, self._batches = now, dict(self.totals), None
         return line

@@ -23,6 +23,7 @@ from vllm.v1.outputs import DraftTokenIds
 
 from .._vllm_compat import (SCHEDULER_OVERRIDES, check_overrides, engine_link, hit_as_without_drafter,
                             keep_state_blocks_until_cached, publish_blocks_when_finished)
+from ..attention.graph_mode import capture_totals
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 from ..spec_decode.budget import BUDGET_ATTR, BudgetLog, node_budget, with_applicable_rule
@@ -122,7 +123,8 @@ class _BudgetLines:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._budget_log = BudgetLog() if self.log_stats else None
+        # (the graphs are captured in this process: Bole's graphs are off with tensor parallelism)
+        self._budget_log = BudgetLog(captures=capture_totals) if self.log_stats else None
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         choice = getattr(draft_token_ids, BUDGET_ATTR, None)
