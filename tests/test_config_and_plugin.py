@@ -22,6 +22,13 @@ def test_values_and_dashes():
     assert parse_bole_config({"method": "bole", "kv_cache_groups": "vllm"})[0].kv_cache_groups == "vllm"
 
 
+def test_the_kv_groups_environment_variable_names_its_config_key(monkeypatch):
+    monkeypatch.setenv("VLLM_BOLE_KV_GROUPS", "vllm")
+    with pytest.raises(BoleConfigError, match=r"^VLLM_BOLE_KV_GROUPS is no longer read: set speculative_config"
+                                              r"\.kv_cache_groups \('fewest_bytes' or 'vllm'\) instead$"):
+        parse_bole_config({"method": "bole"})
+
+
 @pytest.mark.parametrize("key,value,field", [
     ("num_speculative_tokens", 0, "num_speculative_tokens"),
     ("num_speculative_tokens", 33, "num_speculative_tokens"),

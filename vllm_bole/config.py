@@ -139,6 +139,9 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if not isinstance(early_drafting, bool):
         raise BoleConfigError(f"speculative_config.early_drafting must be true or false, got {early_drafting!r}")
     kv_cache_groups = spec.get("kv_cache_groups", "fewest_bytes")
+    if os.environ.get("VLLM_BOLE_KV_GROUPS"):   # the setting's earlier form: not silently ignored
+        raise BoleConfigError("VLLM_BOLE_KV_GROUPS is no longer read: set speculative_config.kv_cache_groups "
+                              f"({' or '.join(map(repr, KV_CACHE_GROUPS))}) instead")
     if kv_cache_groups not in KV_CACHE_GROUPS:
         raise BoleConfigError(
             f"speculative_config.kv_cache_groups must be one of {list(KV_CACHE_GROUPS)}, got {kv_cache_groups!r}")
