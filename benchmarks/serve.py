@@ -428,7 +428,8 @@ def row_ok(row: dict) -> bool:
             and all(isinstance(row.get(k), (int, float)) and row[k] > 0 for k in REQUIRED))
 
 
-BUDGET_INTERVAL = re.compile(r"Bole budget: (\d+) steps in the last [\d.]+ s, (\d+)% chosen by the throughput rule")
+BUDGET_INTERVAL = re.compile(r"Bole budget: (\d+) steps in the last [\d.]+ s, (\d+)% chosen by the throughput rule"
+                             r"[^\n]*?(?:; (\d+) CUDA graphs captured \((\d+) ms\))?$", re.MULTILINE)
 
 
 def _budget_lines(log: Path | None) -> list[str]:
@@ -446,13 +447,16 @@ def _budget_lines(log: Path | None) -> list[str]:
 
 
 def rule_share(log_text: str) -> dict | None:
-    """The steps of Bole's per-interval budget lines in ``log_text`` (``BudgetLog``) and the share of them whose
-    budget the throughput rule chose (the others took the calibrated B_ver); None without such lines."""
-    found = [(int(m.group(1)), int(m.group(2))) for m in BUDGET_INTERVAL.finditer(log_text)]
-    steps = sum(n for n, _ in found)
+    """The steps of Bole's per-interval budget lines in ``log_text`` (``BudgetLog``), the share of them whose
+    budget the throughput rule chose (the others took the calibrated B_ver), and the CUDA graphs those lines say
+    were captured and the milliseconds their captures took; None without such lines."""
+    found = [m.groups() for m in BUDGET_INTERVAL.finditer(log_text)]
+    steps = sum(int(n) for n, *_ in found)
     if not steps:
         return None
-    return {"steps": steps, "by_rule": round(sum(n * pct for n, pct in found) / 100 / steps, 3)}
+    return {"steps": steps, "by_rule": round(sum(int(n) * int(pct) for n, pct, *_ in found) / 100 / steps, 3),
+            "graphs_captured": sum(int(c or 0) for *_, c, _ in found),
+            "capture_ms": sum(int(ms or 0) for *_, ms in found)}
 
 
 def _log_size(log: Path) -> int:
@@ -598,7 +602,7 @@ def markdown(rows: list[dict], names: list[str], bole_names: set[str], comps: li
 
 def details_markdown(rows: list[dict], names: list[str]) -> str:
     lines = ["| config | rate | done | TTFT p50 / p99 ms | TPOT p99 ms | ITL p50 / p99 ms | req/s | goodput req/s "
-             "| acceptance length | drafts / accepted per request-step | budgets by the throughput rule |",
+             "| acceptance length | drafts / accepted per request-step | budgets by the throughput rule (graphs) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (names.index(r["config"]) if r["config"] in names else 99,
                                          _rate_key(r["rate"]))):
@@ -615,7 +619,12 @@ def details_markdown(rows: list[dict], names: list[str]) -> str:
 
 
 def _share(rule: dict | None) -> str:
-    return "–" if not rule else f"{100 * rule['by_rule']:.0f}% of {rule['steps']} steps"
+    if not rule:
+        return "–"
+    text = f"{100 * rule['by_rule']:.0f}% of {rule['steps']} steps"
+    if rule.get("graphs_captured"):
+        text += f"; {rule['graphs_captured']} graphs captured ({rule['capture_ms']} ms)"
+    return text
 
 
 def _per_draft(row: dict, key: str) -> float | None:

@@ -178,11 +178,14 @@ def test_details_show_each_requests_share_of_a_step():
                                    ["ar", "bole"])
     lines = table.splitlines()
     assert lines[0].endswith("| acceptance length | drafts / accepted per request-step | budgets by the throughput "
-                             "rule |")
+                             "rule (graphs) |")
     assert lines[2].startswith("| ar | 32 |") and lines[2].endswith("| – / – | – |")
     assert lines[3].startswith("| bole | 32 |") and lines[3].endswith("| 3.20 / 2.35 | – |")
     row["bole_budget_rule"] = {"steps": 300, "by_rule": 0.25}
     assert serve.details_markdown([row], ["bole"]).endswith("| 3.20 / 2.35 | 25% of 300 steps |")
+    row["bole_budget_rule"] |= {"graphs_captured": 4, "capture_ms": 310}
+    assert serve.details_markdown([row], ["bole"]).endswith(
+        "| 3.20 / 2.35 | 25% of 300 steps; 4 graphs captured (310 ms) |")
 
 
 def test_rule_share_reads_the_servers_budget_lines(tmp_path):
@@ -193,8 +196,12 @@ def test_rule_share_reads_the_servers_budget_lines(tmp_path):
         "(EngineCore pid=1) INFO 12-05 16:48:39 [budget.py:180] Bole budget: 300 steps in the last 10.0 s, 0% chosen "
         "by the throughput rule; 2.00 nodes per request, batch 60-64",
         "(EngineCore pid=1) INFO 12-05 16:48:49 [budget.py:180] Bole budget: 100 steps in the last 10.1 s, 100% chosen "
-        "by the throughput rule; 4.00 nodes per request, batch 64-64"])
-    assert serve.rule_share(text) == {"steps": 400, "by_rule": 0.25}
+        "by the throughput rule; 4.00 nodes per request, batch 64-64; 3 CUDA graphs captured (212 ms)",
+        "(EngineCore pid=1) INFO 12-05 16:48:59 [budget.py:180] Bole budget: 100 steps in the last 10.0 s, 0% chosen "
+        "by the throughput rule; 4.00 nodes per request, batch 64-64; 2 CUDA graphs captured (90 ms)"])
+    assert serve.rule_share(text) == {"steps": 500, "by_rule": 0.2, "graphs_captured": 5, "capture_ms": 302}
+    assert serve.rule_share("\n".join(text.splitlines()[:2])) == {"steps": 300, "by_rule": 0.0,
+                                                                  "graphs_captured": 0, "capture_ms": 0}
     assert serve.rule_share(text.splitlines()[0]) is None
     log = tmp_path / "server.log"
     log.write_text(text)
