@@ -169,8 +169,10 @@ def assert_same_logprobs(ref: dict, test: dict) -> float:
 
 
 def vocab_size(model_dir: str) -> int:
-    """The tiny checkpoint's vocabulary size (its config's text part)."""
-    return json.load(open(f"{model_dir}/config.json"))["text_config"]["vocab_size"]
+    """The tiny checkpoint's vocabulary size (its config's text part, where it has one: Qwen3.5 and Qwen3.5-MoE;
+    Qwen3-Next's config is flat)."""
+    config = json.load(open(f"{model_dir}/config.json"))
+    return config.get("text_config", config)["vocab_size"]
 
 
 def random_requests(vocab: int, prompt_lens, max_tokens: int, seed: int = 1234) -> list[dict]:

@@ -1,12 +1,10 @@
 """Bole on the tiny MoE models (Qwen3.5-MoE and Qwen3-Next: routed experts + a shared expert, GDN + attention, one
 MTP layer): lossless greedy."""
 
-import json
-
 import pytest
 
 from e2e_support import (assert_lossless, bole_engine, full_vocab, random_requests, run_engine,
-                          skip_without_moe_kernels, write_oracle)
+                          skip_without_moe_kernels, vocab_size, write_oracle)
 
 pytestmark = pytest.mark.vllm
 
@@ -17,9 +15,7 @@ def test_moe_planted_and_mtp_trees_are_lossless(tmp_path, kind):
 
     skip_without_moe_kernels()
     model = tiny_model_dir(kind)
-    config = json.load(open(f"{model}/config.json"))
-    vocab = config.get("text_config", config)["vocab_size"]
-    reqs = random_requests(vocab, [4, 9, 17, 33, 60, 6], max_tokens=32, seed=7)
+    reqs = random_requests(vocab_size(model), [4, 9, 17, 33, 60, 6], max_tokens=32, seed=7)
     base = {"model": model, "kind": kind, "requests": reqs, "logprobs": 2}
     ref = run_engine(tmp_path, "ref", base | {"engine": {"max_num_seqs": 8}})
     write_oracle(tmp_path, reqs, ref)

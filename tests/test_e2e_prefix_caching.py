@@ -195,8 +195,7 @@ def test_moe_multi_turn_with_prefix_caching(tmp_path, kind):
     caching equals vLLM without speculation, with the queries and hits it has on Qwen3.5."""
     skip_without_moe_kernels()
     model = tiny_model_dir(kind)
-    config = json.load(open(f"{model}/config.json"))
-    prompts, replies = _conversations(config.get("text_config", config)["vocab_size"])
+    prompts, replies = _conversations(vocab_size(model))
     plain = run_engine(tmp_path, "ar", _spec(model, prompts, replies, kind, enable_prefix_caching=False),
                        runner="multi_turn_run")
     _write_oracle(tmp_path, plain)
