@@ -69,3 +69,35 @@ def test_stepped_generate_calls_back_before_every_step():
     llm, seen = SimpleNamespace(llm_engine=_FakeEngine(steps_needed=5)), []
     tokens, seconds = script._generate(llm, batch=3, prompt_len=4, new_tokens=5, seed=0, on_step=seen.append)
     assert seen == [0, 1, 2, 3, 4] and tokens == 15 and seconds >= 0
+
+
+def test_slow_steps_logged_with_both_steps_facts(monkeypatch):
+    """VLLM_BOLE_SLOW_STEP_MS: an interval past the threshold names the step before it and the step after it;
+    shorter intervals and the first step log nothing."""
+    from vllm_bole.worker import step_profile
+    from vllm_bole.worker.step_profile import SlowSteps
+
+    lines, clock = [], iter([0.0, 0.010, 0.300, 0.305])
+    monkeypatch.setattr(step_profile.logger, "warning", lambda fmt, *args: lines.append(fmt % args))
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: next(clock))
+    steps = SlowSteps(threshold_ms=100)
+    for facts in ("first", "decode", "mixed", "decode again"):
+        steps.begin(facts)
+    assert len(lines) == 1 and "290 ms" in lines[0] and "previous: decode;" in lines[0] and "this: mixed" in lines[0]
+    monkeypatch.setenv("VLLM_BOLE_SLOW_STEP_MS", "0")
+    assert SlowSteps.from_env() is None
+    monkeypatch.setenv("VLLM_BOLE_SLOW_STEP_MS", "250")
+    assert SlowSteps.from_env().threshold_ms == 250
+
+
+def test_step_facts_count_prefill_chunks():
+    """A request with more tokens than its drafts and root is a prefill chunk; one with drafts is not."""
+    from types import SimpleNamespace
+
+    from vllm_bole.worker.model_runner import BoleModelRunnerMixin
+
+    runner = SimpleNamespace(bole_early_draft_steps=7, bole_graph_counts=lambda: (3, 5))
+    out = SimpleNamespace(num_scheduled_tokens={"a": 5, "b": 1, "c": 512}, total_num_scheduled_tokens=518,
+                          scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]})
+    facts = BoleModelRunnerMixin._bole_step_facts(runner, out)
+    assert facts == "3 requests, 518 tokens, 1 prefilling; so far 7 early-drafted steps, graphs 3 verify / 5 drafter"

@@ -41,6 +41,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_BOLE_CAPTURE_AFTER": lambda: _positive_int("VLLM_BOLE_CAPTURE_AFTER", "3"),
     # Log each phase's mean time every N verification steps (0: off).
     "VLLM_BOLE_PROFILE_STEPS": lambda: int(os.environ.get("VLLM_BOLE_PROFILE_STEPS", "0") or 0),
+    # Log every engine step whose wall time from the previous step's start exceeds this many ms, with what it ran
+    # (0: off). No synchronizes: under async scheduling a step's time shows in the step after it.
+    "VLLM_BOLE_SLOW_STEP_MS": lambda: int(os.environ.get("VLLM_BOLE_SLOW_STEP_MS", "0") or 0),
     # The model runner keeps every verified tree and its walk (vllm-bole acceptance-profile reads them).
     "VLLM_BOLE_RECORD_WALKS": lambda: os.environ.get("VLLM_BOLE_RECORD_WALKS", "0") == "1",
     # "reference": the torch references on CUDA too (bisecting a kernel mismatch); else "triton".

@@ -32,7 +32,7 @@ from .budget_policy import BudgetPolicy
 from .commit import Committer
 from .drafting import Drafting, no_draft_ids
 from .forest_builder import ForestBuilder
-from .step_profile import StepProfiler, profiled
+from .step_profile import SlowSteps, StepProfiler, profiled
 from .tree_walk import TreeWalk
 
 logger = init_logger(__name__)
@@ -55,6 +55,7 @@ class BoleModelRunnerMixin:
         self._bole_synthetic = parse_synthetic(self.bole_config.synthetic_acceptance)
         self.bole_drafter = None
         self._bole_profiler = StepProfiler.from_env()
+        self._bole_slow_steps = SlowSteps.from_env()
         # VLLM_BOLE_RECORD_WALKS: every verified tree and its walk, for acceptance profiles (None: not kept)
         self.bole_walk_log = WalkLog() if envs.VLLM_BOLE_RECORD_WALKS else None
         self._bole_graphs = None
@@ -135,6 +136,8 @@ class BoleModelRunnerMixin:
         # Drafts vLLM did not take (tensor-parallel ranks other than the output rank) finish before the step
         # that verifies them (queued drafts only move aside: the step reads them from the device). So does the
         # commit of a step whose drafter did not run (vLLM skips it when the batch does not fit the drafter).
+        if self._bole_slow_steps is not None:
+            self._bole_slow_steps.begin(self._bole_step_facts(scheduler_output))
         self.bole_commit.run()
         self.bole_drafting.finish()
         self._bole_early_draft = None
@@ -150,6 +153,16 @@ class BoleModelRunnerMixin:
             # Queued drafts serve the step right after the one that drafted them (its forest keeps what it read);
             # placeholders scheduled later are verified as chains (ForestBuilder.build).
             self.bole_forest_builder.queued = None
+
+    def _bole_step_facts(self, scheduler_output) -> str:
+        """What a step runs, for the slow-step log: its requests and tokens, the requests with more tokens than
+        their drafts and root (prefill chunks), and the counters whose change tells the path it took."""
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        prefills = sum(n > 1 + len(spec.get(r, ())) for r, n in scheduler_output.num_scheduled_tokens.items())
+        verify, draft = self.bole_graph_counts()
+        return (f"{len(scheduler_output.num_scheduled_tokens)} requests, "
+                f"{scheduler_output.total_num_scheduled_tokens} tokens, {prefills} prefilling; so far "
+                f"{self.bole_early_draft_steps} early-drafted steps, graphs {verify} verify / {draft} drafter")
 
     @property
     def bole_async(self) -> bool:

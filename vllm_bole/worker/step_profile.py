@@ -70,6 +70,29 @@ class StepProfiler:
             self.total.clear()
 
 
+class SlowSteps:
+    """``VLLM_BOLE_SLOW_STEP_MS=T``: a log line for every step that began more than T ms after the previous one
+    began, naming what both ran (requests, tokens, prefill chunks, the path they took, graphs captured). It adds
+    no synchronize: the host waits where vLLM waits, so a stall on the device shows in the interval it blocks."""
+
+    def __init__(self, threshold_ms: int):
+        self.threshold_ms = threshold_ms
+        self._last: tuple[float, str] | None = None
+
+    @classmethod
+    def from_env(cls) -> "SlowSteps | None":
+        ms = envs.VLLM_BOLE_SLOW_STEP_MS
+        return cls(ms) if ms > 0 else None
+
+    def begin(self, facts: str) -> None:
+        """A step begins that runs ``facts``; logs the interval since the last one began if it is slow."""
+        now = time.perf_counter()
+        if self._last is not None and (now - self._last[0]) * 1e3 > self.threshold_ms:
+            logger.warning("Bole slow step: %.0f ms since the previous step began (previous: %s; this: %s)",
+                           (now - self._last[0]) * 1e3, self._last[1], facts)
+        self._last = (now, facts)
+
+
 @contextlib.contextmanager
 def profiled(profiler: "StepProfiler | None", name: str):
     """``profiler.phase(name)`` (when the step profiler is on), inside vLLM's profiling scope ``bole: <name>``
