@@ -73,16 +73,17 @@ def test_stepped_generate_calls_back_before_every_step():
 
 def test_slow_steps_logged_with_both_steps_facts(monkeypatch):
     """VLLM_BOLE_SLOW_STEP_MS: an interval past the threshold names the step before it and the step after it;
-    shorter intervals and the first step log nothing."""
+    shorter intervals, the first step and an interval without a request in both steps (idle) log nothing."""
     from vllm_bole.worker import step_profile
     from vllm_bole.worker.step_profile import SlowSteps
 
-    lines, clock = [], iter([0.0, 0.010, 0.300, 0.305])
+    lines, clock = [], iter([0.0, 0.010, 0.300, 0.305, 0.900])
     monkeypatch.setattr(step_profile.logger, "warning", lambda fmt, *args: lines.append(fmt % args))
     monkeypatch.setattr(step_profile.time, "perf_counter", lambda: next(clock))
     steps = SlowSteps(threshold_ms=100)
-    for facts in ("first", "decode", "mixed", "decode again"):
-        steps.begin(facts)
+    for reqs, facts in ((["a"], "first"), (["a"], "decode"), (["a", "b"], "mixed"), (["a", "b"], "decode again"),
+                        (["c"], "after idle")):
+        steps.begin(reqs, facts)
     assert len(lines) == 1 and "290 ms" in lines[0] and "previous: decode;" in lines[0] and "this: mixed" in lines[0]
     monkeypatch.setenv("VLLM_BOLE_SLOW_STEP_MS", "0")
     assert SlowSteps.from_env() is None

@@ -137,7 +137,8 @@ class BoleModelRunnerMixin:
         # that verifies them (queued drafts only move aside: the step reads them from the device). So does the
         # commit of a step whose drafter did not run (vLLM skips it when the batch does not fit the drafter).
         if self._bole_slow_steps is not None:
-            self._bole_slow_steps.begin(self._bole_step_facts(scheduler_output))
+            self._bole_slow_steps.begin(scheduler_output.num_scheduled_tokens,
+                                       self._bole_step_facts(scheduler_output))
         self.bole_commit.run()
         self.bole_drafting.finish()
         self._bole_early_draft = None

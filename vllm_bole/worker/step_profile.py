@@ -72,25 +72,29 @@ class StepProfiler:
 
 class SlowSteps:
     """``VLLM_BOLE_SLOW_STEP_MS=T``: a log line for every step that began more than T ms after the previous one
-    began, naming what both ran (requests, tokens, prefill chunks, the path they took, graphs captured). It adds
-    no synchronize: the host waits where vLLM waits, so a stall on the device shows in the interval it blocks."""
+    began while a request ran in both (an engine waiting for arrivals is idle, not slow), naming what both ran
+    (requests, tokens, prefill chunks, the path they took, graphs held). It adds no synchronize: the host waits
+    where vLLM waits, so a stall on the device shows in the interval it blocks."""
 
     def __init__(self, threshold_ms: int):
         self.threshold_ms = threshold_ms
-        self._last: tuple[float, str] | None = None
+        self._last: tuple[float, frozenset, str] | None = None
 
     @classmethod
     def from_env(cls) -> "SlowSteps | None":
         ms = envs.VLLM_BOLE_SLOW_STEP_MS
         return cls(ms) if ms > 0 else None
 
-    def begin(self, facts: str) -> None:
-        """A step begins that runs ``facts``; logs the interval since the last one began if it is slow."""
-        now = time.perf_counter()
-        if self._last is not None and (now - self._last[0]) * 1e3 > self.threshold_ms:
-            logger.warning("Bole slow step: %.0f ms since the previous step began (previous: %s; this: %s)",
-                           (now - self._last[0]) * 1e3, self._last[1], facts)
-        self._last = (now, facts)
+    def begin(self, req_ids, facts: str) -> None:
+        """A step of requests ``req_ids`` begins that runs ``facts``; logs the interval since the last one began
+        if it is slow."""
+        now, req_ids = time.perf_counter(), frozenset(req_ids)
+        if self._last is not None:
+            since, previous, previous_facts = self._last
+            if (now - since) * 1e3 > self.threshold_ms and previous & req_ids:
+                logger.warning("Bole slow step: %.0f ms since the previous step began (previous: %s; this: %s)",
+                               (now - since) * 1e3, previous_facts, facts)
+        self._last = (now, req_ids, facts)
 
 
 @contextlib.contextmanager
