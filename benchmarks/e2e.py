@@ -20,7 +20,8 @@ option accepted by rank alone, at no cost for the subset), ``bole_decode_vocab32
 "decode"``: the calibrated B_ver every step, the default before "throughput"), ``bole_late``
 (``early_drafting: false``: the drafter catches up after the host walk instead of being queued before it),
 ``bole_full_vocab`` (``draft_vocab: null``: the drafter's full LM head), ``bole_vllm_kv_groups``
-(``kv_cache_groups: "vllm"``: vLLM's own KV-cache groups), ``bole_sync`` and ``bole_vocab32k_sync``
+(``kv_cache_groups: "vllm"``: vLLM's own KV-cache groups), ``bole_cold`` (``warmup: false``: no start-up
+warm-up), ``bole_sync`` and ``bole_vocab32k_sync``
 (``async_scheduling: false``); and ``--variant NAME=JSON`` (repeatable: keys over ``bole``'s speculative config,
 ``null`` as the config reads it, e.g. ``"budget_table": null`` no table,
 ``async_scheduling`` is the engine's setting), e.g. ``--variant bole_tput='{"budget_rule": "throughput"}'``. Each
@@ -111,6 +112,8 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  # vLLM's own KV-cache groups (4 at the 9B shape, against the 11 that hold a request in the
                  # fewest bytes).
                  "bole_vllm_kv_groups": {"kv_cache_groups": "vllm"},
+                 # No start-up warm-up: graphs captured and kernels compiled on first use, while serving.
+                 "bole_cold": {"warmup": False},
                  "bole_sync": {"async_scheduling": False},
                  "bole_vocab32k_sync": {"draft_vocab": 32768, "async_scheduling": False}}
 # Keys of a variant that are engine settings, not speculative config keys.

@@ -29,6 +29,7 @@ BEFORE = {"bole": ({}, None, False),
           "bole_decode_vocab32k": ({"budget_rule": "decode", "draft_vocab": 32768}, None, False),
           "bole_late": ({"early_drafting": False}, None, False),
           "bole_vllm_kv_groups": ({"kv_cache_groups": "vllm"}, None, False),
+          "bole_cold": ({"warmup": False}, None, False),
           "bole_sync": ({}, False, True),
           "bole_vocab32k_sync": ({"draft_vocab": 32768}, False, True)}
 
@@ -122,7 +123,7 @@ def test_an_unknown_name_fails_with_one_line(configs):
     message = str(info.value)
     assert "\n" not in message and message.startswith("--configs: ")
     assert "allowed: ar, mtp1..mtp8, bole, bole_global, bole_step, bole_vocab32k, bole_full_vocab, " \
-           "bole_decode_vocab32k, bole_late, bole_vllm_kv_groups, bole_sync, bole_vocab32k_sync, " \
+           "bole_decode_vocab32k, bole_late, bole_vllm_kv_groups, bole_cold, bole_sync, bole_vocab32k_sync, " \
            "mtp1_sync..mtp8_sync (and names given by --variant" in message
     # serve.py: the same names, and its inline form
     with pytest.raises(SystemExit, match="mtp1_sync..mtp8_sync, bole:{JSON}"):
@@ -135,8 +136,8 @@ def test_the_script_prints_the_one_line():
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
         "--configs: unknown bole_global_step; allowed: ar, mtp1..mtp8, bole, bole_global, bole_step, bole_vocab32k, "
-        "bole_full_vocab, bole_decode_vocab32k, bole_late, bole_vllm_kv_groups, bole_sync, bole_vocab32k_sync, "
-        "mtp1_sync..mtp8_sync (and names given by --variant NAME=JSON)"]
+        "bole_full_vocab, bole_decode_vocab32k, bole_late, bole_vllm_kv_groups, bole_cold, bole_sync, "
+        "bole_vocab32k_sync, mtp1_sync..mtp8_sync (and names given by --variant NAME=JSON)"]
 
 
 def test_variant_keys_over_bole():

@@ -45,6 +45,8 @@ def test_the_kv_groups_environment_variable_names_its_config_key(monkeypatch):
     ("cuda_graphs", 1, "cuda_graphs"),
     ("early_drafting", "on", "early_drafting must be true or false"),
     ("early_drafting", 0, "early_drafting must be true or false"),
+    ("warmup", "yes", "warmup must be 'auto', true or false"),
+    ("warmup", 1, "warmup must be 'auto', true or false"),
     ("kv_cache_groups", "fewest", r"kv_cache_groups must be one of \['fewest_bytes', 'vllm'\]"),
     ("budget_rule", "fast", "budget_rule"),
     ("selection", "per-request", r"selection must be one of \['per_request', 'global'\]"),

@@ -34,7 +34,12 @@ Patches:
 7. :func:`engine_link`: the model runner hands the scheduler of its own engine what the scheduler asks it
    (the budget policy under async scheduling), keyed by the ``VllmConfig`` object both are built from at
    tensor_parallel_size 1; vLLM builds the scheduler with no handle on the worker.
-8. The private names of vLLM objects Bole reads, writes or overrides are all below ("Private vLLM names"): the
+8. :func:`run_when_engine_core_built`: Bole's start-up warm-up (``worker/warmup.py``) runs inside the engine
+   core's construction, after its scheduler, executor and step function exist and before the engine reports
+   ready. vLLM offers no hook there, and the plugin is loaded by the engine core's ``__init__`` itself (in an
+   engine-core process, too late to wrap that ``__init__``), so the hook is the last call that ``__init__``
+   makes, ``enable_envs_cache``, looked up in ``vllm.v1.engine.core`` when it is called.
+9. The private names of vLLM objects Bole reads, writes or overrides are all below ("Private vLLM names"): the
    model runner's and scheduler's private methods Bole's classes override (checked when they are built), the MTP
    proposer's input buffers that Bole's drafter fills, the structured-output manager's bitmask, the runner's
    pending drafts and sampled-count copy, and two attributes of vLLM's GDN layer.
@@ -392,6 +397,28 @@ def hit_as_without_drafter(scheduler) -> None:
 
 
 # ---- KV-cache groups ------------------------------------------------------------------------------------------
+def run_when_engine_core_built(callback) -> None:
+    """Call ``callback(engine_core)`` at the end of every ``EngineCore.__init__`` (patch 8), before the engine
+    reports ready. Idempotent: a second call does nothing."""
+    import sys
+
+    from vllm.v1.engine import core
+
+    original = core.enable_envs_cache
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    def enable_envs_cache():
+        engine_core = sys._getframe(1).f_locals.get("self")
+        if isinstance(engine_core, core.EngineCore):
+            callback(engine_core)
+        return original()
+
+    setattr(enable_envs_cache, _PATCHED_ATTR, True)
+    enable_envs_cache.__doc__ = original.__doc__
+    core.enable_envs_cache = enable_envs_cache
+
+
 # vLLM splits a hybrid model's layers into KV-cache groups of one size (``kv_cache_utils.get_kv_cache_groups``);
 # every block id spans one page per layer slot of a group, so a type whose layer count the size does not divide
 # pays padding slots. Bole's engines choose their own split (worker/kv_groups.py); these are the vLLM functions

@@ -64,6 +64,10 @@ class BoleConfig:
     # request in the fewest bytes (more concurrent requests; more groups, each with its own block table to allocate
     # and map every step); "vllm", vLLM's own groups.
     kv_cache_groups: str = "fewest_bytes"
+    # Before the engine reports ready, run warm-up requests through it (worker/warmup.py): the CUDA graphs and
+    # Triton kernels that serving would otherwise capture and compile on first use, stalling those steps. "auto"
+    # (the default): where CUDA graphs run (a GPU, without enforce_eager); true or false: always or never.
+    warmup: bool | str = "auto"
 
     @property
     def max_nodes_per_request(self) -> int:
@@ -90,7 +94,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     rest = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
     known = {"method", "num_speculative_tokens", "topk", "budget", "budget_table", "budget_rule", "selection",
              "drafter", "drafter_args", "synthetic_acceptance", "cuda_graphs", "draft_vocab",
-             "early_drafting", "kv_cache_groups"} | _PASSTHROUGH_KEYS
+             "early_drafting", "kv_cache_groups", "warmup"} | _PASSTHROUGH_KEYS
     unknown = sorted(set(spec) - known)
     if unknown:
         raise BoleConfigError(
@@ -145,10 +149,13 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if kv_cache_groups not in KV_CACHE_GROUPS:
         raise BoleConfigError(
             f"speculative_config.kv_cache_groups must be one of {list(KV_CACHE_GROUPS)}, got {kv_cache_groups!r}")
+    warmup = spec.get("warmup", "auto")
+    if warmup != "auto" and not isinstance(warmup, bool):
+        raise BoleConfigError(f"speculative_config.warmup must be 'auto', true or false, got {warmup!r}")
     return BoleConfig(max_depth=depth, topk=topk, budget=budget, budget_table=budget_table, budget_rule=budget_rule,
                       selection=selection, drafter=drafter, drafter_args=drafter_args, synthetic_acceptance=synthetic,
                       cuda_graphs=cuda_graphs, draft_vocab=draft_vocab,
-                      early_drafting=early_drafting, kv_cache_groups=kv_cache_groups), rest
+                      early_drafting=early_drafting, kv_cache_groups=kv_cache_groups, warmup=warmup), rest
 
 
 def draft_vocab_of(spec: dict[str, Any]) -> Any:

@@ -136,6 +136,9 @@ def register() -> None:
     from .worker.kv_groups import fewest_bytes_groups
 
     _vllm_compat.wrap_kv_cache_groups(is_bole_engine, fewest_bytes_groups)
+    from .worker.warmup import warm_up
+
+    _vllm_compat.run_when_engine_core_built(warm_up)
     _REGISTERED = True
 
 

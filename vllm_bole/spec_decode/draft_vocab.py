@@ -93,6 +93,12 @@ class AdaptiveCounts:
         for t in always:   # the EOS ids stay in the subset
             if 0 <= t < vocab_size:
                 self.counts[t] = float("inf")
+        self._prior = self.counts.clone()
+        self.steps = 0
+
+    def reset(self) -> None:
+        """Back to no observations (the prior alone)."""
+        self.counts.copy_(self._prior)
         self.steps = 0
 
     def observe(self, tokens: torch.Tensor) -> bool:
@@ -119,6 +125,16 @@ class DraftVocab:
         self.scale = getattr(logits_processor, "scale", 1.0)
         self.soft_cap = getattr(logits_processor, "soft_cap", None)
         self.adaptive, self._head = adaptive, head
+        self._first_ids = ids.clone() if adaptive is not None else None
+        self.refreshes = 0
+
+    def restart(self) -> None:
+        """``draft_vocab: "auto"``: back to the first subset, with no counts (after the start-up warm-up, whose
+        random prompts say nothing of the served tokens); no-op for a fixed subset."""
+        if self.adaptive is None:
+            return
+        self.adaptive.reset()
+        self._move_to(self._first_ids)
         self.refreshes = 0
 
     def observe(self, tokens: torch.Tensor) -> None:
@@ -126,13 +142,16 @@ class DraftVocab:
         to the most emitted ids, in place (no-op for a fixed subset)."""
         if self.adaptive is None or not self.adaptive.observe(tokens):
             return
-        ids = self.adaptive.top(self.size)
+        self._move_to(self.adaptive.top(self.size))
+        self.refreshes += 1
+
+    def _move_to(self, ids: torch.Tensor) -> None:
+        """The subset's ids and LM-head rows to ``ids``, in place (graphs read them by address)."""
         self.ids.copy_(ids)
         weight, bias = self._head
         torch.index_select(weight, 0, ids, out=self.weight)
         if bias is not None:
             torch.index_select(bias, 0, ids, out=self.bias)
-        self.refreshes += 1
 
     @property
     def size(self) -> int:

@@ -185,6 +185,22 @@ class BoleModelRunnerMixin:
                 "stale_placeholders": builder.stale_placeholders,
                 "chain_steps": self.bole_drafter.chain_steps if self.bole_drafter is not None else 0}
 
+    def bole_after_warmup(self) -> None:
+        """The start-up warm-up is over (``worker/warmup.py``): what its random traffic taught the runner goes (the
+        budget policy's measurements, the draft vocabulary's counts, recorded walks, the step counters); its
+        compiled kernels and captured graphs stay."""
+        self.bole_drafting.finish()
+        self.bole_budget = BudgetPolicy(self.vllm_config, self.speculative_config.num_speculative_tokens)
+        vocab = getattr(self.bole_drafter, "draft_vocab", None)
+        if vocab is not None:
+            vocab.restart()
+        if self.bole_walk_log is not None:
+            self.bole_walk_log = WalkLog()
+        self.bole_first_pass_steps = self.bole_early_draft_steps = self.bole_device_output_steps = 0
+        self.bole_forest_builder.queued_trees = self.bole_forest_builder.stale_placeholders = 0
+        if self.bole_drafter is not None:
+            self.bole_drafter.chain_steps = 0
+
     def bole_graph_counts(self) -> tuple[int, int]:
         """(verification graphs, drafter graphs: level and whole-level) captured so far; the holders only grow,
         so a change between two reads means a capture in between."""

@@ -33,3 +33,11 @@ class BoleWorker(_PlatformWorker):
         "bole_step_counts")``: the only way to read them when the workers run in other processes (tensor
         parallelism)."""
         return self.model_runner.step_counts()
+
+    def bole_graph_counts(self) -> tuple[int, int]:
+        """The runner's (verification, drafter) CUDA graphs (``BoleModelRunnerMixin.bole_graph_counts``)."""
+        return self.model_runner.bole_graph_counts()
+
+    def bole_after_warmup(self) -> None:
+        """The start-up warm-up is over (``worker/warmup.py``): the runner forgets its traffic."""
+        self.model_runner.bole_after_warmup()

@@ -1,0 +1,73 @@
+"""Bole's start-up warm-up (worker/warmup.py): what it runs, when it runs, and that nothing of it stays behind.
+
+An engine that warmed up must serve exactly as one that did not: the same greedy outputs, the same spec-decode
+counters and prefix-cache hits (vLLM's metrics never see the warm-up's requests), the same draft vocabulary and step
+counters (the runner forgets the warm-up's random traffic)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from e2e_support import bole_engine, random_requests, run_engine, vocab_size
+from vllm_bole.config import parse_bole_config
+from vllm_bole.worker import warmup
+from vllm_bole.worker.warmup import batch_sizes, prompt_lengths
+
+
+def test_batch_sizes_are_the_request_buckets():
+    assert batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert batch_sizes(1) == [1]
+
+
+def test_prompt_lengths_cover_both_attention_routes_where_they_fit():
+    assert prompt_lengths(4096) == [warmup.SHORT_PROMPT, warmup.LONG_PROMPT]
+    assert warmup.LONG_PROMPT > 512   # past the tree-attention route's threshold (attention/tree_attn_gpu.py)
+    assert prompt_lengths(256) == [warmup.SHORT_PROMPT]
+    assert prompt_lengths(40) == [8]
+
+
+def _vllm_config(warmup_setting, enforce_eager=False):
+    cfg, _ = parse_bole_config({"method": "bole", "warmup": warmup_setting})
+    return SimpleNamespace(additional_config={"bole": cfg.to_dict()},
+                           model_config=SimpleNamespace(enforce_eager=enforce_eager))
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_auto_warms_up_where_cuda_graphs_run(monkeypatch, cuda):
+    monkeypatch.setattr(warmup.current_platform, "is_cuda", lambda: cuda)
+    assert warmup.wanted(_vllm_config("auto")) is cuda
+    assert warmup.wanted(_vllm_config("auto", enforce_eager=True)) is False
+    assert warmup.wanted(_vllm_config(True, enforce_eager=True)) is True
+    assert warmup.wanted(_vllm_config(False)) is False
+    assert warmup.wanted(SimpleNamespace(additional_config={})) is False   # not a Bole engine
+
+
+@pytest.mark.vllm
+def test_warmed_up_engine_serves_as_a_cold_one(tmp_path):
+    """Same outputs, counters, prefix-cache hits, draft vocabulary and step counts with and without the warm-up,
+    which the log reports (batch sizes 1, 2, 4 and 8: 15 requests of the short prompt)."""
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    model = tiny_model_dir()
+    vocab = vocab_size(model)
+    shared = random_requests(vocab, [40], 1)[0]["prompt"]
+    requests = [{"prompt": shared + r["prompt"], "max_tokens": 48}
+                for r in random_requests(vocab, [12, 30, 7, 21, 16, 9], 48, seed=5)]
+    runs = {}
+    for name, setting in (("cold", False), ("warm", True)):
+        engine = bole_engine(tmp_path, name, depth=4, topk=2, budget=24, drafter="mtp", max_num_seqs=8,
+                             enable_prefix_caching=True, async_scheduling=False)
+        engine["speculative_config"]["warmup"] = setting
+        runs[name] = run_engine(tmp_path, name, {"model": model, "requests": requests, "engine": engine})
+    cold, warm = runs["cold"], runs["warm"]
+    log = (tmp_path / "warm.log").read_text()
+    assert "Bole warm-up: 15 requests (batch sizes 1,2,4,8, prompts of 32 tokens)" in log, log[-3000:]
+    assert "Bole warm-up" not in (tmp_path / "cold.log").read_text()
+    assert [o["tokens"] for o in warm["outputs"]] == [o["tokens"] for o in cold["outputs"]]
+    assert [o["cached_tokens"] for o in warm["outputs"]] == [o["cached_tokens"] for o in cold["outputs"]]
+    assert warm["counters"] == cold["counters"] and cold["counters"]["num_drafts"] > 0
+    assert warm["draft_vocab"] == cold["draft_vocab"]
+    assert warm["draft_vocab_refreshes"] == cold["draft_vocab_refreshes"]
+    for key in ("first_pass_steps", "early_draft_steps", "queued_trees", "chain_steps", "budgets"):
+        assert warm[key] == cold[key], key
