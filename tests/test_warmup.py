@@ -71,3 +71,25 @@ def test_warmed_up_engine_serves_as_a_cold_one(tmp_path):
     assert warm["draft_vocab_refreshes"] == cold["draft_vocab_refreshes"]
     for key in ("first_pass_steps", "early_draft_steps", "queued_trees", "chain_steps", "budgets"):
         assert warm[key] == cold[key], key
+
+
+def test_jit_monitor_paused_and_resumed(monkeypatch):
+    """The warm-up's compilations are not reported by vLLM's JIT monitor; afterwards its hook is back."""
+    knobs = pytest.importorskip("triton").knobs
+    from vllm.utils import jit_monitor
+
+    from vllm_bole._vllm_compat import pause_jit_monitor, resume_jit_monitor
+
+    def hook(**kwargs):
+        return None
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", hook)
+    monkeypatch.setattr(knobs.autotuning, "print", True)
+    monkeypatch.setattr(jit_monitor, "HAS_TRITON", True)
+    monkeypatch.setattr(jit_monitor, "_active", False)
+    assert pause_jit_monitor() is None and knobs.runtime.jit_post_compile_hook is hook   # not active: untouched
+    monkeypatch.setattr(jit_monitor, "_active", True)
+    saved = pause_jit_monitor()
+    assert knobs.runtime.jit_post_compile_hook is None and knobs.autotuning.print is False
+    resume_jit_monitor(saved)
+    assert knobs.runtime.jit_post_compile_hook is hook and knobs.autotuning.print is True

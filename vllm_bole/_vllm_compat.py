@@ -38,7 +38,8 @@ Patches:
    core's construction, after its scheduler, executor and step function exist and before the engine reports
    ready. vLLM offers no hook there, and the plugin is loaded by the engine core's ``__init__`` itself (in an
    engine-core process, too late to wrap that ``__init__``), so the hook is the last call that ``__init__``
-   makes, ``enable_envs_cache``, looked up in ``vllm.v1.engine.core`` when it is called.
+   makes, ``enable_envs_cache``, looked up in ``vllm.v1.engine.core`` when it is called. Meanwhile vLLM's kernel
+   JIT monitor (active since vLLM's own warm-up) is paused (:func:`pause_jit_monitor`).
 9. The private names of vLLM objects Bole reads, writes or overrides are all below ("Private vLLM names"): the
    model runner's and scheduler's private methods Bole's classes override (checked when they are built), the MTP
    proposer's input buffers that Bole's drafter fills, the structured-output manager's bitmask, the runner's
@@ -417,6 +418,29 @@ def run_when_engine_core_built(callback) -> None:
     setattr(enable_envs_cache, _PATCHED_ATTR, True)
     enable_envs_cache.__doc__ = original.__doc__
     core.enable_envs_cache = enable_envs_cache
+
+
+def pause_jit_monitor():
+    """Stop vLLM's kernel JIT monitor (``vllm.utils.jit_monitor``: a Triton post-compile hook, activated at the end
+    of the worker's warm-up) from reporting compilations; returns what :func:`resume_jit_monitor` restores, or None
+    where nothing was paused. Bole's own warm-up runs after vLLM's and compiles on purpose (in the monitor's
+    "error" mode a report would fail the start)."""
+    from vllm.utils import jit_monitor
+
+    if not jit_monitor.is_active() or not jit_monitor.HAS_TRITON:
+        return None
+    from triton import knobs
+
+    saved = (knobs.runtime.jit_post_compile_hook, knobs.autotuning.print)
+    knobs.runtime.jit_post_compile_hook, knobs.autotuning.print = None, False
+    return saved
+
+
+def resume_jit_monitor(saved) -> None:
+    if saved is not None:
+        from triton import knobs
+
+        knobs.runtime.jit_post_compile_hook, knobs.autotuning.print = saved
 
 
 # vLLM splits a hybrid model's layers into KV-cache groups of one size (``kv_cache_utils.get_kv_cache_groups``);

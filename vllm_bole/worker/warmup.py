@@ -14,7 +14,8 @@ The warm-up goes through the engine core's own scheduler and executor, and its o
 sees them and no metric counts them. Afterwards nothing of it stays behind but compiled kernels and captured
 graphs: its requests are finished, the prefix cache is reset and the model runner forgets what it learned from
 its random traffic (``BoleModelRunnerMixin.bole_after_warmup``: the budget policy's measurements, the draft
-vocabulary's counts, recorded walks).
+vocabulary's counts, recorded walks). vLLM's kernel JIT monitor, active since vLLM's own warm-up, does not report
+the compilations of this one (``BoleWorker.bole_before_warmup``).
 """
 
 import time
@@ -77,6 +78,7 @@ def warm_up(engine_core) -> None:
     rng = np.random.default_rng(0)
     vocab = model_config.get_vocab_size()
     requests = steps = 0
+    engine_core.model_executor.collective_rpc("bole_before_warmup")
     for length in lengths:
         for size in sizes:
             prompts = [rng.integers(0, vocab, length).tolist() for _ in range(size)]

@@ -4,7 +4,7 @@ import importlib
 
 from vllm.platforms import current_platform
 
-from .._vllm_compat import module_attr_override
+from .._vllm_compat import module_attr_override, pause_jit_monitor, resume_jit_monitor
 from ..attention.registration import register_bole_layers
 from .model_runner import BoleModelRunnerMixin, bole_runner_class
 
@@ -38,6 +38,12 @@ class BoleWorker(_PlatformWorker):
         """The runner's (verification, drafter) CUDA graphs (``BoleModelRunnerMixin.bole_graph_counts``)."""
         return self.model_runner.bole_graph_counts()
 
+    def bole_before_warmup(self) -> None:
+        """The start-up warm-up begins (``worker/warmup.py``): its compilations are not reported as inference's."""
+        self._bole_jit_monitor = pause_jit_monitor()
+
     def bole_after_warmup(self) -> None:
-        """The start-up warm-up is over (``worker/warmup.py``): the runner forgets its traffic."""
+        """The start-up warm-up is over: the JIT monitor reports again, and the runner forgets the traffic."""
+        resume_jit_monitor(getattr(self, "_bole_jit_monitor", None))
+        self._bole_jit_monitor = None
         self.model_runner.bole_after_warmup()
