@@ -93,3 +93,81 @@ def test_jit_monitor_paused_and_resumed(monkeypatch):
     assert knobs.runtime.jit_post_compile_hook is None and knobs.autotuning.print is False
     resume_jit_monitor(saved)
     assert knobs.runtime.jit_post_compile_hook is hook and knobs.autotuning.print is True
+
+
+def test_random_prompts_hold_no_special_token():
+    import numpy as np
+
+    config = SimpleNamespace(image_token_id=5, vision_start_token_id=6, eos_token_id=7, hidden_size=9)
+    model_config = SimpleNamespace(hf_config=config, hf_text_config=SimpleNamespace(pad_token_id=3))
+    avoid = warmup.special_token_ids(model_config)
+    assert avoid == {3, 5, 6, 7}
+    prompts = warmup.random_prompts(np.random.default_rng(0), 4, 50, 10, avoid)
+    assert len(prompts) == 4 and all(len(p) == 50 for p in prompts)
+    assert {t for p in prompts for t in p} == {0, 1, 2, 4, 8, 9}
+
+
+class _FakeEngineCore:
+    """The engine core's face the warm-up uses: each step finishes every request that has run ``steps_each`` steps
+    (``stuck``: schedules nothing, ever)."""
+
+    def __init__(self, max_num_seqs=4, stuck=False, steps_each=3):
+        self.vllm_config = SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, enable_chunked_prefill=True,
+                                             max_num_batched_tokens=8192),
+            model_config=SimpleNamespace(max_model_len=4096, get_vocab_size=lambda: 100,
+                                         hf_config=SimpleNamespace(), hf_text_config=SimpleNamespace()))
+        self.running, self.batch_queue, self.stuck, self.steps_each = {}, None, stuck, steps_each
+        self.events, self.batches = [], []
+        self.scheduler = SimpleNamespace(has_requests=lambda: bool(self.running))
+        self.model_executor = SimpleNamespace(collective_rpc=self._rpc)
+
+    def _rpc(self, method):
+        self.events.append(method)
+        return [(0, 0)] if method == "bole_graph_counts" else [None]
+
+    def preprocess_add_request(self, request):
+        return request, 0
+
+    def add_request(self, request, wave=0):
+        assert request.sampling_params.ignore_eos and request.request_id.startswith("bole-warmup-")
+        self.running[request.request_id] = 0
+
+    def step_fn(self):
+        if self.stuck:
+            return {}, False
+        self.batches.append(len(self.running))
+        for rid in list(self.running):
+            self.running[rid] += 1
+            if self.running[rid] >= self.steps_each:
+                del self.running[rid]
+        return {}, True
+
+    def post_step(self, executed):
+        pass
+
+    def abort_requests(self, ids):
+        self.events.append(("abort", len(ids)))
+        for rid in ids:
+            self.running.pop(rid, None)
+
+    def reset_prefix_cache(self):
+        self.events.append("reset_prefix_cache")
+
+
+def test_warm_up_runs_every_bucket_staggered_then_resets(monkeypatch):
+    monkeypatch.setattr(warmup, "wanted", lambda config: True)
+    core = _FakeEngineCore(max_num_seqs=4)
+    warmup.warm_up(core)
+    # per prompt length (32, 640) and batch size (1, 2, 4): half, then the rest joins after STAGGER_STEPS steps
+    assert core.batches == [1, 1, 1, 1, 1, 2, 1, 1, 2, 2, 4, 2, 2] * 2
+    assert core.events == ["bole_graph_counts", "bole_before_warmup", "reset_prefix_cache", "bole_after_warmup",
+                           "bole_graph_counts"]
+
+
+def test_warm_up_gives_up_on_requests_never_scheduled(monkeypatch):
+    monkeypatch.setattr(warmup, "wanted", lambda config: True)
+    core = _FakeEngineCore(stuck=True)
+    warmup.warm_up(core)
+    assert ("abort", 1) in core.events and not core.running
+    assert core.events[-2:] == ["bole_after_warmup", "bole_graph_counts"]

@@ -39,6 +39,8 @@ SHORT_PROMPT, LONG_PROMPT = 32, 640
 # Steps the first half of a batch decodes before the second half arrives.
 STAGGER_STEPS = 2
 REQUEST_PREFIX = "bole-warmup-"
+# Engine steps in a row that run nothing before the warm-up gives up (a request the scheduler never takes).
+IDLE_STEPS = 100
 
 
 def wanted(vllm_config) -> bool:
@@ -60,10 +62,27 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def prompt_lengths(max_model_len: int) -> list[int]:
-    """The short prompt, and the long one where a request of it and its output fit ``max_model_len``."""
-    return [n for n in (SHORT_PROMPT, LONG_PROMPT) if n + OUTPUT_TOKENS <= max_model_len] or [
-        max(max_model_len - OUTPUT_TOKENS, 1)]
+def prompt_lengths(max_len: int) -> list[int]:
+    """The short prompt, and the long one where a request of it and its output fit ``max_len``."""
+    return [n for n in (SHORT_PROMPT, LONG_PROMPT) if n + OUTPUT_TOKENS <= max_len] or [
+        max(max_len - OUTPUT_TOKENS, 1)]
+
+
+def special_token_ids(model_config) -> set[int]:
+    """The config's special ids (``*_token_id``: image and video placeholders, vision start and end, EOS, ...),
+    which a random prompt must not hold: a vision start without an image would make vLLM look for its grid."""
+    ids = set()
+    for config in {id(c): c for c in (model_config.hf_config, model_config.hf_text_config)}.values():
+        for key, value in vars(config).items():
+            if key.endswith("token_id") and isinstance(value, int):
+                ids.add(value)
+    return ids
+
+
+def random_prompts(rng, count: int, length: int, vocab: int, avoid: set[int]) -> list[list[int]]:
+    """``count`` prompts of ``length`` random token ids below ``vocab``, none of them in ``avoid``."""
+    allowed = np.setdiff1d(np.arange(vocab), np.fromiter(avoid, dtype=np.int64, count=len(avoid)))
+    return rng.choice(allowed, size=(count, length)).tolist()
 
 
 def warm_up(engine_core) -> None:
@@ -74,22 +93,30 @@ def warm_up(engine_core) -> None:
     start = time.perf_counter()
     graphs_before = _graphs(engine_core)
     scheduler_config, model_config = vllm_config.scheduler_config, vllm_config.model_config
-    sizes, lengths = batch_sizes(scheduler_config.max_num_seqs), prompt_lengths(model_config.max_model_len)
+    max_len = model_config.max_model_len
+    if not scheduler_config.enable_chunked_prefill:   # a prompt must then fit one step
+        max_len = min(max_len, scheduler_config.max_num_batched_tokens)
+    sizes, lengths = batch_sizes(scheduler_config.max_num_seqs), prompt_lengths(max_len)
     rng = np.random.default_rng(0)
-    vocab = model_config.get_vocab_size()
+    vocab, avoid = model_config.get_vocab_size(), special_token_ids(model_config)
     requests = steps = 0
     engine_core.model_executor.collective_rpc("bole_before_warmup")
-    for length in lengths:
-        for size in sizes:
-            prompts = [rng.integers(0, vocab, length).tolist() for _ in range(size)]
-            first = max(size // 2, 1)
-            for i, prompt in enumerate(prompts[:first]):
-                _add(engine_core, f"{REQUEST_PREFIX}{requests + i}", prompt, sampled=i % 2 == 1)
-            steps += _run(engine_core, STAGGER_STEPS if first < size else None)
-            for i, prompt in enumerate(prompts[first:], start=first):
-                _add(engine_core, f"{REQUEST_PREFIX}{requests + i}", prompt, sampled=i % 2 == 1)
-            steps += _run(engine_core)
-            requests += size
+    try:
+        for length in lengths:
+            for size in sizes:
+                prompts = random_prompts(rng, size, length, vocab, avoid)
+                first = max(size // 2, 1)
+                for i, prompt in enumerate(prompts[:first]):
+                    _add(engine_core, f"{REQUEST_PREFIX}{requests + i}", prompt, sampled=i % 2 == 1)
+                steps += _run(engine_core, STAGGER_STEPS if first < size else None)
+                for i, prompt in enumerate(prompts[first:], start=first):
+                    _add(engine_core, f"{REQUEST_PREFIX}{requests + i}", prompt, sampled=i % 2 == 1)
+                steps += _run(engine_core)
+                requests += size
+    except _Stuck as e:
+        logger.warning("Bole warm-up stopped early: %s; the rest is captured and compiled on first use", e)
+        engine_core.abort_requests([f"{REQUEST_PREFIX}{i}" for i in range(requests + len(prompts))])
+        _run(engine_core)
     engine_core.reset_prefix_cache()
     engine_core.model_executor.collective_rpc("bole_after_warmup")
     graphs = _graphs(engine_core)
@@ -107,16 +134,24 @@ def _add(engine_core, request_id: str, prompt: list[int], sampled: bool) -> None
     engine_core.add_request(*engine_core.preprocess_add_request(request))
 
 
+class _Stuck(Exception):
+    pass
+
+
 def _run(engine_core, max_steps: int | None = None) -> int:
     """Engine steps as the engine core's busy loop runs them (outputs dropped) until no request is left, or
-    ``max_steps`` of them; returns the steps run."""
-    steps = 0
+    ``max_steps`` of them; returns the steps run. Raises :class:`_Stuck` after :data:`IDLE_STEPS` steps in a row
+    that ran nothing."""
+    steps = idle = 0
     while engine_core.scheduler.has_requests() or engine_core.batch_queue:
         if max_steps is not None and steps >= max_steps:
             break
         _, executed = engine_core.step_fn()
         engine_core.post_step(executed)
         steps += 1
+        idle = 0 if executed else idle + 1
+        if idle >= IDLE_STEPS:
+            raise _Stuck(f"{IDLE_STEPS} engine steps in a row scheduled nothing")
     return steps
 
 
