@@ -46,8 +46,9 @@ decode and re-encode to exactly their token ids), cached under ``$VLLM_BOLE_CACH
 Output: ``--out`` (default ``benchmarks/results/serve.json``; ``--smoke``: ``$OUT/serve-smoke.json`` or
 ``/tmp/bole-serve-smoke/``) holds ``rows`` (one per configuration and rate: TTFT / TPOT / ITL / E2EL mean, p50,
 p90, p99 in ms, output and total tok/s, request throughput, goodput with ``--goodput``, spec-decode acceptance
-length and rate, completed and failed requests), ``configs`` (each one's speculative config, server command,
-start time, the Bole budget lines of its log, the run it came from) and ``runs`` (each invocation's exact command
+length and rate, completed and failed requests; with ``VLLM_BOLE_SLOW_STEP_MS`` set for the servers, the steps they
+logged as slow), ``configs`` (each one's speculative config, server command, start time and what Bole's start-up
+warm-up ran in it, the Bole budget lines of its log, the run it came from) and ``runs`` (each invocation's exact command
 and commit). Rows of configurations that this invocation did not run are kept when the workload (model, lengths,
 prompts, rates, acceptance) is the same, so one table can be filled by several invocations (``--fresh``: start
 over). Printed: per rate, each configuration's TPOT p50 and output tok/s and each Bole configuration's ratios
@@ -432,6 +433,29 @@ BUDGET_INTERVAL = re.compile(r"Bole budget: (\d+) steps in the last [\d.]+ s, (\
                              r"[^\n]*?(?:; (\d+) CUDA graphs captured \((\d+) ms\))?$", re.MULTILINE)
 
 
+WARMUP_LINE = re.compile(r"Bole warm-up: (\d+) requests .*? in (\d+) steps, (\d+) verification and (\d+) drafter CUDA "
+                         r"graphs captured, in ([\d.]+) s")
+SLOW_STEP = re.compile(r"Bole slow step: (\d+) ms since the previous step began")
+
+
+def warmup_of(log_text: str) -> dict | None:
+    """What the server's start-up warm-up ran (``speculative_config.warmup``), from its log line; None without
+    one."""
+    m = WARMUP_LINE.search(log_text)
+    if m is None:
+        return None
+    requests, steps, verify, drafter, seconds = m.groups()
+    return {"requests": int(requests), "steps": int(steps), "verify_graphs": int(verify),
+            "drafter_graphs": int(drafter), "s": float(seconds)}
+
+
+def slow_steps(log_text: str) -> dict | None:
+    """The steps the server logged as slow (``VLLM_BOLE_SLOW_STEP_MS``): how many and the longest, in ms; None
+    without such lines."""
+    ms = [int(x) for x in SLOW_STEP.findall(log_text)]
+    return {"count": len(ms), "max_ms": max(ms)} if ms else None
+
+
 def _budget_lines(log: Path | None) -> list[str]:
     """The Bole budget lines of a server log (which table applied, or the fallback), without the per-interval
     ones (:func:`rule_share`)."""
@@ -483,6 +507,11 @@ def start_config_server(name: str, opts, model: str | None, shared: list[str], o
         return entry, None, log
     entry["server_cmd"] = server.cmd
     entry["start_s"] = round(time.monotonic() - t0, 1)
+    entry["bole_warmup"] = warmup_of(log.read_text(errors="replace"))
+    if entry["bole_warmup"]:
+        print(f"[{name}] server up in {entry['start_s']} s, of which Bole's warm-up {entry['bole_warmup']['s']} s "
+              f"({entry['bole_warmup']['verify_graphs']} + {entry['bole_warmup']['drafter_graphs']} graphs)",
+              flush=True)
     return entry, server, log
 
 
@@ -520,9 +549,10 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
             # Every output token should come (ignore_eos), when the lengths are fixed.
             expected = None if opts.bench_args or opts.random_range_ratio else opts.num_prompts * opts.output_len
             row = row_of(name, rate, opts.num_prompts, result, time.monotonic() - t, expected)
-            with open(log, "rb") as f:   # the budget lines the server logged during this rate
+            with open(log, "rb") as f:   # the budget and slow-step lines the server logged during this rate
                 f.seek(logged)
-                row["bole_budget_rule"] = rule_share(f.read().decode(errors="replace"))
+                text = f.read().decode(errors="replace")
+            row["bole_budget_rule"], row["slow_steps"] = rule_share(text), slow_steps(text)
             rows.append(row)
             if on_row is not None:
                 on_row(entry, rows)

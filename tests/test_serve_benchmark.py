@@ -206,3 +206,16 @@ def test_rule_share_reads_the_servers_budget_lines(tmp_path):
     log = tmp_path / "server.log"
     log.write_text(text)
     assert serve._budget_lines(log) == ["Bole budget 'auto': t.json for M on GPU, batch sizes [1]"]
+
+
+def test_warmup_and_slow_steps_read_from_the_server_log():
+    text = ("INFO 12-06 23:24:55 [warmup.py:94] Bole warm-up: 127 requests (batch sizes 1,2,4,8,16,32,64, prompts of "
+            "32 and 640 tokens) in 410 steps, 96 verification and 120 drafter CUDA graphs captured, in 41.5 s\n"
+            "(Worker pid=1) WARNING 12-06 23:30:00 [step_profile.py:91] Bole slow step: 412 ms since the previous "
+            "step began (previous: 3 requests, 18 tokens, 0 prefilling; ...)\n"
+            "(Worker pid=1) WARNING 12-06 23:30:01 [step_profile.py:91] Bole slow step: 130 ms since the previous "
+            "step began (previous: ...)\n")
+    assert serve.warmup_of(text) == {"requests": 127, "steps": 410, "verify_graphs": 96, "drafter_graphs": 120,
+                                     "s": 41.5}
+    assert serve.slow_steps(text) == {"count": 2, "max_ms": 412}
+    assert serve.warmup_of("no such line") is None and serve.slow_steps("") is None
