@@ -133,12 +133,12 @@ class BoleModelRunnerMixin:
 
     # ---- verification inputs ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, intermediate_tensors=None):
-        # Drafts vLLM did not take (tensor-parallel ranks other than the output rank) finish before the step
-        # that verifies them (queued drafts only move aside: the step reads them from the device). So does the
-        # commit of a step whose drafter did not run (vLLM skips it when the batch does not fit the drafter).
         if self._bole_slow_steps is not None:
             self._bole_slow_steps.begin(scheduler_output.num_scheduled_tokens,
                                        self._bole_step_facts(scheduler_output))
+        # Drafts vLLM did not take (tensor-parallel ranks other than the output rank) finish before the step
+        # that verifies them (queued drafts only move aside: the step reads them from the device). So does the
+        # commit of a step whose drafter did not run (vLLM skips it when the batch does not fit the drafter).
         self.bole_commit.run()
         self.bole_drafting.finish()
         self._bole_early_draft = None
