@@ -103,7 +103,7 @@ def warm_up(engine_core) -> None:
     engine_core.model_executor.collective_rpc("bole_before_warmup")
     try:
         for length in lengths:
-            for size in sizes:
+            for size in sizes:   # (requests counts the sizes done; aborting a failed one names all it added)
                 prompts = random_prompts(rng, size, length, vocab, avoid)
                 first = max(size // 2, 1)
                 for i, prompt in enumerate(prompts[:first]):
@@ -113,9 +113,10 @@ def warm_up(engine_core) -> None:
                     _add(engine_core, f"{REQUEST_PREFIX}{requests + i}", prompt, sampled=i % 2 == 1)
                 steps += _run(engine_core)
                 requests += size
-    except _Stuck as e:
-        logger.warning("Bole warm-up stopped early: %s; the rest is captured and compiled on first use", e)
-        engine_core.abort_requests([f"{REQUEST_PREFIX}{i}" for i in range(requests + len(prompts))])
+    except _Stuck as e:   # serving goes on without the rest (a failing step fails the start, as in serving)
+        logger.warning("Bole warm-up stopped early: %s; what it did not reach is captured and compiled on first "
+                       "use", e)
+        engine_core.abort_requests([f"{REQUEST_PREFIX}{i}" for i in range(requests + size)])
         _run(engine_core)
     engine_core.reset_prefix_cache()
     engine_core.model_executor.collective_rpc("bole_after_warmup")
