@@ -25,6 +25,7 @@ from vllm import SamplingParams
 from vllm.platforms import current_platform
 from vllm.v1.engine import EngineCoreRequest
 
+from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ
 from ..config import bole_config_from_vllm
 from ..logger import init_logger
 
@@ -34,8 +35,8 @@ logger = init_logger(__name__)
 # budget rule's first choices.
 OUTPUT_TOKENS = 32
 # The short prompt (the tree kernel reads whole prefixes) and the long one, past the attention route's threshold
-# of 512 keys (attention/tree_attn_gpu.py: FlashAttention's prefix pass, then the tree kernel).
-SHORT_PROMPT, LONG_PROMPT = 32, 640
+# (attention/tree_attn_gpu.py, 512 keys: FlashAttention's prefix pass, then the tree kernel).
+SHORT_PROMPT, LONG_PROMPT = 32, INLINE_PREFIX_MAX_SEQ + 128
 # Steps the first half of a batch decodes before the second half arrives.
 STAGGER_STEPS = 2
 REQUEST_PREFIX = "bole-warmup-"
@@ -106,12 +107,10 @@ def warm_up(engine_core) -> None:
             for size in sizes:   # (requests counts the sizes done; aborting a failed one names all it added)
                 prompts = random_prompts(rng, size, length, vocab, avoid)
                 first = max(size // 2, 1)
-                for i, prompt in enumerate(prompts[:first]):
-                    _add(engine_core, f"{REQUEST_PREFIX}{requests + i}", prompt, sampled=i % 2 == 1)
-                steps += _run(engine_core, STAGGER_STEPS if first < size else None)
-                for i, prompt in enumerate(prompts[first:], start=first):
-                    _add(engine_core, f"{REQUEST_PREFIX}{requests + i}", prompt, sampled=i % 2 == 1)
-                steps += _run(engine_core)
+                for begin, end, max_steps in ((0, first, STAGGER_STEPS), (first, size, None)):
+                    for i in range(begin, end):
+                        _add(engine_core, f"{REQUEST_PREFIX}{requests + i}", prompts[i], sampled=i % 2 == 1)
+                    steps += _run(engine_core, max_steps)
                 requests += size
     except _Stuck as e:   # serving goes on without the rest (a failing step fails the start, as in serving)
         logger.warning("Bole warm-up stopped early: %s; what it did not reach is captured and compiled on first "
