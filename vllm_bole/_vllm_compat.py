@@ -397,7 +397,7 @@ def hit_as_without_drafter(scheduler) -> None:
     scheduler._mamba_block_aligned_split = split
 
 
-# ---- KV-cache groups ------------------------------------------------------------------------------------------
+# ---- Start-up warm-up -----------------------------------------------------------------------------------------
 def run_when_engine_core_built(callback) -> None:
     """Call ``callback(engine_core)`` at the end of every ``EngineCore.__init__`` (patch 8), before the engine
     reports ready. Idempotent: a second call does nothing."""
@@ -443,6 +443,7 @@ def resume_jit_monitor(saved) -> None:
         knobs.runtime.jit_post_compile_hook, knobs.autotuning.print = saved
 
 
+# ---- KV-cache groups ------------------------------------------------------------------------------------------
 # vLLM splits a hybrid model's layers into KV-cache groups of one size (``kv_cache_utils.get_kv_cache_groups``);
 # every block id spans one page per layer slot of a group, so a type whose layer count the size does not divide
 # pays padding slots. Bole's engines choose their own split (worker/kv_groups.py); these are the vLLM functions
