@@ -47,7 +47,7 @@ Output: ``--out`` (default ``benchmarks/results/serve.json``; ``--smoke``: ``$OU
 ``/tmp/bole-serve-smoke/``) holds ``rows`` (one per configuration and rate: TTFT / TPOT / ITL / E2EL mean, p50,
 p90, p99 in ms, output and total tok/s, request throughput, goodput with ``--goodput``, spec-decode acceptance
 length and rate, completed and failed requests; with ``VLLM_BOLE_SLOW_STEP_MS`` set for the servers, the steps they
-logged as slow), ``configs`` (each one's speculative config, server command, start time and what Bole's start-up
+logged as slow and their step times by kind of step), ``configs`` (each one's speculative config, server command, start time and what Bole's start-up
 warm-up ran in it, the Bole budget lines of its log, the run it came from) and ``runs`` (each invocation's exact command
 and commit). Rows of configurations that this invocation did not run are kept when the workload (model, lengths,
 prompts, rates, acceptance) is the same, so one table can be filled by several invocations (``--fresh``: start
@@ -436,6 +436,7 @@ BUDGET_INTERVAL = re.compile(r"Bole budget: (\d+) steps in the last [\d.]+ s, (\
 WARMUP_LINE = re.compile(r"Bole warm-up: (\d+) requests .*? in (\d+) steps, (\d+) verification and (\d+) drafter CUDA "
                          r"graphs captured, in ([\d.]+) s")
 SLOW_STEP = re.compile(r"Bole slow step: (\d+) ms since the previous step began")
+STEP_TIMES = re.compile(r"(\w+) (\d+) steps, mean ([\d.]+) ms, max (\d+) ms")
 
 
 def warmup_of(log_text: str) -> dict | None:
@@ -454,6 +455,34 @@ def slow_steps(log_text: str) -> dict | None:
     without such lines."""
     ms = [int(x) for x in SLOW_STEP.findall(log_text)]
     return {"count": len(ms), "max_ms": max(ms)} if ms else None
+
+
+def step_times(log_text: str) -> dict | None:
+    """The server's step times by kind of step (``VLLM_BOLE_SLOW_STEP_MS``: trees drafted early or late, mixed
+    steps, prefills, captures), summed over its summary lines: per kind, steps, mean and longest ms; None without
+    such lines."""
+    kinds: dict[str, list[float]] = {}
+    for line in log_text.splitlines():
+        if "Bole step times:" not in line:
+            continue
+        for kind, n, mean, longest in STEP_TIMES.findall(line.split("Bole step times:", 1)[1]):
+            k = kinds.setdefault(kind, [0, 0.0, 0.0])
+            k[0] += int(n)
+            k[1] += int(n) * float(mean)
+            k[2] = max(k[2], float(longest))
+    return {kind: {"steps": int(n), "mean_ms": round(total / n, 2), "max_ms": longest}
+            for kind, (n, total, longest) in kinds.items()} or None
+
+
+def _steps_brief(times: dict) -> str:
+    return ", ".join(f"{kind} {t['steps']} x {t['mean_ms']:.1f} ms" for kind, t in times.items())
+
+
+def flush_step_times(server: soak.Server) -> None:
+    """One one-token request: a Bole server logs the step times of a batch when its next step finds the batch gone
+    (``worker/step_profile.StepTimes``), so this makes it log the last steps of the rate just run."""
+    soak._sync_post(server.base, "/v1/completions", {"model": server.model, "prompt": [1, 2, 3], "max_tokens": 1},
+                    timeout=60.0)
 
 
 def _budget_lines(log: Path | None) -> list[str]:
@@ -524,6 +553,8 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
     rows: list[dict] = []
     if server is None:
         return entry, rows
+    timed_steps = bool(entry["speculative_config"] and entry["speculative_config"].get("method") == "bole"
+                       and int(os.environ.get("VLLM_BOLE_SLOW_STEP_MS", "0") or 0) > 0)
     old_offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # the client loads the tokenizer; everything is local
     try:
@@ -537,6 +568,8 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
                                "completed": sum(w.get("completed") or 0 for w in warm),
                                "failed": sum(w.get("failed") or 0 for w in warm),
                                "wall_s": round(time.monotonic() - t, 1)}
+            if timed_steps:   # the warm-up's steps are logged before the first rate's
+                flush_step_times(server)
         for rate in opts.request_rates:
             if not server.alive():
                 entry["error"] = f"server exited before rate {_rate_label(rate)}:\n{server.log_tail(3000)}"
@@ -549,17 +582,21 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
             # Every output token should come (ignore_eos), when the lengths are fixed.
             expected = None if opts.bench_args or opts.random_range_ratio else opts.num_prompts * opts.output_len
             row = row_of(name, rate, opts.num_prompts, result, time.monotonic() - t, expected)
-            with open(log, "rb") as f:   # the budget and slow-step lines the server logged during this rate
+            if timed_steps:
+                flush_step_times(server)
+            with open(log, "rb") as f:   # the budget and step-time lines the server logged during this rate
                 f.seek(logged)
                 text = f.read().decode(errors="replace")
             row["bole_budget_rule"], row["slow_steps"] = rule_share(text), slow_steps(text)
+            row["step_times"] = step_times(text)
             rows.append(row)
             if on_row is not None:
                 on_row(entry, rows)
             print(f"[{name}] rate {row['rate']}: {row['completed']}/{opts.num_prompts} completed, "
                   f"{row['failed']} failed, TPOT p50 {_f(row['tpot_p50_ms'], '.2f')} ms, TTFT p50 "
                   f"{_f(row['ttft_p50_ms'], '.0f')} ms, {_f(row['output_throughput'], '.1f')} tok/s, acceptance "
-                  f"length {_f(row['spec_decode_acceptance_length'], '.2f')} ({row['wall_s']:.1f} s)", flush=True)
+                  f"length {_f(row['spec_decode_acceptance_length'], '.2f')} ({row['wall_s']:.1f} s)"
+                  + (f"; steps: {_steps_brief(row['step_times'])}" if row["step_times"] else ""), flush=True)
     finally:
         if old_offline is None:
             os.environ.pop("HF_HUB_OFFLINE", None)

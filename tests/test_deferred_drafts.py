@@ -37,7 +37,7 @@ class _Runner(BoleModelRunnerMixin, _Base):
 
 def _runner():
     runner = _Runner.__new__(_Runner)
-    runner._bole_profiler, runner._bole_slow_steps, runner._bole_forest = None, None, None
+    runner._bole_profiler, runner._bole_step_times, runner._bole_forest = None, None, None
     runner.bole_forest_builder = ForestBuilder(runner)
     runner._draft_token_ids, runner.bole_drafting = None, Drafting(runner)
     runner.bole_commit, runner._bole_early_draft = Committer(runner), None

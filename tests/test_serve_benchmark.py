@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import serve  # noqa: E402
+from vllm_bole.worker.step_profile import STEP_KINDS  # noqa: E402
 
 SHAPE_9B = ROOT / "benchmarks/models/qwen3.5-9b-shape/config.json"
 
 
 @pytest.mark.vllm
-def test_smoke(tmp_path, capsys):
+def test_smoke(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_BOLE_SLOW_STEP_MS", "60000")   # the step times by kind, no slow steps
     out = tmp_path / "serve.json"
     t0 = time.monotonic()
     data = serve.run(["--smoke", "--out", str(out), "--log-dir", str(tmp_path / "logs")])
@@ -54,8 +56,13 @@ def test_smoke(tmp_path, capsys):
         if config == "bole":
             assert row["spec_decode_acceptance_length"] > 1.0, row
             assert row["spec_decode_num_drafts"] > 0
+            # Every rate's steps, its last ones included (logged at serve.py's one-token request after it).
+            times = row["step_times"]
+            assert times and set(times) <= set(STEP_KINDS) and row["slow_steps"] is None, row
+            steps = sum(t["steps"] for t in times.values())
+            assert row["spec_decode_num_drafts"] / n <= steps <= 4 * row["spec_decode_num_drafts"], row
         else:
-            assert row["spec_decode_acceptance_length"] is None
+            assert row["spec_decode_acceptance_length"] is None and row["step_times"] is None
     # Requests arrive at the rate (all at once at inf: faster than at 2 req/s).
     assert rows[("ar", "1")]["request_throughput"] < rows[("ar", "inf")]["request_throughput"]
 
@@ -219,3 +226,18 @@ def test_warmup_and_slow_steps_read_from_the_server_log():
                                      "s": 41.5}
     assert serve.slow_steps(text) == {"count": 2, "max_ms": 412}
     assert serve.warmup_of("no such line") is None and serve.slow_steps("") is None
+
+
+def test_step_times_summed_over_the_server_log():
+    """The step-time lines of one rate add up by kind: steps summed, means weighted by steps, the longest kept."""
+    text = ("(EngineCore pid=1) INFO 12-07 02:50:00 [step_profile.py:162] Bole step times: trees_early 30 steps, mean "
+            "10.0 ms, max 14 ms; mixed 5 steps, mean 30.0 ms, max 41 ms\n"
+            "INFO 12-07 02:50:01 [loggers.py:1] Engine 000: Avg prompt throughput: 1.0 tokens/s\n"
+            "(EngineCore pid=1) INFO 12-07 02:50:10 [step_profile.py:162] Bole step times: trees_early 10 steps, mean "
+            "14.0 ms, max 20 ms; capturing 1 steps, mean 250.0 ms, max 250 ms\n")
+    assert serve.step_times(text) == {"trees_early": {"steps": 40, "mean_ms": 11.0, "max_ms": 20.0},
+                                      "mixed": {"steps": 5, "mean_ms": 30.0, "max_ms": 41.0},
+                                      "capturing": {"steps": 1, "mean_ms": 250.0, "max_ms": 250.0}}
+    assert serve.step_times("Bole slow step: 412 ms") is None
+    assert serve._steps_brief(serve.step_times(text)) == ("trees_early 40 x 11.0 ms, mixed 5 x 30.0 ms, "
+                                                          "capturing 1 x 250.0 ms")

@@ -71,24 +71,85 @@ def test_stepped_generate_calls_back_before_every_step():
     assert seen == [0, 1, 2, 3, 4] and tokens == 15 and seconds >= 0
 
 
+def _facts(requests=1, prefilling=0, trees=1, early=0, verify=0, drafter=0):
+    from vllm_bole.worker.step_profile import StepFacts
+
+    return StepFacts(requests=requests, tokens=8 * requests, prefilling=prefilling, trees=trees, early_drafted=early,
+                     verify_graphs=verify, drafter_graphs=drafter)
+
+
 def test_slow_steps_logged_with_both_steps_facts(monkeypatch):
     """VLLM_BOLE_SLOW_STEP_MS: an interval past the threshold names the step before it and the step after it;
     shorter intervals, the first step and an interval without a request in both steps (idle) log nothing."""
     from vllm_bole.worker import step_profile
-    from vllm_bole.worker.step_profile import SlowSteps
+    from vllm_bole.worker.step_profile import StepTimes
 
     lines, clock = [], iter([0.0, 0.010, 0.300, 0.305, 0.900])
     monkeypatch.setattr(step_profile.logger, "warning", lambda fmt, *args: lines.append(fmt % args))
+    monkeypatch.setattr(step_profile.logger, "info", lambda fmt, *args: None)
     monkeypatch.setattr(step_profile.time, "perf_counter", lambda: next(clock))
-    steps = SlowSteps(threshold_ms=100)
-    for reqs, facts in ((["a"], "first"), (["a"], "decode"), (["a", "b"], "mixed"), (["a", "b"], "decode again"),
-                        (["c"], "after idle")):
+    steps = StepTimes(threshold_ms=100)
+    for reqs, facts in ((["a"], _facts()), (["a"], _facts(early=1)), (["a", "b"], _facts(2, prefilling=1)),
+                        (["a", "b"], _facts(2, early=1)), (["c"], _facts(early=2))):
         steps.begin(reqs, facts)
-    assert len(lines) == 1 and "290 ms" in lines[0] and "previous: decode;" in lines[0] and "this: mixed" in lines[0]
+    assert len(lines) == 1 and "290 ms" in lines[0]
+    assert "(previous: 1 requests, 8 tokens, 0 prefilling; so far 1 early-drafted steps" in lines[0]
+    assert "this: 2 requests, 16 tokens, 1 prefilling;" in lines[0]
     monkeypatch.setenv("VLLM_BOLE_SLOW_STEP_MS", "0")
-    assert SlowSteps.from_env() is None
+    assert StepTimes.from_env() is None
     monkeypatch.setenv("VLLM_BOLE_SLOW_STEP_MS", "250")
-    assert SlowSteps.from_env().threshold_ms == 250
+    assert StepTimes.from_env().threshold_ms == 250
+
+
+def test_step_kinds():
+    """A step's kind from its facts and the next step's: a graph count that moved is a capture; trees beside
+    prefill chunks are mixed; tree-only steps are early-drafted when the counter moved."""
+    assert _facts(verify=1).kind(_facts(verify=2)) == "capturing"
+    assert _facts(drafter=3, early=1).kind(_facts(drafter=4, early=2)) == "capturing"
+    assert _facts(prefilling=1).kind(_facts(early=1)) == "mixed"
+    assert _facts().kind(_facts(early=1)) == "trees_early"
+    assert _facts(early=1).kind(_facts(early=1)) == "trees_late"
+    assert _facts(trees=0, prefilling=1).kind(_facts()) == "prefill"
+    assert _facts(trees=0).kind(_facts()) == "decode"
+
+
+def test_step_times_summarised_by_kind(monkeypatch):
+    """The summary line: steps, mean and longest ms per kind, logged once ``SUMMARY_EVERY_S`` passed and when the
+    engine turns idle (at the first step after the gap), each step counted once; the idle gap itself is not a
+    step, and a reset (after the warm-up) forgets what was not logged."""
+    from vllm_bole.worker import step_profile
+    from vllm_bole.worker.step_profile import StepTimes
+
+    lines, now = [], [0.0]
+    monkeypatch.setattr(step_profile.logger, "info", lambda fmt, *args: lines.append(fmt % args))
+    monkeypatch.setattr(step_profile.logger, "warning", lambda fmt, *args: None)
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: now[0])
+    steps = StepTimes(threshold_ms=1000)
+    steps.SUMMARY_EVERY_S = 1.0
+
+    def run(reqs, facts, ms):
+        steps.begin(reqs, facts)
+        now[0] += ms / 1e3
+
+    run(["a"], _facts(), 10)                      # trees, early drafted (the next step's counter moved)
+    run(["a"], _facts(early=1), 30)               # trees, drafted late (the counter stays)
+    run(["a", "b"], _facts(2, prefilling=1, early=1), 20)   # mixed
+    run(["a", "b"], _facts(2, early=2), 40)       # a capture (the next step holds one graph more)
+    run(["a", "b"], _facts(2, early=2, verify=1), 500)      # idle gap: request "c" alone follows
+    assert lines == []
+    run(["c"], _facts(early=2, verify=1), 10)
+    assert lines == ["Bole step times: trees_early 1 steps, mean 10.0 ms, max 10 ms; trees_late 1 steps, mean 30.0 ms, "
+                     "max 30 ms; mixed 1 steps, mean 20.0 ms, max 20 ms; capturing 1 steps, mean 40.0 ms, max 40 ms"]
+    for ms in (600, 600):
+        run(["c"], _facts(early=2, verify=1), ms)
+    assert len(lines) == 1   # 1.21 s of steps, the last one not yet timed
+    run(["c"], _facts(early=2, verify=1), 10)
+    assert lines[1:] == ["Bole step times: trees_late 3 steps, mean 403.3 ms, max 600 ms"]
+    run(["c"], _facts(early=2, verify=1), 10)
+    steps.reset()
+    run(["c"], _facts(early=2, verify=1), 10)
+    run(["d"], _facts(early=2, verify=1), 10)   # an idle gap after a reset: nothing left to log
+    assert len(lines) == 2
 
 
 def test_step_facts_count_prefill_chunks():
@@ -101,4 +162,5 @@ def test_step_facts_count_prefill_chunks():
     out = SimpleNamespace(num_scheduled_tokens={"a": 5, "b": 1, "c": 512}, total_num_scheduled_tokens=518,
                           scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]})
     facts = BoleModelRunnerMixin._bole_step_facts(runner, out)
-    assert facts == "3 requests, 518 tokens, 1 prefilling; so far 7 early-drafted steps, graphs 3 verify / 5 drafter"
+    assert (facts.prefilling, facts.trees) == (1, 1)
+    assert str(facts) == "3 requests, 518 tokens, 1 prefilling; so far 7 early-drafted steps, graphs 3 verify / 5 drafter"

@@ -32,7 +32,7 @@ from .budget_policy import BudgetPolicy
 from .commit import Committer
 from .drafting import Drafting, no_draft_ids
 from .forest_builder import ForestBuilder
-from .step_profile import SlowSteps, StepProfiler, profiled
+from .step_profile import StepFacts, StepProfiler, StepTimes, profiled
 from .tree_walk import TreeWalk
 
 logger = init_logger(__name__)
@@ -55,7 +55,7 @@ class BoleModelRunnerMixin:
         self._bole_synthetic = parse_synthetic(self.bole_config.synthetic_acceptance)
         self.bole_drafter = None
         self._bole_profiler = StepProfiler.from_env()
-        self._bole_slow_steps = SlowSteps.from_env()
+        self._bole_step_times = StepTimes.from_env()
         # VLLM_BOLE_RECORD_WALKS: every verified tree and its walk, for acceptance profiles (None: not kept)
         self.bole_walk_log = WalkLog() if envs.VLLM_BOLE_RECORD_WALKS else None
         self._bole_graphs = None
@@ -133,9 +133,9 @@ class BoleModelRunnerMixin:
 
     # ---- verification inputs ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, intermediate_tensors=None):
-        if self._bole_slow_steps is not None:
-            self._bole_slow_steps.begin(scheduler_output.num_scheduled_tokens,
-                                       self._bole_step_facts(scheduler_output))
+        if self._bole_step_times is not None:
+            self._bole_step_times.begin(scheduler_output.num_scheduled_tokens,
+                                        self._bole_step_facts(scheduler_output))
         # Drafts vLLM did not take (tensor-parallel ranks other than the output rank) finish before the step
         # that verifies them (queued drafts only move aside: the step reads them from the device). So does the
         # commit of a step whose drafter did not run (vLLM skips it when the batch does not fit the drafter).
@@ -155,15 +155,17 @@ class BoleModelRunnerMixin:
             # placeholders scheduled later are verified as chains (ForestBuilder.build).
             self.bole_forest_builder.queued = None
 
-    def _bole_step_facts(self, scheduler_output) -> str:
-        """What a step runs, for the slow-step log: its requests and tokens, the requests with more tokens than
-        their drafts and root (prefill chunks), and the counters whose change tells the path it took."""
+    def _bole_step_facts(self, scheduler_output) -> StepFacts:
+        """What a step runs, for the step times (``VLLM_BOLE_SLOW_STEP_MS``): its requests and tokens, the
+        requests with more tokens than their drafts and root (prefill chunks), those with drafts, and the counters
+        whose change tells the path it took."""
         spec = scheduler_output.scheduled_spec_decode_tokens
         prefills = sum(n > 1 + len(spec.get(r, ())) for r, n in scheduler_output.num_scheduled_tokens.items())
         verify, draft = self.bole_graph_counts()
-        return (f"{len(scheduler_output.num_scheduled_tokens)} requests, "
-                f"{scheduler_output.total_num_scheduled_tokens} tokens, {prefills} prefilling; so far "
-                f"{self.bole_early_draft_steps} early-drafted steps, graphs {verify} verify / {draft} drafter")
+        return StepFacts(requests=len(scheduler_output.num_scheduled_tokens),
+                         tokens=scheduler_output.total_num_scheduled_tokens, prefilling=prefills,
+                         trees=sum(bool(d) for d in spec.values()), early_drafted=self.bole_early_draft_steps,
+                         verify_graphs=verify, drafter_graphs=draft)
 
     @property
     def bole_async(self) -> bool:
@@ -198,6 +200,8 @@ class BoleModelRunnerMixin:
             self.bole_walk_log = WalkLog()
         self.bole_first_pass_steps = self.bole_early_draft_steps = self.bole_device_output_steps = 0
         self.bole_forest_builder.queued_trees = self.bole_forest_builder.stale_placeholders = 0
+        if self._bole_step_times is not None:
+            self._bole_step_times.reset()
         if self.bole_drafter is not None:
             self.bole_drafter.chain_steps = 0
 

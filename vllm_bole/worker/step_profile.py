@@ -3,12 +3,14 @@
 wall time from one step's end to the next's ("step": the phases plus scheduling and vLLM's own bookkeeping).
 
 Each phase is closed by a device synchronize, so profiled runs are slower than plain ones; use it to compare
-phases, and benchmarks (without it) for throughput.
+phases, and benchmarks (without it) for throughput. ``VLLM_BOLE_SLOW_STEP_MS=T`` times whole steps without a
+synchronize instead (:class:`StepTimes`): slow steps, and every step by its kind.
 """
 
 import contextlib
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from vllm.v1.utils import record_function_or_nullcontext
@@ -70,31 +72,98 @@ class StepProfiler:
             self.total.clear()
 
 
-class SlowSteps:
-    """``VLLM_BOLE_SLOW_STEP_MS=T``: a log line for every step that began more than T ms after the previous one
-    began while a request ran in both (an engine waiting for arrivals is idle, not slow), naming what both ran
-    (requests, tokens, prefill chunks, the path they took, graphs held). It adds no synchronize: the host waits
-    where vLLM waits, so a stall on the device shows in the interval it blocks."""
+@dataclass(frozen=True)
+class StepFacts:
+    """What an engine step runs, as the runner schedules it, and the runner's counters when it begins (their
+    change by the next step tells the path the step took)."""
+
+    requests: int
+    tokens: int
+    prefilling: int          # requests with more tokens than their drafts and root (prefill chunks)
+    trees: int               # requests verifying drafts
+    early_drafted: int       # early-drafted steps so far
+    verify_graphs: int       # verification and drafter CUDA graphs held
+    drafter_graphs: int
+
+    def __str__(self) -> str:
+        return (f"{self.requests} requests, {self.tokens} tokens, {self.prefilling} prefilling; so far "
+                f"{self.early_drafted} early-drafted steps, graphs {self.verify_graphs} verify / "
+                f"{self.drafter_graphs} drafter")
+
+    def kind(self, after: "StepFacts") -> str:
+        """The kind of this step, given the facts of the step after it: ``capturing`` (it captured a CUDA graph),
+        ``mixed`` (trees beside prefill chunks), ``trees_early`` / ``trees_late`` (only trees, drafted before /
+        after the host walk), ``prefill`` or ``decode`` (no trees)."""
+        if (after.verify_graphs, after.drafter_graphs) != (self.verify_graphs, self.drafter_graphs):
+            return "capturing"
+        if self.trees:
+            if self.prefilling:
+                return "mixed"
+            return "trees_early" if after.early_drafted > self.early_drafted else "trees_late"
+        return "prefill" if self.prefilling else "decode"
+
+
+# The order of the kinds in the summary line.
+STEP_KINDS = ("trees_early", "trees_late", "mixed", "prefill", "decode", "capturing")
+
+
+class StepTimes:
+    """``VLLM_BOLE_SLOW_STEP_MS=T``: how long each engine step took from its start to the next step's start,
+    counted only while a request ran in both (an engine waiting for arrivals is idle, not slow).
+
+    - A warning for every step past T ms, naming what it and the step after it ran (:class:`StepFacts`).
+    - A summary by kind of step (:meth:`StepFacts.kind`: steps, mean and longest ms) every
+      ``SUMMARY_EVERY_S`` seconds and when the engine turns idle (logged at the first step after the gap), so
+      that a workload's steps can be told apart: early-drafted trees, mixed steps, captures.
+
+    It adds no synchronize: the host waits where vLLM waits, so a stall on the device shows in the interval it
+    blocks (under async scheduling, one step late)."""
+
+    SUMMARY_EVERY_S = 10.0   # as vLLM's stats lines
 
     def __init__(self, threshold_ms: int):
         self.threshold_ms = threshold_ms
-        self._last: tuple[float, frozenset, str] | None = None
+        self._last: tuple[float, frozenset, StepFacts] | None = None
+        self._kinds: dict[str, list[float]] = {}   # kind -> [steps, total ms, longest ms]
+        self._since: float | None = None
 
     @classmethod
-    def from_env(cls) -> "SlowSteps | None":
+    def from_env(cls) -> "StepTimes | None":
         ms = envs.VLLM_BOLE_SLOW_STEP_MS
         return cls(ms) if ms > 0 else None
 
-    def begin(self, req_ids, facts: str) -> None:
-        """A step of requests ``req_ids`` begins that runs ``facts``; logs the interval since the last one began
-        if it is slow."""
+    def begin(self, req_ids, facts: StepFacts) -> None:
+        """A step of requests ``req_ids`` begins that runs ``facts``; times the step before it."""
         now, req_ids = time.perf_counter(), frozenset(req_ids)
         if self._last is not None:
             since, previous, previous_facts = self._last
-            if (now - since) * 1e3 > self.threshold_ms and previous & req_ids:
-                logger.warning("Bole slow step: %.0f ms since the previous step began (previous: %s; this: %s)",
-                               (now - since) * 1e3, previous_facts, facts)
+            ms = (now - since) * 1e3
+            if previous & req_ids:
+                if ms > self.threshold_ms:
+                    logger.warning("Bole slow step: %.0f ms since the previous step began (previous: %s; this: %s)",
+                                   ms, previous_facts, facts)
+                counts = self._kinds.setdefault(previous_facts.kind(facts), [0, 0.0, 0.0])
+                counts[0] += 1
+                counts[1] += ms
+                counts[2] = max(counts[2], ms)
+                if self._since is None:
+                    self._since = since
+            if self._kinds and (not previous & req_ids or now - self._since >= self.SUMMARY_EVERY_S):
+                self.log_summary()
         self._last = (now, req_ids, facts)
+
+    def log_summary(self) -> None:
+        """Logs the steps timed since the last summary, by kind, and starts a new one."""
+        kinds, self._kinds, self._since = self._kinds, {}, None
+        if not kinds:
+            return
+        parts = [f"{k} {int(kinds[k][0])} steps, mean {kinds[k][1] / kinds[k][0]:.1f} ms, max {kinds[k][2]:.0f} ms"
+                 for k in STEP_KINDS if k in kinds]
+        logger.info("Bole step times: %s", "; ".join(parts))
+
+    def reset(self) -> None:
+        """Forgets every step so far (after the start-up warm-up)."""
+        self._last, self._kinds, self._since = None, {}, None
 
 
 @contextlib.contextmanager
