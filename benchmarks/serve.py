@@ -47,11 +47,11 @@ Output: ``--out`` (default ``benchmarks/results/serve.json``; ``--smoke``: ``$OU
 ``/tmp/bole-serve-smoke/``) holds ``rows`` (one per configuration and rate: TTFT / TPOT / ITL / E2EL mean, p50,
 p90, p99 in ms, output and total tok/s, request throughput, goodput with ``--goodput``, spec-decode acceptance
 length and rate, completed and failed requests; with ``VLLM_BOLE_SLOW_STEP_MS`` set for the servers, the steps they
-logged as slow and their step times by kind of step), ``configs`` (each one's speculative config, server command, start time and what Bole's start-up
-warm-up ran in it, the Bole budget lines of its log, the run it came from) and ``runs`` (each invocation's exact command
-and commit). Rows of configurations that this invocation did not run are kept when the workload (model, lengths,
-prompts, rates, acceptance) is the same, so one table can be filled by several invocations (``--fresh``: start
-over). Printed: per rate, each configuration's TPOT p50 and output tok/s and each Bole configuration's ratios
+logged as slow and their step times by kind of step), ``configs`` (each one's speculative config, server command,
+start time and what Bole's start-up warm-up ran in it, the Bole budget lines of its log, the run it came from) and
+``runs`` (each invocation's exact command and commit). Rows of configurations that this invocation did not run are
+kept when the workload (model, lengths, prompts, rates, acceptance) is the same, so one table can be filled by
+several invocations (``--fresh``: start over). Printed: per rate, each configuration's TPOT p50 and output tok/s and each Bole configuration's ratios
 against the best MTP chain at that rate (TPOT: Bole / the chain with the lowest TPOT p50, below 1 is better;
 tok/s: Bole / the chain with the most tok/s, above 1 is better; against ``ar`` when no chain ran), then a table
 of TTFT, ITL and acceptance. ``--plot`` draws ``<out>.png`` (matplotlib, if installed). Server logs and the
@@ -475,14 +475,18 @@ def step_times(log_text: str) -> dict | None:
 
 
 def _steps_brief(times: dict) -> str:
+    """``step_times`` in one line: each kind's steps and mean ms."""
     return ", ".join(f"{kind} {t['steps']} x {t['mean_ms']:.1f} ms" for kind, t in times.items())
 
 
 def flush_step_times(server: soak.Server) -> None:
     """One one-token request: a Bole server logs the step times of a batch when its next step finds the batch gone
     (``worker/step_profile.StepTimes``), so this makes it log the last steps of the rate just run."""
-    soak._sync_post(server.base, "/v1/completions", {"model": server.model, "prompt": [1, 2, 3], "max_tokens": 1},
-                    timeout=60.0)
+    try:
+        soak._sync_post(server.base, "/v1/completions", {"model": server.model, "prompt": [1, 2, 3], "max_tokens": 1},
+                        timeout=60.0)
+    except OSError as e:   # the row keeps the step times logged so far; a dead server shows at the next rate
+        print(f"serve.py: the step-time request failed ({e})", flush=True)
 
 
 def _budget_lines(log: Path | None) -> list[str]:

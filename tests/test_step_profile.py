@@ -163,4 +163,5 @@ def test_step_facts_count_prefill_chunks():
                           scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]})
     facts = BoleModelRunnerMixin._bole_step_facts(runner, out)
     assert (facts.prefilling, facts.trees) == (1, 1)
-    assert str(facts) == "3 requests, 518 tokens, 1 prefilling; so far 7 early-drafted steps, graphs 3 verify / 5 drafter"
+    assert str(facts) == ("3 requests, 518 tokens, 1 prefilling; so far 7 early-drafted steps, "
+                          "graphs 3 verify / 5 drafter")

@@ -82,8 +82,8 @@ class StepFacts:
     prefilling: int          # requests with more tokens than their drafts and root (prefill chunks)
     trees: int               # requests verifying drafts
     early_drafted: int       # early-drafted steps so far
-    verify_graphs: int       # verification and drafter CUDA graphs held
-    drafter_graphs: int
+    verify_graphs: int       # verification CUDA graphs held
+    drafter_graphs: int      # drafter CUDA graphs held
 
     def __str__(self) -> str:
         return (f"{self.requests} requests, {self.tokens} tokens, {self.prefilling} prefilling; so far "
