@@ -44,18 +44,19 @@ tokenizer with one word per token id, ``t<id>``, the config's special token ids 
 decode and re-encode to exactly their token ids), cached under ``$VLLM_BOLE_CACHE`` or ``~/.cache/vllm-bole``.
 
 Output: ``--out`` (default ``benchmarks/results/serve.json``; ``--smoke``: ``$OUT/serve-smoke.json`` or
-``/tmp/bole-serve-smoke/``) holds ``rows`` (one per configuration and rate: TTFT / TPOT / ITL / E2EL mean, p50,
-p90, p99 in ms, output and total tok/s, request throughput, goodput with ``--goodput``, spec-decode acceptance
-length and rate, completed and failed requests; with ``VLLM_BOLE_SLOW_STEP_MS`` set for the servers, the steps they
-logged as slow and their step times by kind of step), ``configs`` (each one's speculative config, server command,
-start time and what Bole's start-up warm-up ran in it, the Bole budget lines of its log, the run it came from) and
-``runs`` (each invocation's exact command and commit). Rows of configurations that this invocation did not run are
-kept when the workload (model, lengths, prompts, rates, acceptance) is the same, so one table can be filled by
-several invocations (``--fresh``: start over). Printed: per rate, each configuration's TPOT p50 and output tok/s and each Bole configuration's ratios
-against the best MTP chain at that rate (TPOT: Bole / the chain with the lowest TPOT p50, below 1 is better;
-tok/s: Bole / the chain with the most tok/s, above 1 is better; against ``ar`` when no chain ran), then a table
-of TTFT, ITL and acceptance. ``--plot`` draws ``<out>.png`` (matplotlib, if installed). Server logs and the
-client's printout go to ``--log-dir`` (default: a temporary folder; with ``$OUT`` set, ``$OUT/serve-logs``).
+``/tmp/bole-serve-smoke/``) holds ``rows`` (one per configuration and rate: TTFT / TPOT / ITL / E2EL mean, p50, p90,
+p99 in ms, output and total tok/s, request throughput, goodput with ``--goodput``, spec-decode acceptance length and
+rate, completed and failed requests; with ``VLLM_BOLE_SLOW_STEP_MS`` set for the servers, the steps they logged as
+slow and their step times by kind of step), ``configs`` (each one's speculative config, server command, start time
+and what Bole's start-up warm-up ran in it, the Bole budget lines of its log, the run it came from) and ``runs``
+(each invocation's exact command and commit). Rows of configurations that this invocation did not run are kept when
+the workload (model, lengths, prompts, rates, acceptance) is the same, so one table can be filled by several
+invocations (``--fresh``: start over). Printed: per rate, each configuration's TPOT p50 and output tok/s and each
+Bole configuration's ratios against the best MTP chain at that rate (TPOT: Bole / the chain with the lowest TPOT
+p50, below 1 is better; tok/s: Bole / the chain with the most tok/s, above 1 is better; against ``ar`` when no chain
+ran), then a table of TTFT, ITL and acceptance. ``--plot`` draws ``<out>.png`` (matplotlib, if installed). Server
+logs and the client's printout go to ``--log-dir`` (default: a temporary folder; with ``$OUT`` set,
+``$OUT/serve-logs``).
 Exit status 1 when a server did not start or any row has failed or missing requests.
 """
 
