@@ -83,6 +83,7 @@ import soak  # noqa: E402
 from e2e import (DEFAULT_BUDGET_TABLE, DEFAULT_CONFIGS, DEFAULT_DRAFT_VOCAB_COVERAGE, MODEL_CANDIDATES,  # noqa: E402
                  apply_overrides, bole_overrides, chain_k, is_bole, is_chain, parse_variant)
 from e2e import config_names as _config_names  # noqa: E402
+from vllm_bole import envs as bole_envs  # noqa: E402
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks/results/serve.json"
@@ -558,8 +559,9 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
     rows: list[dict] = []
     if server is None:
         return entry, rows
+    # (the servers inherit this environment)
     timed_steps = bool(entry["speculative_config"] and entry["speculative_config"].get("method") == "bole"
-                       and int(os.environ.get("VLLM_BOLE_SLOW_STEP_MS", "0") or 0) > 0)
+                       and bole_envs.VLLM_BOLE_SLOW_STEP_MS > 0)
     old_offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # the client loads the tokenizer; everything is local
     try:

@@ -137,8 +137,8 @@ class StepTimes:
         now, req_ids = time.perf_counter(), frozenset(req_ids)
         if self._last is not None:
             since, previous, previous_facts = self._last
-            ms = (now - since) * 1e3
-            if previous & req_ids:
+            ms, busy = (now - since) * 1e3, bool(previous & req_ids)
+            if busy:
                 if ms > self.threshold_ms:
                     logger.warning("Bole slow step: %.0f ms since the previous step began (previous: %s; this: %s)",
                                    ms, previous_facts, facts)
@@ -148,7 +148,7 @@ class StepTimes:
                 counts[2] = max(counts[2], ms)
                 if self._since is None:
                     self._since = since
-            if self._kinds and (not previous & req_ids or now - self._since >= self.SUMMARY_EVERY_S):
+            if self._kinds and (not busy or now - self._since >= self.SUMMARY_EVERY_S):
                 self.log_summary()
         self._last = (now, req_ids, facts)
 
