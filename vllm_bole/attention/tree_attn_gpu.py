@@ -109,9 +109,10 @@ class BoleFlashAttentionImpl(FlashAttentionImpl):
             prefix_out = output[:n] if only_trees else torch.empty_like(output[:n])
             prefix_lse = prefix_pass(self, query[:n], kv_cache, attn_metadata, rows.prefix_lens(seq_lens), prefix_out,
                                      graph, qsl, block_table)
-        # A bound on the sequences the tree kernel reads whole: a graph took this route by the rule, which bounds
-        # them (its metadata holds capture-time values).
-        max_seq = INLINE_PREFIX_MAX_SEQ if graph is not None else attn_metadata.max_seq_len
+        # A bound on the sequences the tree kernel reads whole: the rule's, which bounds them on this route. Not the
+        # step's longest sequence: a graph's metadata holds capture-time values, and in eager steps each new bound
+        # would be a kernel variant of its own (the table of blocks is sized by it) compiled mid-serving.
+        max_seq = INLINE_PREFIX_MAX_SEQ
         triton_tree_attn.tree_attention_paged(
             query[:n], kv_cache, block_table, seq_lens, rows.meta, rows.bits, self.scale, max_rows=rows.max_rows,
             out=output[:n], prefix_out=prefix_out, prefix_lse=prefix_lse, max_seq_len=max_seq)

@@ -13,7 +13,8 @@ import triton.language as tl
 from ..launch import device_table, launch_plan
 
 
-@triton.jit
+# Runs eagerly too: no variant per alignment of the per-step index tensors (scalar loads).
+@triton.jit(do_not_specialize_on_alignment=["state_idx", "parent", "cu_seqlens"])
 def _tree_conv_kernel(
     x, weight, bias, conv_state, state_idx, parent, cu_seqlens, out, x_copy,
     stride_x, stride_out, stride_x_copy, stride_w_d, stride_w_t, stride_s_b, stride_s_d, stride_s_t, DIM,

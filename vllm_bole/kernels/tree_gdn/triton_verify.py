@@ -22,7 +22,9 @@ from .triton_tiles import coupling, diagonal_tile, tile_log_decay
 from .triton_verify_split import verify_split
 
 
-@triton.jit
+# Both kernels here also run eagerly (steps with prefill chunks): no variant per alignment of the per-step index
+# tensors, which they read at per-tree offsets anyway.
+@triton.jit(do_not_specialize_on_alignment=["parent", "cu_seqlens"])
 def _ancestor_bits_kernel(parent, cu_seqlens, bits, jump, W: tl.constexpr, TP: tl.constexpr,
                           WP: tl.constexpr, LOG: tl.constexpr):
     # bits[i] starts as {i}; after step s it covers i's ancestors closer than 2^s, jump[i] is the 2^s-th one.
@@ -65,7 +67,7 @@ def ancestor_bits(parent: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: in
     return bits
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["state_idx", "cu_seqlens"])
 def _tree_gdn_verify_kernel(
     q, k, v, g, beta, h0, state_idx, o, k_out, u_out, g_cum, bits, cu_seqlens, scale,
     stride_q, stride_k, stride_v, stride_g, stride_beta, stride_h_slot, stride_h_head, stride_h_v,

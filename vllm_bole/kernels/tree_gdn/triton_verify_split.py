@@ -20,7 +20,9 @@ import triton.language as tl
 from .triton_tiles import coupling, diagonal_tile, load_qk
 
 
-@triton.jit
+# Both kernels also run eagerly (steps with prefill chunks): no variant per alignment of the per-step index
+# tensors, which are only read a scalar at a time.
+@triton.jit(do_not_specialize_on_alignment=["cu_seqlens"])
 def _tree_matrices_kernel(
     q, k, g, beta, k_out, g_cum, aw, bits, cu_seqlens, scale, aw_plane, tp,
     stride_q, stride_k, stride_g, stride_beta,
@@ -124,7 +126,7 @@ def _state_output(q, g_cum, s_hi, s_t, bos, rows, hv, hk, o_k, t, stride_q, scal
     return (p_r * fq_r)[:, None] * qs
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["state_idx", "cu_seqlens"])
 def _tree_values_kernel(
     q, k, v, h0, state_idx, o, u_out, g_cum, aw, cu_seqlens, scale, aw_plane, tp,
     stride_q, stride_k, stride_v, stride_h_slot, stride_h_head, stride_h_v,
