@@ -93,8 +93,9 @@ def _prefix_partial(prefix_out, prefix_lse, row, head, e, me, row_ok, p_s0, p_s1
 
 
 # Runs eagerly in steps that mix trees and prefill chunks: per-step sizes (bit words, the prefix LSE's row stride:
-# the step's token count) and per-step index tensors (scalar loads) do not make Triton compile a variant.
-@triton.jit(do_not_specialize=["words", "lse_s0"], do_not_specialize_on_alignment=["seq_lens", "meta"])
+# the step's token count) and the alignment of per-step tensors read a word per row (the bits of a packed forest
+# follow its meta, at an offset of 20 bytes per tree) do not make Triton compile a variant mid-serving.
+@triton.jit(do_not_specialize=["words", "lse_s0"], do_not_specialize_on_alignment=["seq_lens", "meta", "bits"])
 def _tree_attn_kernel(
     q, kv, out, prefix_out, prefix_lse, block_table, seq_lens, meta, bits, words, scale_log2, meta_s0,
     q_s0, q_s1, o_s0, o_s1, p_s0, p_s1, lse_s0, lse_s1, kv_s0, kv_s1, kv_s2, kv_s3, bt_s0,
