@@ -152,15 +152,22 @@ class BoleQwenGDN(QwenGatedDeltaNetAttention):
         layer's copies, gathers and splits are small kernels of their own."""
         scratch = GDNStepScratch.of(forest, self, x)
         layer = scratch.add_layer(self, state_slots, checkpoints)
-        y = kernels.tree_causal_conv1d(x, conv_weight_2d(self), self.conv1d.bias, conv_state_view(self),
-                                       forest.parent, forest.cu_seqlens, activation=self.activation,
-                                       state_indices=state_slots, x_copy=scratch.conv_inputs[layer])
+        return self.tree_kernels(x, b, a, state_slots, forest.parent, forest.cu_seqlens, forest.max_nodes or None,
+                                 forest.device_bits(), scratch.conv_inputs[layer], scratch.factors_of(layer), out)
+
+    def tree_kernels(self, x, b, a, state_slots, parent, cu_seqlens, max_nodes, bits, conv_inputs, factors,
+                     out=None):
+        """The tree kernels of one verification over this layer's caches (read only): conv, gates, GDN. Serving
+        runs them through :meth:`_verify_trees`; the start-up warm-up (``worker/kernel_warmup.py``) on dummy
+        forests of every launch variant."""
+        y = kernels.tree_causal_conv1d(x, conv_weight_2d(self), self.conv1d.bias, conv_state_view(self), parent,
+                                       cu_seqlens, activation=self.activation, state_indices=state_slots,
+                                       x_copy=conv_inputs)
         q, k, v = self._split_qkv(y)
         g, beta = gdn_gates(self, a, b)
         o, _ = kernels.tree_gdn_verify(
-            q, k, v, g, beta, ssm_state_view(self), forest.parent, forest.cu_seqlens,
-            use_qk_l2norm_in_kernel=True, state_indices=state_slots, out_factors=scratch.factors_of(layer),
-            max_seqlen=forest.max_nodes or None, bits=forest.device_bits(), out=out)
+            q, k, v, g, beta, ssm_state_view(self), parent, cu_seqlens, use_qk_l2norm_in_kernel=True,
+            state_indices=state_slots, out_factors=factors, max_seqlen=max_nodes, bits=bits, out=out)
         return o
 
     def _split_qkv(self, y: torch.Tensor):

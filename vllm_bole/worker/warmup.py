@@ -117,6 +117,7 @@ def warm_up(engine_core) -> None:
                        "use", e)
         engine_core.abort_requests([f"{REQUEST_PREFIX}{i}" for i in range(requests + size)])
         _run(engine_core)
+    engine_core.model_executor.collective_rpc("bole_warm_up_kernels")
     engine_core.reset_prefix_cache()
     engine_core.model_executor.collective_rpc("bole_after_warmup")
     graphs = _graphs(engine_core)

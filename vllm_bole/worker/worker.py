@@ -6,6 +6,7 @@ from vllm.platforms import current_platform
 
 from .._vllm_compat import module_attr_override, pause_jit_monitor, resume_jit_monitor
 from ..attention.registration import register_bole_layers
+from ..logger import init_logger
 from .model_runner import BoleModelRunnerMixin, bole_runner_class
 
 if current_platform.is_cpu():
@@ -16,6 +17,8 @@ else:
     from vllm.v1.worker.gpu_worker import Worker as _PlatformWorker
 
     _RUNNER_MODULE, _RUNNER_NAME = "vllm.v1.worker.gpu_model_runner", "GPUModelRunner"
+
+logger = init_logger(__name__)
 
 
 class BoleWorker(_PlatformWorker):
@@ -41,6 +44,17 @@ class BoleWorker(_PlatformWorker):
     def bole_before_warmup(self) -> None:
         """The start-up warm-up begins (``worker/warmup.py``): its compilations are not reported as inference's."""
         self._bole_jit_monitor = pause_jit_monitor()
+
+    def bole_warm_up_kernels(self) -> None:
+        """The tree kernels' launch variants of eager steps (``worker/kernel_warmup.py``), on GPUs."""
+        if not current_platform.is_cuda():
+            return
+        from .kernel_warmup import warm_up_kernels
+
+        try:
+            warm_up_kernels(self.model_runner)
+        except Exception:   # serving compiles what is missing on first use, as without this part of the warm-up
+            logger.exception("Bole warm-up: launching the tree kernels' variants failed; serving goes on")
 
     def bole_after_warmup(self) -> None:
         """The start-up warm-up is over: the JIT monitor reports again, and the runner forgets the traffic."""

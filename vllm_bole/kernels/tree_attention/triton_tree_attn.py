@@ -278,6 +278,14 @@ def table_blocks(block_size: int, region_keys: int, max_seq_len: int | None, mer
     return blocks if blocks <= MAX_TABLE_BLOCKS else 0
 
 
+def launch_variant(group: int, head_size: int, max_rows: int, num_trees: int, device: torch.device,
+                   merge: bool) -> tuple:
+    """What decides which compiled variant of the kernel a launch of :func:`tree_attention_paged` uses besides
+    the model's shapes and the route's bound on sequences: the tile and the words of the bit rows."""
+    cfg = launch_config(group, head_size, max_rows, num_trees, device, merge)
+    return tuple(sorted(cfg.items())) + (merge, triton.cdiv(max_rows, 32))
+
+
 def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, *, max_rows, out=None,
                          prefix_out=None, prefix_lse=None, config=None, max_seq_len=None):
     """Ancestor-masked attention of every tree row over its request's paged KV (see the module docstring).

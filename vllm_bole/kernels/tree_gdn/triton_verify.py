@@ -201,6 +201,14 @@ def launch_config(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.d
     return {"block_t": block_t, "block_v": block_v, "v_splits": splits, "num_warps": 4, "num_stages": 1}
 
 
+def launch_variant(batch: int, hv: int, dv: int, max_seqlen: int, device: torch.device) -> tuple:
+    """What decides which compiled variant of the kernels a launch uses, besides the model's shapes: the launch
+    parameters and the largest tree's size class (row tiles, one tile or more, bit words). Launches of equal
+    variants compile once (the start-up warm-up launches one of each, ``worker/kernel_warmup.py``)."""
+    cfg = launch_config(batch, hv, dv, max_seqlen, device)
+    return tuple(sorted(cfg.items())) + (max(16, triton.next_power_of_2(max_seqlen)), triton.cdiv(max_seqlen, 32))
+
+
 def tree_gdn_verify(q, k, v, g, beta, initial_state, parent, cu_seqlens, *, scale=None,
                     use_qk_l2norm_in_kernel=False, state_indices=None, max_seqlen=None, bits=None,
                     out_factors=None, config=None, out=None):
