@@ -1,0 +1,124 @@
+"""The warm-up's launch variants of eager steps (``worker/kernel_warmup.py``): one launch per variant, and a
+variant names everything that makes Triton compile a launch anew (checked on the launches themselves, recorded
+on the host: no kernel runs)."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_bole.kernels.tree_attention import triton_tree_attn
+from vllm_bole.kernels.tree_gdn import triton_verify, triton_verify_split
+from vllm_bole.worker import kernel_warmup
+
+CUDA = torch.device("cuda")   # launch rules read its type only (and the SM count, patched)
+SMS = 132
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: records what Triton keys a compiled variant on (constexprs, launch options,
+    the classes of the integer arguments it specializes: 1, a multiple of 16, other)."""
+
+    def __init__(self, kernel):
+        self.params, self.keys = kernel.params, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            ints = tuple((p.name, 1 if a == 1 else 16 if a % 16 == 0 else 0) for p, a in zip(self.params, args)
+                         if isinstance(a, int) and not isinstance(a, bool) and not p.do_not_specialize)
+            self.keys.append((tuple(sorted(kwargs.items())), ints))
+        return launch
+
+
+def _compiled(recorders) -> tuple:
+    """What the launches of one call compiled, kernel by kernel (and forgets them)."""
+    out = tuple((name, tuple(r.keys)) for name, r in recorders.items())
+    for r in recorders.values():
+        r.keys.clear()
+    return out
+
+
+def _check(call, variant, max_trees, max_nodes, recorders):
+    """Every (trees, nodes) compiles what the warm-up's launch of its variant compiled."""
+    reps = kernel_warmup.representatives(variant, max_trees, max_nodes)
+    assert len({variant(*r) for r in reps}) == len(reps)
+    compiled = {}
+    for trees, nodes in reps:
+        call(trees, nodes)
+        compiled[variant(trees, nodes)] = _compiled(recorders)
+    for trees in range(1, max_trees + 1):
+        for nodes in range(1, max_nodes + 1):
+            call(trees, nodes)
+            assert _compiled(recorders) == compiled[variant(trees, nodes)], (trees, nodes)
+    return reps
+
+
+def test_representatives_are_the_first_step_shape_of_each_variant():
+    reps = kernel_warmup.representatives(lambda t, n: (t >= 3, n > 16), 5, 20)
+    assert reps == [(1, 1), (1, 17), (3, 1), (3, 17)]
+
+
+@pytest.mark.parametrize("hv", [16, 32])
+def test_gdn_variants_cover_every_step_shape(monkeypatch, hv):
+    monkeypatch.setattr(triton_verify, "_num_sms", lambda device: SMS)
+    recorders = {}
+    for module, name in ((triton_verify, "_tree_gdn_verify_kernel"), (triton_verify_split, "_tree_matrices_kernel"),
+                         (triton_verify_split, "_tree_values_kernel")):
+        recorders[name] = _Recorder(getattr(module, name))
+        monkeypatch.setattr(module, name, recorders[name])
+    hk, dk, dv, max_trees, max_nodes = 8, 128, 128, 24, 65
+    rows = max_trees * max_nodes
+    q, k = torch.zeros(rows, hk, dk), torch.zeros(rows, hk, dk)
+    v, g, beta = torch.zeros(rows, hv, dv), torch.zeros(rows, hv), torch.zeros(rows, hv)
+    state = torch.zeros(1, hv, dv, dk)
+    out = torch.empty(rows, hv, dv)
+    factors = triton_verify.TreeFactors(k=torch.empty(rows, hk, dk), u=torch.empty(rows, hv, dv),
+                                        g_cum=torch.empty(rows, hv))
+
+    def call(trees, nodes):
+        n = trees * nodes
+        parent, cu = kernel_warmup.chain_forest(trees, nodes, "cpu")
+        part = triton_verify.TreeFactors(k=factors.k[:n], u=factors.u[:n], g_cum=factors.g_cum[:n])
+        triton_verify.tree_gdn_verify(q[:n], k[:n], v[:n], g[:n], beta[:n], state, parent, cu,
+                                      state_indices=torch.zeros(trees, dtype=torch.int32), max_seqlen=nodes,
+                                      bits=torch.zeros(n, math.ceil(nodes / 32), dtype=torch.int32),
+                                      out_factors=part, out=out[:n])
+
+    def variant(trees, nodes):
+        return triton_verify.launch_variant(trees, hv, dv, nodes, CUDA)
+
+    reps = _check(call, variant, max_trees, max_nodes, recorders)
+    assert len(reps) <= 12   # a few seconds of compiling at start-up, not minutes
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_tree_attention_variants_cover_every_step_shape(monkeypatch, merge):
+    launch_config = triton_tree_attn.launch_config
+    monkeypatch.setattr(triton_tree_attn, "launch_config",
+                        lambda group, d, rows, trees, device, merge=False: launch_config(group, d, rows, trees, CUDA,
+                                                                                         merge))
+    monkeypatch.setattr(triton_tree_attn, "_interpreting", lambda: True)
+    recorders = {"_tree_attn_kernel": _Recorder(triton_tree_attn._tree_attn_kernel)}
+    monkeypatch.setattr(triton_tree_attn, "_tree_attn_kernel", recorders["_tree_attn_kernel"])
+    hq, hkv, d, bs, max_trees, max_nodes = 16, 4, 256, 64, 40, 65
+    rows = max_trees * max_nodes
+    q, out = torch.zeros(rows, hq, d, dtype=torch.bfloat16), torch.empty(rows, hq, d, dtype=torch.bfloat16)
+    kv = torch.zeros(2, hkv, bs, 2 * d, dtype=torch.bfloat16)
+    prefix_lse = torch.zeros(hq, rows)
+
+    def call(trees, nodes):
+        n = trees * nodes
+        first = torch.arange(trees, dtype=torch.int32)
+        meta = torch.stack([first, first * nodes, torch.full_like(first, nodes), torch.full_like(first, nodes),
+                            first * nodes], dim=1)
+        prefix = {"prefix_out": out[:n], "prefix_lse": prefix_lse[:, :n]} if merge else {}
+        triton_tree_attn.tree_attention_paged(
+            q[:n], kv, torch.zeros(trees, 40, dtype=torch.int32), torch.full((trees,), nodes, dtype=torch.int32),
+            meta, torch.zeros(n, math.ceil(nodes / 32), dtype=torch.int32), 0.1, max_rows=nodes, out=out[:n],
+            max_seq_len=512, **prefix)
+
+    def variant(trees, nodes):
+        return triton_tree_attn.launch_variant(hq // hkv, d, nodes, trees, CUDA, merge)
+
+    reps = _check(call, variant, max_trees, max_nodes, recorders)
+    assert len(reps) <= 16
