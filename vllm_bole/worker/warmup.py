@@ -8,7 +8,8 @@ of serving would meet one new shape after another. vLLM captures its own graphs 
 sizes and the drafter's levels, which only real steps produce, so the warm-up runs real steps: for every batch size
 in :func:`batch_sizes`, prompts of :func:`prompt_lengths` tokens (a short one and, where the model is long enough,
 one past the tree-attention route's threshold), half arriving while the other half decodes (steps mixing prefill
-chunks and trees), greedy and sampled requests side by side.
+chunks and trees), greedy and sampled requests side by side. It ends with the tree kernels' launch variants of
+such mixed steps, which run eagerly (``worker/kernel_warmup.py``).
 
 The warm-up goes through the engine core's own scheduler and executor, and its outputs go nowhere: no client
 sees them and no metric counts them. Afterwards nothing of it stays behind but compiled kernels and captured
