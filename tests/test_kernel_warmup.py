@@ -2,7 +2,9 @@
 variant names everything that makes Triton compile a launch anew (checked on the launches themselves, recorded
 on the host: no kernel runs)."""
 
+import inspect
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,12 +22,14 @@ class _Recorder:
     the classes of the integer arguments it specializes: 1, a multiple of 16, other)."""
 
     def __init__(self, kernel):
-        self.params, self.keys = kernel.params, []
+        # (vLLM's kernels are plain functions where vLLM finds no GPU: then every argument counts)
+        self.unspecialized = {p.name for p in getattr(kernel, "params", ()) if p.do_not_specialize}
+        self.names, self.keys = inspect.signature(getattr(kernel, "fn", kernel)).parameters, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            ints = tuple((p.name, 1 if a == 1 else 16 if a % 16 == 0 else 0) for p, a in zip(self.params, args)
-                         if isinstance(a, int) and not isinstance(a, bool) and not p.do_not_specialize)
+            ints = tuple((name, 1 if a == 1 else 16 if a % 16 == 0 else 0) for name, a in zip(self.names, args)
+                         if isinstance(a, int) and not isinstance(a, bool) and name not in self.unspecialized)
             self.keys.append((tuple(sorted(kwargs.items())), ints))
         return launch
 
@@ -122,3 +126,21 @@ def test_tree_attention_variants_cover_every_step_shape(monkeypatch, merge):
 
     reps = _check(call, variant, max_trees, max_nodes, recorders)
     assert len(reps) <= 16
+
+
+def test_next_token_variants_cover_every_step_shape(monkeypatch):
+    from vllm.v1.spec_decode import utils
+
+    from vllm_bole._vllm_compat import launch_next_token_kernel
+
+    recorders = {"next tokens": _Recorder(utils.eagle_prepare_next_token_padded_kernel)}
+    monkeypatch.setattr(utils, "eagle_prepare_next_token_padded_kernel", recorders["next tokens"])
+    runner = SimpleNamespace(discard_request_mask=SimpleNamespace(gpu=torch.zeros(64, dtype=torch.bool)),
+                             drafter=SimpleNamespace(backup_next_token_ids=SimpleNamespace(gpu=torch.zeros(64))),
+                             input_batch=SimpleNamespace(vocab_size=1000))
+
+    def call(batch, width):
+        launch_next_token_kernel(runner, torch.full((batch, width), -1, dtype=torch.int32))
+
+    reps = _check(call, kernel_warmup.next_token_variant, 40, 17, recorders)
+    assert len(reps) == 3 * 7   # request counts 1, 16k, other; widths 1, 2, 3-4, 5-8, 9-15, 16, 17

@@ -51,6 +51,7 @@ import importlib
 import weakref
 
 import numpy as np
+import torch
 import vllm
 
 SUPPORTED_VLLM_VERSION = "0.26.0"
@@ -276,6 +277,21 @@ def input_fits_in_drafter(runner, common_attn_metadata) -> bool:
 def copy_valid_sampled_token_count(runner, next_token_ids, counts) -> None:
     """vLLM's copy of the emitted-token counts to the host, which its next step's preparation waits for."""
     runner._copy_valid_sampled_token_count(next_token_ids, counts)
+
+
+def launch_next_token_kernel(runner, sampled_token_ids: torch.Tensor) -> None:
+    """One launch of vLLM's ``eagle_prepare_next_token_padded_kernel`` as the drafter's
+    ``prepare_next_token_ids_padded`` (Bole's asynchronous steps call it) launches it, on the runner's own buffers;
+    for the warm-up (``worker/kernel_warmup.py``): Triton specializes it on the request count and the row width."""
+    from vllm.utils.math_utils import next_power_of_2
+    from vllm.v1.spec_decode.utils import eagle_prepare_next_token_padded_kernel
+
+    batch, width = sampled_token_ids.shape
+    next_token_ids = torch.empty(batch, dtype=torch.int32, device=sampled_token_ids.device)
+    eagle_prepare_next_token_padded_kernel[(batch,)](
+        sampled_token_ids, runner.discard_request_mask.gpu, runner.drafter.backup_next_token_ids.gpu,
+        next_token_ids, next_token_ids.new_empty(batch), runner.input_batch.vocab_size, width, batch,
+        sampled_token_ids.stride(0), BLOCK_SIZE_TOKENS=next_power_of_2(width))
 
 
 def set_step_draft_ids(runner, draft_token_ids) -> None:

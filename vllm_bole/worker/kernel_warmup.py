@@ -7,15 +7,19 @@ requests only reach the tree sizes the budget rule gave them, so this module lau
 variant any (trees, nodes) can choose (``launch_variant`` next to each kernel's ``launch_config``), with the
 smallest forest of that variant: chains of dummy rows over the layers' own caches, which the kernels only read.
 Everything else a compiled variant depends on is the model's shapes, or is kept out of Triton's specialization
-(per-step sizes and the alignment of per-step index tensors: ``do_not_specialize`` at the kernels).
+(per-step sizes and the alignment of per-step index tensors: ``do_not_specialize`` at the kernels). Under
+asynchronous scheduling vLLM's next-token kernel, which Triton specializes on the step's request count and row
+width, gets the same treatment.
 """
 
 import time
 from collections.abc import Callable, Hashable
 
 import torch
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from .._vllm_compat import launch_next_token_kernel
 from ..attention.gdn import BoleQwenGDN
 from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ, BoleFlashAttentionImpl, reads_prefix_itself
 from ..kernels.reference import TreeFactors
@@ -104,6 +108,24 @@ def warm_attention(layer, block_table: torch.Tensor, max_trees: int, max_nodes: 
     return count
 
 
+def next_token_variant(batch: int, width: int) -> tuple:
+    """What Triton keys vLLM's next-token kernel on: the classes of its request count and row width (1, a
+    multiple of 16, other) and its tile."""
+    def cls(n):
+        return 1 if n == 1 else 16 if n % 16 == 0 else 0
+
+    return cls(batch), cls(width), next_power_of_2(width)
+
+
+def warm_next_tokens(runner, max_trees: int, max_depth: int) -> int:
+    """vLLM's next-token kernel (asynchronous steps: ``_vllm_compat.launch_next_token_kernel``) once per variant
+    of a step's emitted rows (up to ``max_depth + 1`` tokens); returns the number of variants."""
+    shapes = representatives(next_token_variant, max_trees, max_depth + 1)
+    for batch, width in shapes:
+        launch_next_token_kernel(runner, torch.full((batch, width), -1, dtype=torch.int32, device=runner.device))
+    return len(shapes)
+
+
 def warm_up_kernels(runner) -> None:
     """Every launch variant of the tree kernels on ``runner``'s model (a GPU runner of a Bole engine)."""
     start = time.perf_counter()
@@ -122,6 +144,8 @@ def warm_up_kernels(runner) -> None:
             counts["attention"] = warm_attention(layer, runner.input_batch.block_table[gid].block_table.gpu,
                                                  max_trees, max_nodes, dtype)
             break
+    if runner.bole_async:
+        counts["next tokens"] = warm_next_tokens(runner, max_trees, runner.bole_config.max_depth)
     torch.cuda.synchronize()
     logger.info("Bole warm-up: tree kernels launched in every variant of eager steps (%s) in %.1f s",
                 ", ".join(f"{name}: {n}" for name, n in counts.items()), time.perf_counter() - start)
