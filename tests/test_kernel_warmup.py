@@ -9,9 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_bole.kernels.tree_attention import triton_tree_attn
-from vllm_bole.kernels.tree_gdn import triton_verify, triton_verify_split
-from vllm_bole.worker import kernel_warmup
+from triton_modes import import_kernel_modules, interpreter
+
+# As the kernel tests import them: kernel modules imported here first must hold interpreted kernels for them.
+triton_verify_split, triton_verify, triton_tree_attn = import_kernel_modules(
+    "vllm_bole.kernels.tree_gdn.triton_verify_split", "vllm_bole.kernels.tree_gdn.triton_verify",
+    "vllm_bole.kernels.tree_attention.triton_tree_attn")
+with interpreter():
+    from vllm_bole.worker import kernel_warmup
 
 CUDA = torch.device("cuda")   # launch rules read its type only (and the SM count, patched)
 SMS = 132
@@ -22,9 +27,12 @@ class _Recorder:
     the classes of the integer arguments it specializes: 1, a multiple of 16, other)."""
 
     def __init__(self, kernel):
-        # (vLLM's kernels are plain functions where vLLM finds no GPU: then every argument counts)
-        self.unspecialized = {p.name for p in getattr(kernel, "params", ()) if p.do_not_specialize}
-        self.names, self.keys = inspect.signature(getattr(kernel, "fn", kernel)).parameters, []
+        # A compiled-mode or interpreted kernel (its jit options in ``kwargs``); vLLM's kernels are plain functions
+        # where vLLM finds no GPU, and then every argument counts.
+        self.names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+        options = getattr(kernel, "do_not_specialize", None) or getattr(kernel, "kwargs", {}).get("do_not_specialize")
+        self.unspecialized = {self.names[d] if isinstance(d, int) else d for d in options or ()}
+        self.keys = []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -99,8 +107,8 @@ def test_gdn_variants_cover_every_step_shape(monkeypatch, hv):
 def test_tree_attention_variants_cover_every_step_shape(monkeypatch, merge):
     launch_config = triton_tree_attn.launch_config
     monkeypatch.setattr(triton_tree_attn, "launch_config",
-                        lambda group, d, rows, trees, device, merge=False: launch_config(group, d, rows, trees, CUDA,
-                                                                                         merge))
+                        lambda group, d, rows, trees, device, merge=False, fp32=False: launch_config(
+                            group, d, rows, trees, CUDA, merge, fp32))
     monkeypatch.setattr(triton_tree_attn, "_interpreting", lambda: True)
     recorders = {"_tree_attn_kernel": _Recorder(triton_tree_attn._tree_attn_kernel)}
     monkeypatch.setattr(triton_tree_attn, "_tree_attn_kernel", recorders["_tree_attn_kernel"])

@@ -327,6 +327,9 @@ def test_launch_config_fits_every_step(group, max_rows, num_trees, merge):
     one_tile = merge and rows <= ta.SMALL_STEP_ROWS and max_rows <= 32
     assert (cfg["num_warps"], cfg["num_stages"]) == ((8, 1) if one_tile else (4, 2) if merge and rows <= ta.SMALL_STEP_ROWS
                                                       else (4, 3) if rows <= ta.LARGE_STEP_ROWS else (8, 3))
+    # fp32 tiles fit shared memory up to 64 rows
+    fp32 = ta.launch_config(group, 256, max_rows, num_trees, torch.device("cuda"), merge=merge, fp32=True)
+    assert fp32 == (cfg if rows <= ta.LARGE_STEP_ROWS else ta.tile_config(64, 16, 4, 3, group, max_rows))
 
 
 # Launch configurations the benchmark times (benchmarks/tree_attention.py's CANDIDATES) and the rule's.

@@ -85,7 +85,7 @@ def warm_attention(layer, block_table: torch.Tensor, max_trees: int, max_nodes: 
         def variant(trees, nodes, merge=merge):
             if not merge and not reads_prefix_itself(max(INLINE_PREFIX_MAX_SEQ, 1), trees * nodes):
                 return None   # the rule sends such steps down the other route
-            return triton_tree_attn.launch_variant(group, d, nodes, trees, device, merge)
+            return triton_tree_attn.launch_variant(group, d, nodes, trees, device, merge, dtype == torch.float32)
 
         for trees, nodes in representatives(variant, max_trees, max_nodes):
             if variant(trees, nodes) is None:

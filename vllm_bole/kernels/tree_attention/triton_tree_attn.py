@@ -243,9 +243,11 @@ LARGE_STEP_ROWS = 1024
 
 
 def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, device: torch.device,
-                  merge: bool = False) -> dict:
+                  merge: bool = False, fp32: bool = False) -> dict:
     """The tile for a launch of ``num_trees`` requests of at most ``max_rows`` rows (host values only, so a
-    CUDA graph's capacity bounds pick the same tile at every replay); ``merge``: the split route's launch."""
+    CUDA graph's capacity bounds pick the same tile at every replay); ``merge``: the split route's launch; ``fp32``:
+    float32 queries and keys, whose 128-row tile pipelined three deep would need 385 KiB of shared memory (Hopper
+    has 227), so they keep the 64-row tile."""
     if device.type != "cuda":
         return tile_config(16, 32, 4, 1, group, max_rows)
     rows = num_trees * max_rows
@@ -254,7 +256,7 @@ def launch_config(group: int, head_size: int, max_rows: int, num_trees: int, dev
             return tile_config(16, 32, 4, 3, group, max_rows)
         return tile_config(16, 32, 8, 1, group, max_rows) if max_rows <= 32 else tile_config(16, 32, 4, 2, group,
                                                                                                max_rows)
-    if rows <= LARGE_STEP_ROWS:
+    if rows <= LARGE_STEP_ROWS or fp32:
         return tile_config(64, 16, 4, 3, group, max_rows)
     return tile_config(128, 32, 8, 3, group, max_rows)
 
@@ -279,10 +281,10 @@ def table_blocks(block_size: int, region_keys: int, max_seq_len: int | None, mer
 
 
 def launch_variant(group: int, head_size: int, max_rows: int, num_trees: int, device: torch.device,
-                   merge: bool) -> tuple:
+                   merge: bool, fp32: bool = False) -> tuple:
     """What decides which compiled variant of the kernel a launch of :func:`tree_attention_paged` uses besides
     the model's shapes and the route's bound on sequences: the tile and the words of the bit rows."""
-    cfg = launch_config(group, head_size, max_rows, num_trees, device, merge)
+    cfg = launch_config(group, head_size, max_rows, num_trees, device, merge, fp32)
     return tuple(sorted(cfg.items())) + (merge, triton.cdiv(max_rows, 32))
 
 
@@ -317,7 +319,7 @@ def tree_attention_paged(q, kv_cache, block_table, seq_lens, meta, bits, scale, 
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
     assert meta.shape[1] == META_FIELDS and meta.stride(1) == 1 and bits.is_contiguous()
     group = hq // hkv
-    cfg = config or launch_config(group, d, max_rows, meta.shape[0], q.device, merge)
+    cfg = config or launch_config(group, d, max_rows, meta.shape[0], q.device, merge, q.dtype == torch.float32)
     bm, bn = cfg["block_m"], cfg["block_n"]
     parts = cfg.get("value_parts", 1)
     dp = max(16, triton.next_power_of_2(d))
