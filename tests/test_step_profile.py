@@ -6,33 +6,41 @@ import time
 from vllm_bole.worker.step_profile import StepProfiler
 
 
-def test_means_over_tree_steps_only():
+def test_means_by_kind_over_tree_steps_only():
     profiler = StepProfiler(every=1 << 30)
-    profiler.end_step(tree_step=False)          # a prefill step: starts the wall clock, not counted
+    profiler.end_step(None)          # a prefill step: starts the wall clock, not counted
     for _ in range(3):
         with profiler.phase("draft"):
             time.sleep(0.002)
-        profiler.end_step(tree_step=True)
+        profiler.end_step("trees")
+    with profiler.phase("draft"):
+        time.sleep(0.02)
+    profiler.end_step("mixed")
     with profiler.phase("draft"):
         pass
-    profiler.end_step(tree_step=False)
-    means = profiler.means()
-    assert profiler.steps == 3 and set(means) == {"draft", "step"}
-    assert 2.0 <= means["draft"] <= means["step"]   # the step's wall time holds its phases
+    profiler.end_step(None)
+    trees, mixed = profiler.means(), profiler.means("mixed")
+    assert profiler.steps == {"trees": 3, "mixed": 1} and set(trees) == set(mixed) == {"draft", "step"}
+    assert 2.0 <= trees["draft"] <= trees["step"] < 20.0 <= mixed["draft"] <= mixed["step"]
     assert StepProfiler(every=4).means() == {}
 
 
-def test_logged_report_every_n_steps(monkeypatch):
+def test_logged_report_every_n_steps_of_a_kind(monkeypatch):
     from vllm_bole.worker import step_profile
 
     lines = []
     monkeypatch.setattr(step_profile.logger, "info", lambda fmt, *args: lines.append(fmt % args))
     profiler = StepProfiler(every=2)
-    for _ in range(2):
+    for kind in ("trees", "mixed", "trees"):
         with profiler.phase("walk"):
             pass
-        profiler.end_step(tree_step=True)
-    assert len(lines) == 1 and "walk" in lines[0] and "step" in lines[0] and profiler.means() == {}
+        profiler.end_step(kind)
+    assert len(lines) == 1 and "2 tree-only steps" in lines[0] and "walk" in lines[0] and "step" in lines[0]
+    assert profiler.means() == {} and set(profiler.means("mixed")) == {"walk", "step"}
+    with profiler.phase("walk"):
+        pass
+    profiler.end_step("mixed")
+    assert len(lines) == 2 and "2 mixed (trees beside prefill chunks) steps" in lines[1]
 
 
 class _FakeEngine:

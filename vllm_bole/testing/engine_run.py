@@ -76,6 +76,11 @@ def _draft_vocab(llm):
     return getattr(getattr(_runner(llm), "bole_drafter", None), "draft_vocab", None)
 
 
+def _profiled_steps(llm) -> int | None:
+    profiler = getattr(_runner(llm), "_bole_profiler", None)
+    return None if profiler is None else sum(profiler.steps.values())
+
+
 def _draft_vocab_ids(llm) -> list[int] | None:
     """Token ids the MTP drafter may propose (None: the full vocabulary, or another drafter)."""
     vocab = _draft_vocab(llm)
@@ -213,8 +218,8 @@ def run(spec: dict) -> dict:
             "draft_vocab_refreshes": getattr(_draft_vocab(llm), "refreshes", None),
             **step_counts(llm),
             "acceptance_steps": getattr(_budget(llm, "acceptance"), "steps", None),
-            # tree steps the phase timer counted (VLLM_BOLE_PROFILE_STEPS)
-            "profiled_steps": getattr(getattr(_runner(llm), "_bole_profiler", None), "steps", None),
+            # tree steps the phase timer counted, of every kind (VLLM_BOLE_PROFILE_STEPS)
+            "profiled_steps": _profiled_steps(llm),
             "budgets": _counts(_budget(llm, "planned")),
             "async_budgets": _counts(_budget(llm, "async_planned")),
             "scheduling": _scheduling(llm), "budget_log": _budget_log(llm), "preemptions": _preemptions(llm)}

@@ -79,7 +79,8 @@ class Drafting:
                 self.last_nodes = sum(len(t) for t in trees)
                 set_step_draft_ids(runner, [t.tokens for t in trees])
         if runner._bole_profiler is not None:
-            runner._bole_profiler.end_step(tree_step=runner._bole_forest is not None)
+            forest = runner._bole_forest
+            runner._bole_profiler.end_step(None if forest is None else "trees" if forest.tree_only else "mixed")
 
     def take(self, drafts):
         """What vLLM takes as the step's draft token ids: ``drafts`` (vLLM's own take, synchronous scheduling) with

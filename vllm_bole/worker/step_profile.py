@@ -1,6 +1,7 @@
 """Where a Bole engine step spends its time: ``VLLM_BOLE_PROFILE_STEPS=N`` logs the mean time of each phase
-(inputs + target forward, tree walk, commit + compaction, drafting) every N verification steps, and the mean
-wall time from one step's end to the next's ("step": the phases plus scheduling and vLLM's own bookkeeping).
+(inputs + target forward, tree walk, commit + compaction, drafting) every N verification steps of a kind (only
+trees, or trees beside prefill chunks), and the mean wall time from one step's end to the next's ("step": the
+phases plus scheduling and vLLM's own bookkeeping).
 
 Each phase is closed by a device synchronize, so profiled runs are slower than plain ones; use it to compare
 phases, and benchmarks (without it) for throughput. ``VLLM_BOLE_SLOW_STEP_MS=T`` times whole steps without a
@@ -21,12 +22,16 @@ from ..logger import init_logger
 logger = init_logger(__name__)
 
 
+# The steps the profiler reports, by kind: (key, its name in the log line).
+PROFILED_KINDS = (("trees", "tree-only"), ("mixed", "mixed (trees beside prefill chunks)"))
+
+
 class StepProfiler:
     def __init__(self, every: int):
         self.every = every
-        self.total: dict[str, float] = defaultdict(float)
+        self.total: dict[str, dict[str, float]] = {kind: defaultdict(float) for kind, _ in PROFILED_KINDS}
+        self.steps: dict[str, int] = dict.fromkeys(self.total, 0)
         self.current: dict[str, float] = defaultdict(float)
-        self.steps = 0
         self._last_end: float | None = None
 
     @classmethod
@@ -49,27 +54,30 @@ class StepProfiler:
             self._sync()
             self.current[name] += time.perf_counter() - start
 
-    def means(self) -> dict[str, float]:
-        """Mean ms per tree step of each phase over the steps not yet logged."""
-        pending = self.steps % self.every
-        return {k: v * 1e3 / pending for k, v in self.total.items()} if pending else {}
+    def means(self, kind: str = "trees") -> dict[str, float]:
+        """Mean ms per step of ``kind`` of each phase over the steps not yet logged."""
+        pending = self.steps[kind] % self.every
+        return {k: v * 1e3 / pending for k, v in self.total[kind].items()} if pending else {}
 
-    def end_step(self, tree_step: bool) -> None:
-        """Count a step (only steps that verified trees are reported) and log every ``every`` of them."""
+    def end_step(self, kind: str | None) -> None:
+        """Count a step of ``kind`` ("trees": only trees, "mixed": trees beside prefill chunks; None: a step
+        without trees, which is not reported) and log every ``every`` steps of a kind."""
         current, self.current = self.current, defaultdict(float)
         now, last, self._last_end = time.perf_counter(), self._last_end, time.perf_counter()
-        if not tree_step:
+        if kind is None:
             return
         # Wall time since the previous step ended: the phases plus what runs outside them (scheduling, output
         # processing, vLLM's own input preparation and bookkeeping).
         current["step"] = now - last if last is not None else sum(current.values())
+        total = self.total[kind]
         for k, v in current.items():
-            self.total[k] += v
-        self.steps += 1
-        if self.steps % self.every == 0:
-            phases = ", ".join(f"{k} {v * 1e3 / self.every:.2f} ms" for k, v in self.total.items())
-            logger.info("Bole step profile (mean of %d tree steps): %s", self.every, phases)
-            self.total.clear()
+            total[k] += v
+        self.steps[kind] += 1
+        if self.steps[kind] % self.every == 0:
+            phases = ", ".join(f"{k} {v * 1e3 / self.every:.2f} ms" for k, v in total.items())
+            logger.info("Bole step profile (mean of %d %s steps): %s", self.every, dict(PROFILED_KINDS)[kind],
+                        phases)
+            total.clear()
 
 
 @dataclass(frozen=True)
