@@ -63,6 +63,7 @@ Exit status 1 when a server did not start or any row has failed or missing reque
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import hashlib
 import json
@@ -350,6 +351,8 @@ def model_setup(opts, on_gpu: bool) -> tuple[str | None, list[str], str | None]:
         if on_gpu:  # the GPU bundle has no FlashInfer, which vLLM picks for GDN prefill on Hopper (as e2e.py)
             flags += ["--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
     flags += ["--seed", str(opts.seed), "--no-enable-prefix-caching"]
+    if on_gpu:   # every kernel vLLM's JIT monitor sees compiled after the start gets a line (rows' kernel_compiles)
+        flags.append("--jit-monitor-verbose")
     if opts.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
     if opts.kv_cache_gib:
@@ -438,6 +441,8 @@ BUDGET_INTERVAL = re.compile(r"Bole budget: (\d+) steps in the last [\d.]+ s, (\
 WARMUP_LINE = re.compile(r"Bole warm-up: (\d+) requests .*? in (\d+) steps, (\d+) verification and (\d+) drafter CUDA "
                          r"graphs captured, in ([\d.]+) s")
 SLOW_STEP = re.compile(r"Bole slow step: (\d+) ms since the previous step began")
+# vLLM's JIT monitor (vllm/utils/jit_monitor.py): a kernel compiled or autotuned after the server's start.
+KERNEL_COMPILE = re.compile(r"JIT compilation during inference: ([\w.<>]+)")
 STEP_TIMES = re.compile(r"(\w+) (\d+) steps, mean ([\d.]+) ms, max (\d+) ms")
 
 
@@ -457,6 +462,12 @@ def slow_steps(log_text: str) -> dict | None:
     without such lines."""
     ms = [int(x) for x in SLOW_STEP.findall(log_text)]
     return {"count": len(ms), "max_ms": max(ms)} if ms else None
+
+
+def kernel_compiles(log_text: str) -> dict[str, int]:
+    """Kernels compiled after the server's start, by name (vLLM's JIT monitor, one line per compilation with
+    ``--jit-monitor-verbose``, which serve.py passes on GPUs)."""
+    return dict(collections.Counter(name.rstrip(".") for name in KERNEL_COMPILE.findall(log_text)))
 
 
 def step_times(log_text: str) -> dict | None:
@@ -595,7 +606,7 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
                 f.seek(logged)
                 text = f.read().decode(errors="replace")
             row["bole_budget_rule"], row["slow_steps"] = rule_share(text), slow_steps(text)
-            row["step_times"] = step_times(text)
+            row["step_times"], row["kernel_compiles"] = step_times(text), kernel_compiles(text)
             rows.append(row)
             if on_row is not None:
                 on_row(entry, rows)
@@ -676,8 +687,9 @@ def markdown(rows: list[dict], names: list[str], bole_names: set[str], comps: li
 
 def details_markdown(rows: list[dict], names: list[str]) -> str:
     lines = ["| config | rate | done | TTFT p50 / p99 ms | TPOT p99 ms | ITL p50 / p99 ms | req/s | goodput req/s "
-             "| acceptance length | drafts / accepted per request-step | budgets by the throughput rule (graphs) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| acceptance length | drafts / accepted per request-step | budgets by the throughput rule (graphs) "
+             "| kernels compiled |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (names.index(r["config"]) if r["config"] in names else 99,
                                          _rate_key(r["rate"]))):
         lines.append(f"| {r['config']} | {r['rate']} | {r.get('completed')}/{r['num_prompts']} "
@@ -688,8 +700,15 @@ def details_markdown(rows: list[dict], names: list[str]) -> str:
                      f"| {_f(r.get('spec_decode_acceptance_length'), '.2f')} "
                      f"| {_f(_per_draft(r, 'spec_decode_draft_tokens'), '.2f')} / "
                      f"{_f(_per_draft(r, 'spec_decode_accepted_tokens'), '.2f')} "
-                     f"| {_share(r.get('bole_budget_rule'))} |")
+                     f"| {_share(r.get('bole_budget_rule'))} | {_compiles(r.get('kernel_compiles'))} |")
     return "\n".join(lines)
+
+
+def _compiles(compiles: dict | None) -> str:
+    """``kernel_compiles`` in a cell: their count and the kernels (– for rows from before the field)."""
+    if compiles is None:
+        return "–"
+    return f"{sum(compiles.values())} ({', '.join(sorted(compiles))})" if compiles else "0"
 
 
 def _share(rule: dict | None) -> str:

@@ -241,3 +241,24 @@ def test_step_times_summed_over_the_server_log():
     assert serve.step_times("Bole slow step: 412 ms") is None
     assert serve._steps_brief(serve.step_times(text)) == ("trees_early 40 x 11.0 ms, mixed 5 x 30.0 ms, "
                                                           "capturing 1 x 250.0 ms")
+
+
+def test_kernel_compiles_counted_from_the_jit_monitor():
+    """vLLM's JIT monitor lines after the start, verbose (one per compilation) or not (the first per kernel)."""
+    text = ("(EngineCore pid=1912) WARNING 12-07 06:01:28 [jit_monitor.py:132] Triton kernel JIT compilation during "
+            "inference: eagle_prepare_next_token_padded_kernel (constexprs={BLOCK_SIZE_TOKENS=1, num_reqs=1}; "
+            "signature={})\n"
+            "(EngineCore pid=1912) WARNING 12-07 06:01:29 [jit_monitor.py:132] Triton kernel JIT compilation during "
+            "inference: rejection_greedy_sample_kernel (constexprs={SYNTHETIC_MODE=True})\n"
+            "(EngineCore pid=1912) WARNING 12-07 06:01:30 [jit_monitor.py:132] Triton kernel JIT compilation during "
+            "inference: eagle_prepare_next_token_padded_kernel (constexprs={BLOCK_SIZE_TOKENS=4, num_reqs=1})\n"
+            "WARNING 12-07 06:01:31 [jit_monitor.py:132] TileLang JIT compilation during inference: _tl_gemm. This "
+            "causes a latency spike; consider extending warmup to cover this shape/config.\n"
+            "(EngineCore pid=1912) INFO 12-07 05:56:02 [jit_monitor.py:79] Kernel JIT monitor activated; monitored JIT "
+            "compilations during inference will use mode=warn.\n")
+    assert serve.kernel_compiles(text) == {"eagle_prepare_next_token_padded_kernel": 2,
+                                           "rejection_greedy_sample_kernel": 1, "_tl_gemm": 1}
+    assert serve.kernel_compiles("Bole step times: mixed 1 steps, mean 2.0 ms, max 2 ms") == {}
+    assert serve._compiles({}) == "0" and serve._compiles(None) == "–"
+    assert serve._compiles(serve.kernel_compiles(text)) == ("4 (_tl_gemm, eagle_prepare_next_token_padded_kernel, "
+                                                           "rejection_greedy_sample_kernel)")
