@@ -21,8 +21,9 @@
 #                 calibrated, synchronously and asynchronously); over 15 minutes
 #   lossless-all  every test of tests/test_e2e_lossless.py and tests/test_async_scheduling.py, the same way (25
 #                 items: more than 15 minutes with 3 workers)
-#   serving       logits processors, preemption, structured outputs (the sampling tests are a group of their
-#                 own: together they ran past 440 s on an H100)
+#   serving       logits processors, preemption, structured outputs, the warm-up (no kernel compiled after it:
+#                 vLLM's JIT monitor in "error" mode); the sampling tests are a group of their own (together
+#                 they ran past 440 s on an H100)
 #   sampling      sampled trees against the reference distribution
 #   prefix-caching  multi-turn conversations with prefix caching (sync and async), preemption and aborts of shared
 #                 blocks, a test per worker (5), Bole's CUDA graphs replayed (tests/e2e_support.assert_graphs_used);
@@ -84,7 +85,7 @@ for group in "${GROUPS_RUN[@]}"; do
         tests/test_e2e_lossless.py tests/test_async_scheduling.py ;;
     serving)
       run_group serving "${XDIST[@]}" tests/test_logits_processors.py tests/test_preemption.py \
-        tests/test_structured_outputs.py ;;
+        tests/test_structured_outputs.py tests/test_warmup.py ;;
     sampling)
       run_group sampling "${XDIST[@]}" tests/test_e2e_sampling.py ;;
     prefix-caching)

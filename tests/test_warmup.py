@@ -7,6 +7,7 @@ counters (the runner forgets the warm-up's random traffic)."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from e2e_support import bole_engine, random_requests, run_engine, vocab_size
 from vllm_bole.config import parse_bole_config
@@ -71,6 +72,28 @@ def test_warmed_up_engine_serves_as_a_cold_one(tmp_path):
     assert warm["draft_vocab_refreshes"] == cold["draft_vocab_refreshes"]
     for key in ("first_pass_steps", "early_draft_steps", "queued_trees", "chain_steps", "budgets"):
         assert warm[key] == cold[key], key
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels compile on GPUs only")
+def test_no_kernel_compiles_after_the_warm_up(tmp_path):
+    """vLLM's JIT monitor in "error" mode fails the step that compiles a kernel after the start. Long prompts are
+    prefilled in small chunks beside the trees of requests already decoding (such steps run eagerly, with launch
+    parameters from their trees), greedy and sampled: every request completes."""
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    model = tiny_model_dir()
+    requests = random_requests(vocab_size(model), [12, 300, 40, 520, 90, 700, 25, 260], 40, seed=9)
+    for r in requests[1::2]:
+        r["temperature"] = 1.0
+    engine = bole_engine(tmp_path, "strict", depth=4, topk=2, budget="auto", drafter="mtp", max_num_seqs=8,
+                         max_num_batched_tokens=128, jit_monitor_mode="error")
+    engine["speculative_config"]["warmup"] = True
+    out = run_engine(tmp_path, "strict", {"model": model, "requests": requests, "engine": engine})
+    log = (tmp_path / "strict.log").read_text()
+    assert "Bole warm-up: tree kernels launched in every variant of eager steps" in log, log[-3000:]
+    assert [len(o["tokens"]) for o in out["outputs"]] == [40] * len(requests)
+    assert out["counters"]["num_drafts"] > 0
 
 
 def test_jit_monitor_paused_and_resumed(monkeypatch):
