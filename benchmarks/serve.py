@@ -440,6 +440,8 @@ BUDGET_INTERVAL = re.compile(r"Bole budget: (\d+) steps in the last [\d.]+ s, (\
 
 WARMUP_LINE = re.compile(r"Bole warm-up: (\d+) requests .*? in (\d+) steps, (\d+) verification and (\d+) drafter CUDA "
                          r"graphs captured, in ([\d.]+) s")
+KERNEL_WARMUP_LINE = re.compile(r"Bole warm-up: tree kernels launched in every variant of eager steps \((.*?)\) in "
+                                r"([\d.]+) s")
 SLOW_STEP = re.compile(r"Bole slow step: (\d+) ms since the previous step began")
 # vLLM's JIT monitor (vllm/utils/jit_monitor.py): a kernel compiled or autotuned after the server's start.
 KERNEL_COMPILE = re.compile(r"JIT compilation during inference: ([\w.<>]+)")
@@ -453,8 +455,14 @@ def warmup_of(log_text: str) -> dict | None:
     if m is None:
         return None
     requests, steps, verify, drafter, seconds = m.groups()
-    return {"requests": int(requests), "steps": int(steps), "verify_graphs": int(verify),
-            "drafter_graphs": int(drafter), "s": float(seconds)}
+    out = {"requests": int(requests), "steps": int(steps), "verify_graphs": int(verify),
+           "drafter_graphs": int(drafter), "s": float(seconds)}
+    kernels = KERNEL_WARMUP_LINE.search(log_text)
+    if kernels is not None:   # (a GPU server: its last part, the kernels' launch variants, by kernel)
+        counts, seconds = kernels.groups()
+        out["kernel_variants"] = {k: int(v) for k, v in (part.rsplit(": ", 1) for part in counts.split(", "))}
+        out["kernel_variants_s"] = float(seconds)
+    return out
 
 
 def slow_steps(log_text: str) -> dict | None:

@@ -226,6 +226,10 @@ def test_warmup_and_slow_steps_read_from_the_server_log():
                                      "s": 41.5}
     assert serve.slow_steps(text) == {"count": 2, "max_ms": 412}
     assert serve.warmup_of("no such line") is None and serve.slow_steps("") is None
+    gpu = ("(EngineCore pid=976) INFO 12-07 05:56:57 [kernel_warmup.py:150] Bole warm-up: tree kernels launched in "
+           "every variant of eager steps (GDN: 7, attention: 16, next tokens: 15) in 8.4 s\n" + text)
+    assert serve.warmup_of(gpu) == {**serve.warmup_of(text), "kernel_variants_s": 8.4,
+                                    "kernel_variants": {"GDN": 7, "attention": 16, "next tokens": 15}}
 
 
 def test_step_times_summed_over_the_server_log():
