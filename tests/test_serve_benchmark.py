@@ -185,14 +185,15 @@ def test_details_show_each_requests_share_of_a_step():
                                    ["ar", "bole"])
     lines = table.splitlines()
     assert lines[0].endswith("| acceptance length | drafts / accepted per request-step | budgets by the throughput "
-                             "rule (graphs) |")
-    assert lines[2].startswith("| ar | 32 |") and lines[2].endswith("| – / – | – |")
-    assert lines[3].startswith("| bole | 32 |") and lines[3].endswith("| 3.20 / 2.35 | – |")
+                             "rule (graphs) | kernels compiled |")
+    assert lines[2].startswith("| ar | 32 |") and lines[2].endswith("| – / – | – | – |")
+    assert lines[3].startswith("| bole | 32 |") and lines[3].endswith("| 3.20 / 2.35 | – | – |")
     row["bole_budget_rule"] = {"steps": 300, "by_rule": 0.25}
-    assert serve.details_markdown([row], ["bole"]).endswith("| 3.20 / 2.35 | 25% of 300 steps |")
+    assert serve.details_markdown([row], ["bole"]).endswith("| 3.20 / 2.35 | 25% of 300 steps | – |")
     row["bole_budget_rule"] |= {"graphs_captured": 4, "capture_ms": 310}
+    row["kernel_compiles"] = {}
     assert serve.details_markdown([row], ["bole"]).endswith(
-        "| 3.20 / 2.35 | 25% of 300 steps; 4 graphs captured (310 ms) |")
+        "| 3.20 / 2.35 | 25% of 300 steps; 4 graphs captured (310 ms) | 0 |")
 
 
 def test_rule_share_reads_the_servers_budget_lines(tmp_path):
