@@ -65,11 +65,16 @@ class DeviceTreeRows:
         """Rows of a forest whose request ``i`` is batch request ``i`` and whose rows are all its tree nodes,
         built on the device (inside a CUDA graph; no host data): the region of each tree is the tree, and its
         bits are the forest's ancestor bits."""
-        cu = forest.cu_seqlens
-        starts, sizes = cu[:-1], cu[1:] - cu[:-1]
-        index = torch.arange(sizes.numel(), dtype=torch.int32, device=cu.device)
-        meta = torch.stack([index, starts, sizes, sizes, starts], dim=1).contiguous()
-        return cls(meta=meta, bits=forest.device_bits(), num_rows=forest.parent.numel(), max_rows=forest.max_nodes)
+        return cls(meta=cls.verified_meta(forest.cu_seqlens), bits=forest.device_bits(), num_rows=forest.parent.numel(),
+                   max_rows=forest.max_nodes)
+
+    @staticmethod
+    def verified_meta(cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``meta`` of trees whose tree ``i`` is batch request ``i`` with rows ``cu[i]:cu[i+1]``, each tree its own
+        region (on ``cu_seqlens``' device)."""
+        starts, sizes = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+        index = torch.arange(sizes.numel(), dtype=torch.int32, device=cu_seqlens.device)
+        return torch.stack([index, starts, sizes, sizes, starts], dim=1).contiguous()
 
     def prefix_lens(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """``[B]`` committed prefix length of every batch request (0 without a tree, so FlashAttention's prefix

@@ -22,10 +22,10 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from .._vllm_compat import launch_next_token_kernel
 from ..attention.gdn import BoleQwenGDN
 from ..attention.tree_attn_gpu import INLINE_PREFIX_MAX_SEQ, BoleFlashAttentionImpl, reads_prefix_itself
-from ..kernels.reference import TreeFactors
 from ..kernels.tree_attention import triton_tree_attn
 from ..kernels.tree_gdn import triton_verify
 from ..logger import init_logger
+from ..step.forest import DeviceTreeRows
 
 logger = init_logger(__name__)
 
@@ -62,12 +62,10 @@ def warm_gdn(layer: BoleQwenGDN, max_trees: int, max_nodes: int, dtype: torch.dt
         rows = trees * nodes
         x = torch.zeros(rows, 2 * hk * dk + hv * dv, dtype=dtype, device=device)
         ba = torch.zeros(rows, 2 * hv, dtype=dtype, device=device)   # the layer's b and a: column halves
-        factors = TreeFactors(k=torch.empty(rows, hk, dk, dtype=torch.float32, device=device),
-                              u=torch.empty(rows, hv, dv, dtype=torch.float32, device=device),
-                              g_cum=torch.empty(rows, hv, dtype=torch.float32, device=device))
         bits = triton_verify.ancestor_bits(parent, cu_seqlens, nodes) if parent.is_cuda else None
+        # (factors None: the verification allocates them, as serving's scratch would hold them)
         layer.tree_kernels(x, ba[:, :hv], ba[:, hv:], torch.zeros(trees, dtype=torch.int32, device=device), parent,
-                           cu_seqlens, nodes, bits, torch.empty_like(x), factors)
+                           cu_seqlens, nodes, bits, torch.empty_like(x), None)
     return len(shapes)
 
 
@@ -91,9 +89,7 @@ def warm_attention(layer, block_table: torch.Tensor, max_trees: int, max_nodes: 
             if variant(trees, nodes) is None:
                 continue
             rows = trees * nodes
-            first = torch.arange(trees, dtype=torch.int32, device=device)
-            meta = torch.stack([first, first * nodes, torch.full_like(first, nodes), torch.full_like(first, nodes),
-                                first * nodes], dim=1).contiguous()
+            meta = DeviceTreeRows.verified_meta(chain_forest(trees, nodes, device)[1])
             q = torch.zeros(rows, hq, d, dtype=dtype, device=device)
             prefix = {}
             if merge:
