@@ -33,10 +33,9 @@ def skip_without_moe_kernels() -> None:
 
     if not torch.cuda.is_available():
         return
-    try:
-        importlib.import_module("vllm._moe_C")   # (registers torch.ops._moe_C where the build has it)
-    except ImportError:
-        pass
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()   # registers torch.ops._moe_C where the build has it
     if not hasattr(torch.ops._moe_C, "topk_softmax"):
         pytest.skip("this vLLM build has no MoE kernels (torch.ops._moe_C.topk_softmax)")
 

@@ -152,3 +152,38 @@ def test_next_token_variants_cover_every_step_shape(monkeypatch):
 
     reps = _check(call, kernel_warmup.next_token_variant, 40, 17, recorders)
     assert len(reps) == 3 * 7   # request counts 1, 16k, other; widths 1, 2, 3-4, 5-8, 9-15, 16, 17
+
+
+def test_compaction_variants_cover_every_step(monkeypatch):
+    """The warm-up's compactions compile every variant a step's moves reach: slot pairs of any count, and device
+    walks of any request count and path width."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_bole.worker.kv_compaction import compact_layers
+
+    monkeypatch.setattr(triton_tree_attn, "_interpreting", lambda: True)
+    recorders = {"_compact_kernel": _Recorder(triton_tree_attn._compact_kernel)}
+    monkeypatch.setattr(triton_tree_attn, "_compact_kernel", recorders["_compact_kernel"])
+    max_trees, max_depth = 40, 8
+    caches = {f"layer{i}": SimpleNamespace(kv_cache=torch.zeros(4, 2, 16, 128, dtype=torch.bfloat16))
+              for i in range(3)}
+    slot_mapping = torch.zeros(max_trees * (max_depth + 1), dtype=torch.long)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    runner = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=caches), device=torch.device("cpu"),
+        kv_cache_config=SimpleNamespace(
+            kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=list(caches))]),
+        input_batch=SimpleNamespace(block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slot_mapping))]))
+    count = kernel_warmup.warm_compaction(runner, max_trees * (max_depth + 1))
+    warmed = set(recorders["_compact_kernel"].keys)
+    assert count == len(warmed) == 6   # row tiles 16, 32, 64; slot pairs and device walks
+    recorders["_compact_kernel"].keys.clear()
+    layers = [c.kv_cache for c in caches.values()]
+    for trees in range(1, max_trees + 1):
+        for width in range(1, max_depth + 2):
+            moves = torch.full((trees * width,), 5, dtype=torch.long)
+            compact_layers(layers, [moves] * 3, [moves + 1] * 3)
+            walk = SimpleNamespace(rows=torch.full((trees, width), 3, dtype=torch.long))
+            compact_layers(layers, [slot_mapping] * 3, [slot_mapping] * 3, walk=walk,
+                           starts=torch.zeros(trees, dtype=torch.int32))
+    assert set(recorders["_compact_kernel"].keys) == warmed

@@ -87,7 +87,7 @@ def test_no_kernel_compiles_after_the_warm_up(tmp_path):
     for r in requests[1::2]:
         r["temperature"] = 1.0
     engine = bole_engine(tmp_path, "strict", depth=4, topk=2, budget="auto", drafter="mtp", max_num_seqs=8,
-                         max_num_batched_tokens=128, jit_monitor_mode="error")
+                         max_num_batched_tokens=128, max_model_len=1024, jit_monitor_mode="error")
     engine["speculative_config"]["warmup"] = True
     out = run_engine(tmp_path, "strict", {"model": model, "requests": requests, "engine": engine})
     log = (tmp_path / "strict.log").read_text()

@@ -7,13 +7,15 @@ requests only reach the tree sizes the budget rule gave them, so this module lau
 variant any (trees, nodes) can choose (``launch_variant`` next to each kernel's ``launch_config``), with the
 smallest forest of that variant: chains of dummy rows over the layers' own caches, which the kernels only read.
 Everything else a compiled variant depends on is the model's shapes, or is kept out of Triton's specialization
-(per-step sizes and the alignment of per-step index tensors: ``do_not_specialize`` at the kernels). Under
-asynchronous scheduling vLLM's next-token kernel, which Triton specializes on the step's request count and row
-width, gets the same treatment.
+(per-step sizes and the alignment of per-step index tensors: ``do_not_specialize`` at the kernels). The
+compaction of the accepted K/V (its row tile follows the step's number of moves) and, under asynchronous
+scheduling, vLLM's next-token kernel (which Triton specializes on the step's request count and row width) get the
+same treatment.
 """
 
 import time
 from collections.abc import Callable, Hashable
+from types import SimpleNamespace
 
 import torch
 from vllm.utils.math_utils import next_power_of_2
@@ -26,6 +28,7 @@ from ..kernels.tree_attention import triton_tree_attn
 from ..kernels.tree_gdn import triton_verify
 from ..logger import init_logger
 from ..step.forest import DeviceTreeRows
+from .kv_compaction import compact_layers
 
 logger = init_logger(__name__)
 
@@ -104,6 +107,29 @@ def warm_attention(layer, block_table: torch.Tensor, max_trees: int, max_nodes: 
     return count
 
 
+def warm_compaction(runner, max_moves: int) -> int:
+    """The accepted K/V's compaction (``worker/kv_compaction.py``) once per row tile its steps can choose, with
+    moves from slot pairs and from a device walk's rows; every move is -1 (skipped), so no cache changes. Returns
+    the number of variants."""
+    layers = runner.compilation_config.static_forward_context
+    caches, slots = [], []
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if isinstance(group.kv_cache_spec, AttentionSpec):
+            slot_mapping = runner.input_batch.block_table[gid].slot_mapping.gpu
+            caches += [layers[name].kv_cache for name in group.layer_names]
+            slots += [slot_mapping] * len(group.layer_names)
+    if not caches:
+        return 0
+    tiles = representatives(lambda _, moves: triton_tree_attn.compact_tile(moves), 1, max_moves)
+    for _, moves in tiles:
+        none = torch.full((moves,), -1, dtype=torch.long, device=runner.device)
+        compact_layers(caches, [none] * len(caches), [none] * len(caches))
+        walk = SimpleNamespace(rows=none[None, :])   # one path of ``moves`` rows, none of them there
+        compact_layers(caches, slots, slots, walk=walk, starts=torch.zeros(1, dtype=torch.int32,
+                                                                             device=runner.device))
+    return 2 * len(tiles)
+
+
 def next_token_variant(batch: int, width: int) -> tuple:
     """What Triton keys vLLM's next-token kernel on: the classes of its request count and row width (1, a
     multiple of 16, other) and its tile."""
@@ -140,6 +166,7 @@ def warm_up_kernels(runner) -> None:
             counts["attention"] = warm_attention(layer, runner.input_batch.block_table[gid].block_table.gpu,
                                                  max_trees, max_nodes, dtype)
             break
+    counts["compaction"] = warm_compaction(runner, max_trees * (runner.bole_config.max_depth + 1))
     if runner.bole_async:
         counts["next tokens"] = warm_next_tokens(runner, max_trees, runner.bole_config.max_depth)
     torch.cuda.synchronize()

@@ -410,6 +410,12 @@ def compact_walked_kv_paged(kv_caches, walk_rows, starts, slot_mappings, *, bloc
                     walk_rows.shape[1], block_d, block_m, num_warps)
 
 
+def compact_tile(moves: int, block_m: int = 64) -> int:
+    """The row tile of a compaction of ``moves`` moves: the only launch parameter that follows the step (the
+    warm-up compiles each, ``worker/kernel_warmup.py``)."""
+    return min(block_m, max(16, triton.next_power_of_2(moves)))
+
+
 def _launch_compact(kv_caches, src, dst, m, walk_rows, starts, w, block_d, block_m, num_warps):
     ref = kv_caches[0]
     nb, hkv, bs, two_d = ref.shape
@@ -425,7 +431,7 @@ def _launch_compact(kv_caches, src, dst, m, walk_rows, starts, w, block_d, block
     _compact_kernel[(len(kv_caches), hkv, triton.cdiv(two_d, bd))](
         ptrs[0], ref, src, dst, src.stride(0) if src.dim() == 2 else 0, m, *ref.stride(),
         walk_rows if walk else src, starts if walk else src, max(w, 1),
-        BS=bs, TWO_D=two_d, BD=bd, BMC=min(block_m, max(16, triton.next_power_of_2(m))),
+        BS=bs, TWO_D=two_d, BD=bd, BMC=compact_tile(m, block_m),
         ALIGNED=aligned, FROM_WALK=walk, num_warps=num_warps,
     )
 
