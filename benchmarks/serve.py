@@ -445,7 +445,44 @@ KERNEL_WARMUP_LINE = re.compile(r"Bole warm-up: tree kernels launched in every v
 SLOW_STEP = re.compile(r"Bole slow step: (\d+) ms since the previous step began")
 # vLLM's JIT monitor (vllm/utils/jit_monitor.py): a kernel compiled or autotuned after the server's start.
 KERNEL_COMPILE = re.compile(r"JIT compilation during inference: ([\w.<>]+)")
-STEP_TIMES = re.compile(r"(\w+) (\d+) steps, mean ([\d.]+) ms, max (\d+) ms")
+STEP_TIMES = re.compile(r"(\w+) (\d+) steps, mean ([\d.]+) ms, max (\d+) ms(?:, (\d+) tokens)?")
+
+
+# vLLM's request-phase histograms (``vllm/v1/metrics/loggers.py``), on the server: a request's wait before it is
+# first scheduled, its prefill (first scheduled to first token) and its decode (first token to the last).
+PHASES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+          "decode": "vllm:request_decode_time_seconds"}
+
+
+def phase_totals(metrics_text: str) -> dict[str, list[float]]:
+    """Each phase's [seconds, requests] so far (the histograms' ``_sum`` and ``_count`` over their labels)."""
+    out = {phase: [0.0, 0.0] for phase in PHASES}
+    for line in metrics_text.splitlines():
+        for phase, name in PHASES.items():
+            for i, suffix in enumerate(("_sum", "_count")):
+                key = name + suffix
+                if line.startswith(key) and line[len(key):len(key) + 1] in ("{", " "):
+                    out[phase][i] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def read_phase_totals(server) -> dict[str, list[float]] | None:
+    """:func:`phase_totals` from the server's /metrics (None where it does not answer)."""
+    status, body = soak._get(server.base + "/metrics", timeout=10)
+    return phase_totals(body.decode(errors="replace")) if status == 200 else None
+
+
+def phase_means(before: dict | None, after: dict | None) -> dict:
+    """``queue_mean_ms``, ``prefill_mean_ms``, ``decode_mean_ms``: the phases' means over the requests that ended
+    them between two :func:`read_phase_totals` (None without both, or without such requests). The client's TTFT
+    is about queue + prefill, plus the HTTP and detokenizing time around them."""
+    out = {}
+    for phase in PHASES:
+        seconds = count = None
+        if before is not None and after is not None:
+            seconds, count = (a - b for a, b in zip(after[phase], before[phase]))
+        out[f"{phase}_mean_ms"] = round(1000 * seconds / count, 2) if count else None
+    return out
 
 
 def warmup_of(log_text: str) -> dict | None:
@@ -480,19 +517,21 @@ def kernel_compiles(log_text: str) -> dict[str, int]:
 
 def step_times(log_text: str) -> dict | None:
     """The server's step times by kind of step (``VLLM_BOLE_SLOW_STEP_MS``: trees drafted early or late, mixed
-    steps, prefills, captures), summed over its summary lines: per kind, steps, mean and longest ms; None without
-    such lines."""
+    steps, prefills, captures), summed over its summary lines: per kind, steps, mean and longest ms, and the mean
+    tokens the steps scheduled (where the lines say); None without such lines."""
     kinds: dict[str, list[float]] = {}
     for line in log_text.splitlines():
         if "Bole step times:" not in line:
             continue
-        for kind, n, mean, longest in STEP_TIMES.findall(line.split("Bole step times:", 1)[1]):
-            k = kinds.setdefault(kind, [0, 0.0, 0.0])
+        for kind, n, mean, longest, tokens in STEP_TIMES.findall(line.split("Bole step times:", 1)[1]):
+            k = kinds.setdefault(kind, [0, 0.0, 0.0, 0.0 if tokens else None])
             k[0] += int(n)
             k[1] += int(n) * float(mean)
             k[2] = max(k[2], float(longest))
-    return {kind: {"steps": int(n), "mean_ms": round(total / n, 2), "max_ms": longest}
-            for kind, (n, total, longest) in kinds.items()} or None
+            k[3] = k[3] + int(n) * int(tokens) if tokens and k[3] is not None else None
+    return {kind: {"steps": int(n), "mean_ms": round(total / n, 2), "max_ms": longest,
+                   "mean_tokens": None if tokens is None else round(tokens / n)}
+            for kind, (n, total, longest, tokens) in kinds.items()} or None
 
 
 def _steps_brief(times: dict) -> str:
@@ -601,13 +640,15 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
                 entry["error"] = f"server exited before rate {_rate_label(rate)}:\n{server.log_tail(3000)}"
                 break
             t, logged = time.monotonic(), _log_size(log)
+            phases = _phase_totals_or_none(server)
             try:
                 result = run_bench(bench_argv(opts, server, tokenizer, rate, opts.num_prompts), bench_log)
             except Exception as e:  # noqa: BLE001 - recorded in the row, the sweep goes on
                 result = {"completed": 0, "failed": opts.num_prompts, "errors": [f"{type(e).__name__}: {e}"]}
+            phases = phase_means(phases, _phase_totals_or_none(server))
             # Every output token should come (ignore_eos), when the lengths are fixed.
             expected = None if opts.bench_args or opts.random_range_ratio else opts.num_prompts * opts.output_len
-            row = row_of(name, rate, opts.num_prompts, result, time.monotonic() - t, expected)
+            row = row_of(name, rate, opts.num_prompts, result, time.monotonic() - t, expected) | phases
             if timed_steps:
                 flush_step_times(server)
             with open(log, "rb") as f:   # the budget and step-time lines the server logged during this rate
@@ -632,6 +673,13 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
         entry["budget_log"] = _budget_lines(log)
         entry["wall_s"] = round(time.monotonic() - t0, 1)
     return entry, rows
+
+
+def _phase_totals_or_none(server) -> dict | None:
+    try:
+        return read_phase_totals(server)
+    except OSError:   # (a server that went away: the row says so through its requests)
+        return None
 
 
 # --------------------------------------------------------------------------------------------------- tables
@@ -694,14 +742,15 @@ def markdown(rows: list[dict], names: list[str], bole_names: set[str], comps: li
 
 
 def details_markdown(rows: list[dict], names: list[str]) -> str:
-    lines = ["| config | rate | done | TTFT p50 / p99 ms | TPOT p99 ms | ITL p50 / p99 ms | req/s | goodput req/s "
-             "| acceptance length | drafts / accepted per request-step | budgets by the throughput rule (graphs) "
-             "| kernels compiled |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | rate | done | TTFT p50 / p99 ms | queue / prefill mean ms | TPOT p99 ms | ITL p50 / p99 ms "
+             "| req/s | goodput req/s | acceptance length | drafts / accepted per request-step "
+             "| budgets by the throughput rule (graphs) | kernels compiled |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (names.index(r["config"]) if r["config"] in names else 99,
                                          _rate_key(r["rate"]))):
         lines.append(f"| {r['config']} | {r['rate']} | {r.get('completed')}/{r['num_prompts']} "
                      f"| {_f(r.get('ttft_p50_ms'), '.0f')} / {_f(r.get('ttft_p99_ms'), '.0f')} "
+                     f"| {_f(r.get('queue_mean_ms'), '.0f')} / {_f(r.get('prefill_mean_ms'), '.0f')} "
                      f"| {_f(r.get('tpot_p99_ms'), '.2f')} "
                      f"| {_f(r.get('itl_p50_ms'), '.2f')} / {_f(r.get('itl_p99_ms'), '.2f')} "
                      f"| {_f(r.get('request_throughput'), '.2f')} | {_f(r.get('request_goodput'), '.2f')} "

@@ -53,6 +53,9 @@ def test_smoke(tmp_path, capsys, monkeypatch):
                 assert row[f"{key}_{stat}_ms"] > 0, (config, rate, key, stat)
         assert row["output_throughput"] > 0 and row["request_throughput"] > 0 and row["duration"] > 0
         assert row["ok"]
+        # The server's phases of the rate's requests: the client's TTFT holds the queue and the prefill.
+        assert row["queue_mean_ms"] >= 0 and row["prefill_mean_ms"] > 0 and row["decode_mean_ms"] > 0, row
+        assert row["queue_mean_ms"] + row["prefill_mean_ms"] <= row["ttft_mean_ms"], row
         if config == "bole":
             assert row["spec_decode_acceptance_length"] > 1.0, row
             assert row["spec_decode_num_drafts"] > 0
@@ -186,6 +189,7 @@ def test_details_show_each_requests_share_of_a_step():
     lines = table.splitlines()
     assert lines[0].endswith("| acceptance length | drafts / accepted per request-step | budgets by the throughput "
                              "rule (graphs) | kernels compiled |")
+    assert "| TTFT p50 / p99 ms | queue / prefill mean ms |" in lines[0]
     assert lines[2].startswith("| ar | 32 |") and lines[2].endswith("| – / – | – | – |")
     assert lines[3].startswith("| bole | 32 |") and lines[3].endswith("| 3.20 / 2.35 | – | – |")
     row["bole_budget_rule"] = {"steps": 300, "by_rule": 0.25}
@@ -194,6 +198,34 @@ def test_details_show_each_requests_share_of_a_step():
     row["kernel_compiles"] = {}
     assert serve.details_markdown([row], ["bole"]).endswith(
         "| 3.20 / 2.35 | 25% of 300 steps; 4 graphs captured (310 ms) | 0 |")
+
+
+def test_phase_means_from_vllms_histograms():
+    """Queue, prefill and decode means of the requests that ended each phase between two reads of /metrics, from
+    vLLM's histograms summed over their label sets; None where no request ended it."""
+    def metrics(queue, prefill, n, decode_n):
+        return "\n".join([
+            "# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.",
+            f'vllm:request_queue_time_seconds_sum{{engine="0",model_name="m"}} {queue}',
+            f'vllm:request_queue_time_seconds_count{{engine="0",model_name="m"}} {n}',
+            'vllm:request_queue_time_seconds_bucket{engine="0",le="0.3",model_name="m"} 1.0',
+            f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="m"}} {prefill / 2}',
+            f'vllm:request_prefill_time_seconds_sum{{engine="1",model_name="m"}} {prefill / 2}',
+            f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="m"}} {n}',
+            f'vllm:request_decode_time_seconds_count{{engine="0",model_name="m"}} {decode_n}',
+            f'vllm:request_decode_time_seconds_sum{{engine="0",model_name="m"}} {decode_n * 2.0}',
+            "vllm:request_queue_time_seconds_created 1.7e9"])
+
+    before = serve.phase_totals(metrics(1.0, 2.0, 4, 4))
+    assert before == {"queue": [1.0, 4.0], "prefill": [2.0, 4.0], "decode": [8.0, 4.0]}
+    after = serve.phase_totals(metrics(1.5, 3.0, 14, 4))
+    assert serve.phase_means(before, after) == {"queue_mean_ms": 50.0, "prefill_mean_ms": 100.0,
+                                                "decode_mean_ms": None}
+    assert serve.phase_means(None, after) == {"queue_mean_ms": None, "prefill_mean_ms": None,
+                                              "decode_mean_ms": None}
+    row = {"config": "bole", "rate": "8", "num_prompts": 64, "completed": 64, "ttft_p50_ms": 176.2,
+           "ttft_p99_ms": 321.0, "queue_mean_ms": 12.4, "prefill_mean_ms": 151.0}
+    assert "| 176 / 321 | 12 / 151 |" in serve.details_markdown([row], ["bole"])
 
 
 def test_rule_share_reads_the_servers_budget_lines(tmp_path):
@@ -234,15 +266,17 @@ def test_warmup_and_slow_steps_read_from_the_server_log():
 
 
 def test_step_times_summed_over_the_server_log():
-    """The step-time lines of one rate add up by kind: steps summed, means weighted by steps, the longest kept."""
+    """The step-time lines of one rate add up by kind: steps summed, means weighted by steps, the longest kept;
+    the mean tokens where every line of the kind has them."""
     text = ("(EngineCore pid=1) INFO 12-07 02:50:00 [step_profile.py:162] Bole step times: trees_early 30 steps, mean "
-            "10.0 ms, max 14 ms; mixed 5 steps, mean 30.0 ms, max 41 ms\n"
+            "10.0 ms, max 14 ms, 40 tokens; mixed 5 steps, mean 30.0 ms, max 41 ms, 1100 tokens\n"
             "INFO 12-07 02:50:01 [loggers.py:1] Engine 000: Avg prompt throughput: 1.0 tokens/s\n"
             "(EngineCore pid=1) INFO 12-07 02:50:10 [step_profile.py:162] Bole step times: trees_early 10 steps, mean "
-            "14.0 ms, max 20 ms; capturing 1 steps, mean 250.0 ms, max 250 ms\n")
-    assert serve.step_times(text) == {"trees_early": {"steps": 40, "mean_ms": 11.0, "max_ms": 20.0},
-                                      "mixed": {"steps": 5, "mean_ms": 30.0, "max_ms": 41.0},
-                                      "capturing": {"steps": 1, "mean_ms": 250.0, "max_ms": 250.0}}
+            "14.0 ms, max 20 ms, 80 tokens; capturing 1 steps, mean 250.0 ms, max 250 ms\n")
+    assert serve.step_times(text) == {
+        "trees_early": {"steps": 40, "mean_ms": 11.0, "max_ms": 20.0, "mean_tokens": 50},
+        "mixed": {"steps": 5, "mean_ms": 30.0, "max_ms": 41.0, "mean_tokens": 1100},
+        "capturing": {"steps": 1, "mean_ms": 250.0, "max_ms": 250.0, "mean_tokens": None}}
     assert serve.step_times("Bole slow step: 412 ms") is None
     assert serve._steps_brief(serve.step_times(text)) == ("trees_early 40 x 11.0 ms, mixed 5 x 30.0 ms, "
                                                           "capturing 1 x 250.0 ms")

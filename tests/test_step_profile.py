@@ -122,7 +122,7 @@ def test_step_kinds():
 
 
 def test_step_times_summarised_by_kind(monkeypatch):
-    """The summary line: steps, mean and longest ms per kind, logged once ``SUMMARY_EVERY_S`` passed and when the
+    """The summary line: steps, mean and longest ms and mean scheduled tokens per kind, logged once ``SUMMARY_EVERY_S`` passed and when the
     engine turns idle (at the first step after the gap), each step counted once; the idle gap itself is not a
     step, and a reset (after the warm-up) forgets what was not logged."""
     from vllm_bole.worker import step_profile
@@ -146,13 +146,14 @@ def test_step_times_summarised_by_kind(monkeypatch):
     run(["a", "b"], _facts(2, early=2, verify=1), 500)      # idle gap: request "c" alone follows
     assert lines == []
     run(["c"], _facts(early=2, verify=1), 10)
-    assert lines == ["Bole step times: trees_early 1 steps, mean 10.0 ms, max 10 ms; trees_late 1 steps, mean 30.0 ms, "
-                     "max 30 ms; mixed 1 steps, mean 20.0 ms, max 20 ms; capturing 1 steps, mean 40.0 ms, max 40 ms"]
+    assert lines == ["Bole step times: trees_early 1 steps, mean 10.0 ms, max 10 ms, 8 tokens; trees_late 1 steps, "
+                     "mean 30.0 ms, max 30 ms, 8 tokens; mixed 1 steps, mean 20.0 ms, max 20 ms, 16 tokens; capturing "
+                     "1 steps, mean 40.0 ms, max 40 ms, 16 tokens"]
     for ms in (600, 600):
         run(["c"], _facts(early=2, verify=1), ms)
     assert len(lines) == 1   # 1.21 s of steps, the last one not yet timed
     run(["c"], _facts(early=2, verify=1), 10)
-    assert lines[1:] == ["Bole step times: trees_late 3 steps, mean 403.3 ms, max 600 ms"]
+    assert lines[1:] == ["Bole step times: trees_late 3 steps, mean 403.3 ms, max 600 ms, 8 tokens"]
     run(["c"], _facts(early=2, verify=1), 10)
     steps.reset()
     run(["c"], _facts(early=2, verify=1), 10)

@@ -120,7 +120,7 @@ class StepTimes:
     counted only while a request ran in both (an engine waiting for arrivals is idle, not slow).
 
     - A warning for every step past T ms, naming what it and the step after it ran (:class:`StepFacts`).
-    - A summary by kind of step (:meth:`StepFacts.kind`: steps, mean and longest ms) every
+    - A summary by kind of step (:meth:`StepFacts.kind`: steps, mean and longest ms, mean scheduled tokens) every
       ``SUMMARY_EVERY_S`` seconds and when the engine turns idle (logged at the first step after the gap), so
       that a workload's steps can be told apart: early-drafted trees, mixed steps, captures.
 
@@ -132,7 +132,7 @@ class StepTimes:
     def __init__(self, threshold_ms: int):
         self.threshold_ms = threshold_ms
         self._last: tuple[float, frozenset, StepFacts] | None = None
-        self._kinds: dict[str, list[float]] = {}   # kind -> [steps, total ms, longest ms]
+        self._kinds: dict[str, list[float]] = {}   # kind -> [steps, total ms, longest ms, scheduled tokens]
         self._since: float | None = None
 
     @classmethod
@@ -150,10 +150,11 @@ class StepTimes:
                 if ms > self.threshold_ms:
                     logger.warning("Bole slow step: %.0f ms since the previous step began (previous: %s; this: %s)",
                                    ms, previous_facts, facts)
-                counts = self._kinds.setdefault(previous_facts.kind(facts), [0, 0.0, 0.0])
+                counts = self._kinds.setdefault(previous_facts.kind(facts), [0, 0.0, 0.0, 0])
                 counts[0] += 1
                 counts[1] += ms
                 counts[2] = max(counts[2], ms)
+                counts[3] += previous_facts.tokens
                 if self._since is None:
                     self._since = since
             if self._kinds and (not busy or now - self._since >= self.SUMMARY_EVERY_S):
@@ -165,8 +166,8 @@ class StepTimes:
         kinds, self._kinds, self._since = self._kinds, {}, None
         if not kinds:
             return
-        parts = [f"{k} {int(kinds[k][0])} steps, mean {kinds[k][1] / kinds[k][0]:.1f} ms, max {kinds[k][2]:.0f} ms"
-                 for k in STEP_KINDS if k in kinds]
+        parts = [f"{k} {int(n)} steps, mean {ms / n:.1f} ms, max {longest:.0f} ms, {tokens / n:.0f} tokens"
+                 for k in STEP_KINDS if k in kinds for n, ms, longest, tokens in [kinds[k]]]
         logger.info("Bole step times: %s", "; ".join(parts))
 
     def reset(self) -> None:
