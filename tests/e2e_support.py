@@ -89,6 +89,20 @@ def run_engine(tmp_path, name: str, spec: dict, timeout: int | None = None, runn
     return json.loads(out_path.read_text())
 
 
+def run_engines(tmp_path, specs: dict[str, dict]) -> dict[str, dict]:
+    """:func:`run_engine` of each ``name: spec``: on a GPU side by side (the engines share it by
+    ``VLLM_BOLE_TEST_GPU_SHARE``), on CPU one after another (two cores)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {name: run_engine(tmp_path, name, spec) for name, spec in specs.items()}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(run_engine, tmp_path, name, spec) for name, spec in specs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
 @dataclass
 class Divergence:
     request: int

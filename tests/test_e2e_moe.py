@@ -3,7 +3,7 @@ MTP layer): lossless greedy."""
 
 import pytest
 
-from e2e_support import (assert_lossless, bole_engine, full_vocab, random_requests, run_engine,
+from e2e_support import (assert_lossless, bole_engine, full_vocab, random_requests, run_engine, run_engines,
                           skip_without_moe_kernels, vocab_size, write_oracle)
 
 pytestmark = pytest.mark.vllm
@@ -19,13 +19,14 @@ def test_moe_planted_and_mtp_trees_are_lossless(tmp_path, kind):
     base = {"model": model, "kind": kind, "requests": reqs, "logprobs": 2}
     ref = run_engine(tmp_path, "ref", base | {"engine": {"max_num_seqs": 8}})
     write_oracle(tmp_path, reqs, ref)
-    planted = run_engine(tmp_path, "planted", base | {"engine": bole_engine(tmp_path, "planted", 5, 3, 256,
-                                                                            max_num_seqs=8)})
+    runs = run_engines(tmp_path, {
+        "planted": base | {"engine": bole_engine(tmp_path, "planted", 5, 3, 256, max_num_seqs=8)},
+        "mtp": base | {"engine": full_vocab(bole_engine(tmp_path, "mtp", 3, 2, "auto", drafter="mtp",
+                                                        max_num_seqs=8))}})
+    planted, mtp = runs["planted"], runs["mtp"]
     assert_lossless(ref, planted, max_near_ties=1)
     assert planted["counters"]["accepted_per_pos"][4] > 0
     assert all(g["num_speculative_blocks"] == 0 for g in planted["mamba_state"])
-    mtp = run_engine(tmp_path, "mtp", base | {"engine": full_vocab(bole_engine(tmp_path, "mtp", 3, 2, "auto",
-                                                                               drafter="mtp", max_num_seqs=8))})
     assert_lossless(ref, mtp, max_near_ties=1)
     print(kind, "mtp counters", mtp["counters"])
     assert mtp["counters"]["mean_acceptance_length"] > 1.5
