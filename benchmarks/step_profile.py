@@ -5,12 +5,15 @@
 Runs token-id prompts with dummy weights (``load_format="dummy"``) and synthetic acceptance in an in-process
 engine, per batch size once plainly (tokens/s, mean accepted tokens per step) and, for Bole, once more with the
 runner's step profiler on (see ``vllm_bole/worker/step_profile.py``), whose log lines give the mean time of
-each phase (inputs + target forward, tree walk, commit + KV compaction, drafting). Other specs (e.g.
+each phase (inputs + target forward, tree walk, commit + KV compaction, drafting). ``--arrivals N`` adds N
+long-prompt requests while the batch decodes, so that mixed steps (prefill chunks beside trees) are measured
+and traced too. Other specs (e.g.
 ``'{"method": "mtp", ...}'`` or ``none``) get the plain pass only. Appends rows to
 ``benchmarks/results/step_profile.json``.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -21,26 +24,55 @@ MODEL = Path(__file__).resolve().parent / "models" / "qwen3.5-9b-shape"   # conf
 DEFAULT_SPEC = {"method": "bole", "num_speculative_tokens": 8, "topk": 4, "synthetic_acceptance": True}
 
 
-def _generate(llm, batch: int, prompt_len: int, new_tokens: int, seed: int, on_step=None):
-    """(new tokens, seconds) of one batch of random token-id prompts. ``on_step(i)``: called before engine step
-    ``i`` (the engine is then stepped here, not by ``llm.generate``), e.g. to start a profiler after the prefill."""
+@dataclasses.dataclass(frozen=True)
+class Arrivals:
+    """``--arrivals``: ``count`` more requests of ``prompt_len``-token prompts, one before every ``every``-th engine
+    step from step ``every`` on, while the batch decodes: their prefills run beside the batch's trees (mixed
+    steps), as new requests do when a server is under load."""
+
+    count: int
+    prompt_len: int
+    every: int
+
+    def at(self, step: int) -> int | None:
+        """The arrival that comes before engine step ``step``, if any."""
+        i, late = divmod(step, self.every)
+        return i - 1 if not late and 1 <= i <= self.count else None
+
+
+def _generate(llm, batch: int, prompt_len: int, new_tokens: int, seed: int, on_step=None,
+              arrivals: Arrivals | None = None):
+    """(new tokens, seconds) of one batch of random token-id prompts, the arrivals' tokens included. ``on_step(i)``:
+    called before engine step ``i`` (the engine is then stepped here, not by ``llm.generate``, as with
+    ``arrivals``), e.g. to start a profiler after the prefill."""
     import random
 
     from vllm import SamplingParams
 
     rng = random.Random(seed)
-    prompts = [{"prompt_token_ids": [rng.randrange(1000, 200000) for _ in range(prompt_len)]}
-               for _ in range(batch)]
+    try:   # ids clear of the special ones at the vocabulary's start, within a small model's vocabulary too
+        high = min(200000, llm.llm_engine.model_config.get_vocab_size())
+    except AttributeError:   # (a stand-in engine)
+        high = 200000
+
+    def prompt(n):
+        return {"prompt_token_ids": [rng.randrange(min(1000, high // 2), high) for _ in range(n)]}
+
+    prompts = [prompt(prompt_len) for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
-    if on_step is None:
+    if on_step is None and arrivals is None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
     engine, tokens, step = llm.llm_engine, {}, 0
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"profiled-{seed}-{i}", prompt, params)
-    while engine.has_unfinished_requests():
-        on_step(step)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"profiled-{seed}-{i}", p, params)
+    while engine.has_unfinished_requests() or (arrivals is not None and step <= arrivals.count * arrivals.every):
+        late = arrivals.at(step) if arrivals is not None else None
+        if late is not None:
+            engine.add_request(f"arrival-{seed}-{late}", prompt(arrivals.prompt_len), params)
+        if on_step is not None:
+            on_step(step)
         for out in engine.step():
             tokens[out.request_id] = len(out.outputs[0].token_ids)
         step += 1
@@ -59,6 +91,10 @@ def _gpu_busy_ms(prof) -> float:
             busy += stop - max(start, end)
             end = stop
     return busy / 1e3
+
+
+def _arrivals(args) -> Arrivals | None:
+    return Arrivals(args.arrivals, args.arrival_len, args.arrive_every) if args.arrivals else None
 
 
 def _set_first_pass(runner, mode: str | None) -> None:
@@ -83,7 +119,7 @@ def _torch_profile(llm, batch: int, args, out_dir: Path, tag: str) -> dict:
             prof.start()
             started["t"] = time.perf_counter()
 
-    _generate(llm, batch, args.prompt_len, 64, seed=batch + 1, on_step=on_step)
+    _generate(llm, batch, args.prompt_len, 64, seed=batch + 1, on_step=on_step, arrivals=_arrivals(args))
     torch.cuda.synchronize()
     if not started:
         raise SystemExit(f"--profile-skip-steps {args.profile_skip_steps}: B={batch} finished before that step")
@@ -152,7 +188,8 @@ def _host_profile(llm, batch: int, args, out_dir: Path, tag: str) -> None:
 
     prof = cProfile.Profile()
     prof.enable()
-    _generate(llm, batch, args.prompt_len, args.host_profile_tokens or args.new_tokens, seed=batch + 2)
+    _generate(llm, batch, args.prompt_len, args.host_profile_tokens or args.new_tokens, seed=batch + 2,
+              arrivals=_arrivals(args))
     prof.disable()
     out_dir.mkdir(parents=True, exist_ok=True)
     text = io.StringIO()
@@ -174,7 +211,7 @@ def _host_audit(llm, batch: int, args, out_dir: Path, tag: str) -> None:
     timer.reset()
     timer.on = True
     syncs.start()
-    tokens, elapsed = _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch + 3)
+    tokens, elapsed = _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch + 3, arrivals=_arrivals(args))
     syncs.stop()
     timer.on = False
     steps = timer.calls["engine: execute_model"]
@@ -217,6 +254,12 @@ def main() -> None:
     parser.add_argument("--host-audit", metavar="DIR",
                         help="also run each batch with host timers and a GPU-wait audit (benchmarks/host_audit.py, no "
                              "profiler) and write hostaudit_B<b>.txt to DIR")
+    parser.add_argument("--arrivals", type=int, default=0,
+                        help="more requests arriving while the batch decodes, one every --arrive-every engine steps: "
+                             "their prefills run beside the batch's trees (mixed steps; the step profiler and the "
+                             "traces then show those too)")
+    parser.add_argument("--arrival-len", type=int, default=1024, help="prompt tokens of each arrival")
+    parser.add_argument("--arrive-every", type=int, default=4, help="engine steps between arrivals")
     parser.add_argument("--engine", default="{}",
                         help='more LLM keyword arguments as JSON, e.g. \'{"async_scheduling": false}\' (Bole '
                              'schedules asynchronously by default on a GPU)')
@@ -238,7 +281,8 @@ def main() -> None:
     max_batch = max(args.batch)
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               limit_mm_per_prompt={"image": 0, "video": 0}, additional_config={"gdn_prefill_backend": "triton"},
-              max_model_len=args.prompt_len + args.new_tokens + 64, max_num_seqs=max_batch,
+              max_model_len=max(args.prompt_len, args.arrival_len if args.arrivals else 0) + args.new_tokens + 64,
+              max_num_seqs=max_batch + args.arrivals,
               gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=False,
               # Tree steps carry B + (up to the budget) tokens: capture sizes over that range, as benchmarks/e2e.py.
               compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *range(8, 256, 8), *range(256, 513, 32)}
@@ -260,7 +304,7 @@ def main() -> None:
         for mode in modes:
             _set_first_pass(runner, mode)
             for _ in range(args.warmup_passes):
-                _generate(llm, batch, args.prompt_len, args.new_tokens, seed=0)
+                _generate(llm, batch, args.prompt_len, args.new_tokens, seed=0, arrivals=_arrivals(args))
     if args.trace:
         _scope_engine(llm)
     rows = []
@@ -269,12 +313,13 @@ def main() -> None:
         if bole and not runner._bole_early_drafting:   # the step profiler times the phases of drafting after the walk
             runner._bole_profiler = StepProfiler(args.profile_steps)
             print(f"B={batch}: profiled pass", flush=True)
-            _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
+            _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch, arrivals=_arrivals(args))
             runner._bole_profiler = None
         before = spec_decode_counters(llm.get_metrics()) if spec else None
         early_before = getattr(runner, "bole_early_draft_steps", 0)
-        tokens, elapsed = _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch)
-        row = {"B": batch, "spec": spec, "tok_s": tokens / elapsed, "seconds": elapsed}
+        tokens, elapsed = _generate(llm, batch, args.prompt_len, args.new_tokens, seed=batch, arrivals=_arrivals(args))
+        row = {"B": batch, "spec": spec, "tok_s": tokens / elapsed, "seconds": elapsed,
+               "arrivals": dataclasses.asdict(_arrivals(args)) if args.arrivals else None}
         if bole:   # how many steps really drafted before the walk (it turns off after a failure)
             row |= {"first_pass": mode or ("on" if runner._bole_early_drafting else "off"),
                     "early_draft_steps": runner.bole_early_draft_steps - early_before}

@@ -79,6 +79,22 @@ def test_stepped_generate_calls_back_before_every_step():
     assert seen == [0, 1, 2, 3, 4] and tokens == 15 and seconds >= 0
 
 
+def test_arrivals_join_the_decoding_batch():
+    """--arrivals: a request before every ``every``-th step from step ``every`` on, its tokens counted too."""
+    from types import SimpleNamespace
+
+    from e2e_support import load_benchmark
+
+    script = load_benchmark("step_profile")
+    arrivals = script.Arrivals(count=2, prompt_len=7, every=2)
+    assert [arrivals.at(step) for step in range(7)] == [None, None, 0, None, 1, None, None]
+    engine = _FakeEngine(steps_needed=6)
+    tokens, _ = script._generate(SimpleNamespace(llm_engine=engine), batch=2, prompt_len=4, new_tokens=6, seed=0,
+                                 arrivals=arrivals)
+    assert engine.requests == {"profiled-0-0": 6, "profiled-0-1": 6, "arrival-0-0": 4, "arrival-0-1": 2}
+    assert tokens == 18
+
+
 def _facts(requests=1, prefilling=0, trees=1, early=0, verify=0, drafter=0):
     from vllm_bole.worker.step_profile import StepFacts
 
