@@ -22,7 +22,8 @@ option accepted by rank alone, at no cost for the subset), ``bole_decode_vocab32
 ``bole_full_vocab`` (``draft_vocab: null``: the drafter's full LM head), ``bole_vllm_kv_groups``
 (``kv_cache_groups: "vllm"``: vLLM's own KV-cache groups), ``bole_cold`` (``warmup: false``: no start-up
 warm-up), ``bole_sync`` and ``bole_vocab32k_sync``
-(``async_scheduling: false``); and ``--variant NAME=JSON`` (repeatable: keys over ``bole``'s speculative config,
+(``async_scheduling: false``), ``bole_measured`` (``budget_table: "measured"``: no calibration table, the throughput
+rule measures whole steps); and ``--variant NAME=JSON`` (repeatable: keys over ``bole``'s speculative config,
 ``null`` as the config reads it, e.g. ``"budget_table": null`` no table,
 ``async_scheduling`` is the engine's setting), e.g. ``--variant bole_tput='{"budget_rule": "throughput"}'``. Each
 Bole configuration besides ``bole`` adds ``<name>_*`` fields to the rows and a table of its own; result files
@@ -115,7 +116,9 @@ BOLE_VARIANTS = {"bole_global": {"selection": "global"}, "bole_step": {"budget_r
                  # No start-up warm-up: graphs captured and kernels compiled on first use, while serving.
                  "bole_cold": {"warmup": False},
                  "bole_sync": {"async_scheduling": False},
-                 "bole_vocab32k_sync": {"draft_vocab": 32768, "async_scheduling": False}}
+                 "bole_vocab32k_sync": {"draft_vocab": 32768, "async_scheduling": False},
+                 # The throughput rule without a calibration table: it measures whole steps itself.
+                 "bole_measured": {"budget_table": "measured"}}
 # Keys of a variant that are engine settings, not speculative config keys.
 ENGINE_KEYS = ("async_scheduling",)
 # A variant's key for its synthetic_acceptance's draft_vocab_coverage (apply_overrides).

@@ -25,8 +25,8 @@ Configurations:
   vocabulary) and ``budget_table: --budget-table`` (e2e.py's default table; ``""``: Bole's own lookup);
 * Bole's named variants of ``benchmarks/e2e.py`` (``BOLE_VARIANTS``: ``bole_global``, ``bole_step``,
   ``bole_vocab32k``, ``bole_full_vocab``, ``bole_decode_vocab32k``, ``bole_late``, ``bole_vllm_kv_groups``,
-  ``bole_cold``, ``bole_sync``, ``bole_vocab32k_sync``), ``--variant NAME=JSON`` (keys merged into ``bole``'s
-  speculative config, null as the config reads it;
+  ``bole_cold``, ``bole_sync``, ``bole_vocab32k_sync``, ``bole_measured``), ``--variant NAME=JSON`` (keys merged
+  into ``bole``'s speculative config, null as the config reads it;
   ``async_scheduling`` true/false goes to the server's flag instead), or inline ``bole:{"budget_rule": "decode"}``
   inside ``--configs`` (its name is the text as given). The names and their settings are e2e.py's
   (``config_names``, ``bole_overrides``); an unknown name exits with one line that lists the allowed ones.

@@ -2,6 +2,7 @@
 lookup: the best-first curve against brute force, the rates recovered from synthetic walks (deep paths, later
 siblings, censored ranks), the even split of a budget, and the table's choice of N."""
 
+import collections
 import itertools
 import random
 
@@ -217,6 +218,66 @@ def test_probes_find_a_rest_that_grows_with_the_trees(lag):
         last = run(probing=True, stall_every=stall_every)[-100:]
         assert max(set(last), key=last.count) == 128, stall_every
         assert last.count(128) >= 80, stall_every   # the probes stop once the slope is known
+
+
+def test_measured_budgets_price_every_size_at_zero():
+    """budget_table "measured": a batch size's candidates are B x 1, 2, 3, 4, 6, 8, ... nodes a request, up to
+    ``per_request``; all at T_ver 0 (the step clock measures whole steps); one node a request is the floor; before
+    measurements the start budget, within the candidates' range."""
+    from vllm_bole.spec_decode.budget_table import MeasuredBudgets
+
+    budgets = MeasuredBudgets.for_requests(per_request=10, start=128)
+    assert [p["nodes"] for p in budgets._rated_points(budgets._keys(4, None)[0], 1.0, float)] == \
+        [4, 8, 12, 16, 24, 32, 40]
+    assert budgets.t_ver_ms(4, 300, 40) == 0.0 and budgets.t_ver_ms(64, None, 1) == 0.0
+    assert [budgets.lookup(b) for b in (1, 4, 16, 200)] == [10, 40, 128, 200]
+    tokens = {4: 6.0, 8: 6.5, 12: 6.6, 16: 6.7, 24: 6.8, 32: 6.9, 40: 7.0}.get
+    assert budgets.lookup_throughput(4, None, lambda n: 10.0 + n / 4, tokens) == 4      # 6 / 11 beats 6.5 / 12
+    assert budgets.lookup_throughput(4, None, 10.0, tokens) == 40                       # flat: the most tokens
+
+
+@pytest.mark.parametrize("batch, knee, per_node, per_request_ms", [
+    (1, 64, 0.05, 0.05),      # a flat forward up to 64 nodes: large trees pay
+    (8, 128, 0.03, 0.10),
+    (64, 128, 0.02, 0.60),    # past the knee from the start: short chains
+    (128, 128, 0.025, 0.60),
+])
+def test_measured_budgets_settle_near_the_best_size(batch, knee, per_node, per_request_ms):
+    """A closed loop of the throughput rule without a table: steps whose forward is flat up to ``knee`` nodes and
+    grows ``per_node`` ms a node past it, plus ``per_request_ms`` a node per request (drafter levels), timed with
+    3% noise; from the start budget the probes find the slope and the choice settles where the expected tokens per
+    ms of step come within 5% of the best candidate's, its probes included. Past the knee the rule climbs no
+    higher than the sizes it measured (a flat fit would price the largest trees best)."""
+    from vllm_bole.spec_decode.budget import StepClock
+    from vllm_bole.spec_decode.budget_table import MeasuredBudgets
+
+    curve = best_first_curve([0.917, 0.837, 0.648, 0.538, 0.451, 0.348, 0.3, 0.25], [0.35, 0.2, 0.1], 4, 8, cap=32)
+
+    def tokens(n):
+        return batch * curve[min(n // batch, 32)]
+
+    def step_ms(n):
+        return 10.0 + 0.1 * batch + max(0, n - knee) * per_node + per_request_ms * n / batch
+
+    budgets = MeasuredBudgets.for_requests(per_request=32, start=128)
+    candidates = [p["nodes"] for p in budgets._rated_points(budgets._keys(batch, None)[0], 1.0, tokens)]
+    best = max(tokens(n) / step_ms(n) for n in candidates)
+    rng, clock, t, keep = random.Random(batch), StepClock(), 0.0, None
+    nodes = budgets.lookup(batch)
+    clock.tick(t, batch, True, 0.0, nodes=nodes)
+    chosen = []
+    for _ in range(800):
+        t += step_ms(nodes) * (1 + rng.gauss(0, 0.03)) / 1e3
+        clock.tick(t, batch, True, budgets.t_ver_ms(batch, None, nodes), nodes=nodes)
+        probe, rest = clock.probe(batch), clock.rest_model(batch)
+        nodes = budgets.lookup_throughput(batch, None, rest, tokens, probe, keep) if rest is not None else nodes
+        keep = keep if probe else nodes
+        chosen.append(nodes)
+    last = chosen[-300:]
+    achieved = sum(map(tokens, last)) / sum(map(step_ms, last))   # its probes' steps included
+    assert achieved >= 0.95 * best, (collections.Counter(last), {n: tokens(n) / step_ms(n) for n in candidates})
+    if knee <= 2 * batch:   # never the largest trees (32 a request): at most one size past those measured
+        assert max(chosen) <= 12 * batch, collections.Counter(chosen)
 
 
 def test_throughput_rule_in_node_budget(tmp_path, monkeypatch):

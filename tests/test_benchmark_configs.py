@@ -31,7 +31,8 @@ BEFORE = {"bole": ({}, None, False),
           "bole_vllm_kv_groups": ({"kv_cache_groups": "vllm"}, None, False),
           "bole_cold": ({"warmup": False}, None, False),
           "bole_sync": ({}, False, True),
-          "bole_vocab32k_sync": ({"draft_vocab": 32768}, False, True)}
+          "bole_vocab32k_sync": ({"draft_vocab": 32768}, False, True),
+          "bole_measured": ({"budget_table": "measured"}, None, False)}
 
 
 def _args(*argv):
@@ -124,7 +125,7 @@ def test_an_unknown_name_fails_with_one_line(configs):
     assert "\n" not in message and message.startswith("--configs: ")
     assert "allowed: ar, mtp1..mtp8, bole, bole_global, bole_step, bole_vocab32k, bole_full_vocab, " \
            "bole_decode_vocab32k, bole_late, bole_vllm_kv_groups, bole_cold, bole_sync, bole_vocab32k_sync, " \
-           "mtp1_sync..mtp8_sync (and names given by --variant" in message
+           "bole_measured, mtp1_sync..mtp8_sync (and names given by --variant" in message
     # serve.py: the same names, and its inline form
     with pytest.raises(SystemExit, match="mtp1_sync..mtp8_sync, bole:{JSON}"):
         serve.config_names(serve.build_parser().parse_args(["--configs", "ar,bole_step_vocab32k"]))
@@ -137,7 +138,7 @@ def test_the_script_prints_the_one_line():
     assert proc.stderr.splitlines() == [
         "--configs: unknown bole_global_step; allowed: ar, mtp1..mtp8, bole, bole_global, bole_step, bole_vocab32k, "
         "bole_full_vocab, bole_decode_vocab32k, bole_late, bole_vllm_kv_groups, bole_cold, bole_sync, "
-        "bole_vocab32k_sync, mtp1_sync..mtp8_sync (and names given by --variant NAME=JSON)"]
+        "bole_vocab32k_sync, bole_measured, mtp1_sync..mtp8_sync (and names given by --variant NAME=JSON)"]
 
 
 def test_variant_keys_over_bole():

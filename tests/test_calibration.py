@@ -16,6 +16,7 @@ from vllm_bole.calibration.drafter import max_shape_nodes, shape_parents
 from vllm_bole.spec_decode.budget_table import (ModelBudgets, budget_from_curve, device_name, make_entry,
                                          model_fingerprint, read_table, select_model, write_table)
 from vllm_bole.config import parse_bole_config
+from vllm_bole.errors import BoleConfigError
 from vllm_bole.spec_decode import budget as budget_mod
 from vllm_bole.spec_decode.tree import DraftTree
 
@@ -139,6 +140,24 @@ def test_throughput_rule_applies_only_with_curves_to_choose_from(tmp_path, fresh
     assert budget_mod.with_applicable_rule(step, _model()) is step
     fixed, _ = parse_bole_config({"method": "bole", "budget": 40})
     assert budget_mod.with_applicable_rule(fixed, _model()) is fixed and fixed.budget_rule == "decode"
+    measured, _ = parse_bole_config({"method": "bole", "budget_table": "measured"})
+    assert budget_mod.with_applicable_rule(measured, _model()) is measured   # no table: whole steps measured
+
+
+def test_measured_budget_table(fresh_tables):
+    """budget_table "measured": the start budget until the rule has measurements (never below one node a request
+    nor above the most a request may carry), T_ver 0 for the step clock, then the rule's choice among the batch
+    size's candidates; it needs the throughput rule."""
+    cfg, _ = parse_bole_config({"method": "bole", "budget_table": "measured", "num_speculative_tokens": 4,
+                                "topk": 2})
+    assert [budget_mod.node_budget(cfg, b) for b in (1, 8, 200)] == [8, 64, 200]   # 128 within [B, 8 B]
+    assert budget_mod.verify_ms(cfg, 8, 96, 300, _model()) == 0.0
+    gain = {8: 10.0, 16: 14.0, 24: 15.0, 32: 15.5, 48: 15.8, 64: 16.0}.get
+    assert budget_mod.node_budget(cfg, 8, rest_ms=10.0, tokens=gain) == 64                     # flat: the most
+    assert budget_mod.node_budget(cfg, 8, rest_ms=lambda n: 10.0 + n / 8, tokens=gain) == 16  # 14 / 12 is best
+    for rule in ("decode", "step"):
+        with pytest.raises(BoleConfigError, match="budget_table 'measured' needs budget_rule 'throughput'"):
+            parse_bole_config({"method": "bole", "budget_table": "measured", "budget_rule": rule})
 
 
 def test_step_clock_averages_the_rest_of_tree_steps():

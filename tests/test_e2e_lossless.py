@@ -175,6 +175,24 @@ def test_mtp_drafter_with_a_draft_vocabulary_is_lossless(tmp, model, requests_, 
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_throughput_rule_without_a_table_is_lossless(tmp, model, requests_, reference, asynchronous):
+    """``budget_table: "measured"``: the throughput rule in charge without a calibration table, its step clock
+    timing whole steps; the budgets move off the start (128 nodes a step) and the outputs stay exact."""
+    name = f"mtp_measured_{'async' if asynchronous else 'sync'}"
+    engine = bole_engine(tmp, name, depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=16,
+                         async_scheduling=asynchronous)
+    engine["speculative_config"] |= {"budget_table": "measured"}
+    out = run_engine(tmp, name, {"model": model, "requests": requests_, "logprobs": 2, "engine": engine,
+                                 "cpu_async_scheduling": asynchronous})
+    assert_lossless(reference, out, max_near_ties=2)
+    planned = out["async_budgets"] if asynchronous else out["budgets"]
+    print(f"{name}: budgets {planned}; acceptance steps {out['acceptance_steps']}")
+    assert out["acceptance_steps"] > 0, out
+    # [batch size, budget, steps]: some budgets are not the start's (128 nodes within 1..12 a request): the rule's
+    assert any(n != min(max(128, b), 12 * b) for b, n, _ in planned), planned
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_mtp_drafter_with_a_learned_draft_vocabulary_is_lossless(tmp, model, requests_, reference, asynchronous):
     """``draft_vocab: "auto"``: the subset starts as the lowest eighth of the ids and moves to the tokens the target
     emits, in place, while the drafter's levels run (graphs on a GPU); the output stays exact and the drafts

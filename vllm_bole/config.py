@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import BoleConfigError
+from .spec_decode.budget_table import MEASURED
 from .spec_decode.synthetic import resolved_synthetic
 
 BOLE_METHOD = "bole"
@@ -33,7 +34,8 @@ class BoleConfig:
     topk: int = 4
     # Tree nodes verified per engine step over the whole batch: an int, or "auto" (calibrated table).
     budget: int | str = "auto"
-    # Calibration table that "auto" reads (None: $VLLM_BOLE_BUDGET_TABLE, else ~/.cache/vllm-bole/budget_table.json).
+    # Calibration table that "auto" reads (None: $VLLM_BOLE_BUDGET_TABLE, else ~/.cache/vllm-bole/budget_table.json;
+    # "measured": none, the throughput rule measures whole steps).
     budget_table: str | None = None
     # How "auto" reads the table: "decode", the calibrated B_ver (T_ver(N) <= (1+eps) T_dec); "step", the largest
     # N whose extra verification costs at most eps of the measured step; "throughput" (the default with "auto"),
@@ -108,7 +110,7 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if budget_table is not None:
         if not isinstance(budget_table, str) or not budget_table:
             raise BoleConfigError(
-                f"speculative_config.budget_table must be a file path (string), got {budget_table!r}")
+                f"speculative_config.budget_table must be a file path (string) or 'measured', got {budget_table!r}")
         if budget != "auto":
             raise BoleConfigError(
                 f"speculative_config.budget_table applies only with budget 'auto', got budget={budget!r}")
@@ -116,6 +118,9 @@ def parse_bole_config(spec: dict[str, Any]) -> tuple[BoleConfig, dict[str, Any]]
     if budget_rule not in BUDGET_RULES:
         raise BoleConfigError(
             f"speculative_config.budget_rule must be one of {list(BUDGET_RULES)}, got {budget_rule!r}")
+    if budget_table == MEASURED and budget_rule != "throughput":
+        raise BoleConfigError("speculative_config.budget_table 'measured' needs budget_rule 'throughput' (it has no "
+                              f"calibrated B_ver for the others), got {budget_rule!r}")
     if budget_rule != "decode" and budget != "auto":
         raise BoleConfigError(
             f"speculative_config.budget_rule applies only with budget 'auto', got budget={budget!r}")

@@ -15,7 +15,9 @@ among the calibrated N from B_ver up, the one with the most expected tokens per 
 (T_rest(N) + T_ver(N)), where tokens(N) is what the batch's trees of N nodes are expected to accept
 (``spec_decode/acceptance_model.py``, from the walks so far) and T_rest(N) the rest's fit over the node counts of
 recent steps (:meth:`StepClock.rest_model`); until both are measured it uses B_ver. Where no table holds T_ver
-curves for the model and GPU it runs as "decode" (:func:`with_applicable_rule`).
+curves for the model and GPU it runs as "decode" (:func:`with_applicable_rule`), unless ``budget_table`` is
+``"measured"`` (``budget_table.MeasuredBudgets``): then the rule prices every size at T_ver 0 and its step clock
+measures whole steps instead, from one node a request up.
 
 Under async scheduling the scheduler fixes each request's next tree size before the step that drafts it runs
 (``worker/scheduler.async_budget`` and ``async_quotas``). The rules "decode" and "throughput" apply there: for
@@ -33,7 +35,8 @@ from vllm.utils.math_utils import next_power_of_2
 
 from ..logger import init_logger
 
-from .budget_table import default_table_path, device_name, model_fingerprint, read_table, select_model
+from .budget_table import (MEASURED, MeasuredBudgets, default_table_path, device_name, model_fingerprint, read_table,
+                           select_model)
 
 logger = init_logger(__name__)
 
@@ -68,11 +71,21 @@ def _auto_budgets(path: Path, fingerprint: str | None):
 def reload_budget_tables() -> None:
     """Forget the tables read so far (after writing one in this process)."""
     _auto_budgets.cache_clear()
+    _measured_budgets.cache_clear()
 
 
 def _budgets(bole_config, model_config):
+    if bole_config.budget_table == MEASURED:
+        return _measured_budgets(bole_config.max_nodes_per_request)
     fingerprint = model_fingerprint(model_config) if model_config is not None else None
     return _auto_budgets(table_path(bole_config), fingerprint)
+
+
+@functools.cache
+def _measured_budgets(per_request: int) -> MeasuredBudgets:
+    logger.info("Bole budget 'auto' without a calibration table (budget_table %r): the throughput rule measures "
+                "each batch size's steps, from %d nodes per step until it has", MEASURED, DEFAULT_AUTO_BUDGET)
+    return MeasuredBudgets.for_requests(per_request, DEFAULT_AUTO_BUDGET)
 
 
 def auto_budgets(bole_config, model_config=None):
@@ -109,7 +122,7 @@ def with_applicable_rule(bole_config, model_config=None):
     if bole_config.budget != "auto" or bole_config.budget_rule != "throughput":
         return bole_config
     budgets = _budgets(bole_config, model_config)
-    if budgets is not None and budgets.curves:
+    if budgets is not None and (budgets.curves or budgets.measured):
         return bole_config
     return dataclasses.replace(bole_config, budget_rule="decode")
 
@@ -176,6 +189,22 @@ def verify_ms(bole_config, batch_size: int, nodes: int, context_len: int | None 
     """The calibrated target forward of a step verifying ``nodes`` nodes (None without a table)."""
     budgets = auto_budgets(bole_config, model_config)
     return None if budgets is None else budgets.t_ver_ms(batch_size, context_len, nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestModel:
+    """:meth:`StepClock.rest_model`: nodes -> ms of a step's rest, rest = mean + slope * (nodes per request - their
+    mean); ``reach``: the nodes per request its recent measurements cover (their weighted mean plus twice their
+    spread; beyond it the line is an extrapolation)."""
+
+    batch_size: int
+    mean_nodes: float    # per request
+    mean_ms: float
+    slope: float         # ms per node per request, never negative
+    reach: float
+
+    def __call__(self, nodes: int) -> float:
+        return max(self.mean_ms + self.slope * (nodes / max(self.batch_size, 1) - self.mean_nodes), 0.0)
 
 
 class StepClock:
@@ -246,16 +275,16 @@ class StepClock:
         var = self._spread(sums)
         return (sxy / w - (sx / w) * (sy / w)) / var if var >= self.MIN_SPREAD ** 2 else None
 
-    def rest_model(self, batch_size: int):
+    def rest_model(self, batch_size: int) -> "RestModel | None":
         """nodes -> the rest of a step of ``batch_size`` requests verifying that many nodes, in ms (never below
         zero, never falling with more nodes); None before the bucket's first measurement."""
-        sums = self._fit.get(next_power_of_2(batch_size))
+        key = next_power_of_2(batch_size)
+        sums = self._fit.get(key)
         if sums is None:
             return None
         w, sx, sy, _, _ = sums
-        mx, my = sx / w, sy / w
-        slope = max(self._slope(sums) or 0.0, 0.0)
-        return lambda nodes: max(my + slope * (nodes / max(batch_size, 1) - mx), 0.0)
+        reach = sx / w + 2 * max(self._spread(sums), 0.0) ** 0.5
+        return RestModel(batch_size, sx / w, sy / w, max(self._slope(sums) or 0.0, 0.0), reach)
 
     def fit_summary(self, batch_size: int) -> dict | None:
         """The rest fit of ``batch_size``'s bucket, for reports: its weight (steady periods, faded), the sizes'

@@ -133,6 +133,7 @@ class ModelBudgets:
     curves: dict[tuple[int, int], tuple[float, float, list[dict]]] = field(default_factory=dict)  # t_dec, eps, pts
     _memo: dict = field(default_factory=dict, repr=False)
     KEEP_MARGIN = 0.03   # lookup_throughput: how much better another N must look than the one chosen last
+    measured = False     # MeasuredBudgets: no calibration, whole steps measured instead
 
     @classmethod
     def from_entries(cls, entries: list[dict]) -> "ModelBudgets":
@@ -190,16 +191,19 @@ class ModelBudgets:
 
         return min(best(k) for k in self._keys(batch_size, context_len))
 
+    def _candidates(self, key, rest_ms) -> list[dict]:
+        """The points of ``key`` the throughput rule chooses from: the calibrated ones from B_ver up."""
+        return [p for p in self.curves[key][2] if p["nodes"] >= self.b_ver[key]] if key in self.curves else []
+
     def _rated_points(self, key, rest_ms, tokens) -> list[dict]:
-        """The calibrated points of ``key`` from B_ver up, each with the rest, the expected tokens and their rate
-        ``tokens(N) / (rest(N) + T_ver(N))`` (``rest_ms``: ms, or N -> ms); empty without a curve."""
+        """The candidate points of ``key`` (:meth:`_candidates`), each with the rest, the expected tokens and their
+        rate ``tokens(N) / (rest(N) + T_ver(N))`` (``rest_ms``: ms, or N -> ms); empty without a curve."""
         rest = rest_ms if callable(rest_ms) else (lambda n: rest_ms)
         rated = []
-        for p in self.curves[key][2] if key in self.curves else []:
-            if p["nodes"] >= self.b_ver[key]:
-                r, t = rest(p["nodes"]), tokens(p["nodes"])
-                rated.append({"nodes": p["nodes"], "t_ver_ms": p["t_ver_ms"], "rest_ms": r, "tokens": t,
-                              "tokens_per_ms": t / (r + p["t_ver_ms"])})
+        for p in self._candidates(key, rest_ms):
+            r, t = rest(p["nodes"]), tokens(p["nodes"])
+            rated.append({"nodes": p["nodes"], "t_ver_ms": p["t_ver_ms"], "rest_ms": r, "tokens": t,
+                          "tokens_per_ms": t / max(r + p["t_ver_ms"], 1e-3)})   # (measured: a fit at 0)
         return rated
 
     def throughput_estimates(self, batch_size: int, context_len: int | None, rest_ms, tokens) -> list[dict]:
@@ -223,6 +227,54 @@ class ModelBudgets:
         slope = (ys[i] - ys[i - 1]) / max(xs[i] - xs[i - 1], 1)
         return ys[i - 1] + slope * (nodes - xs[i - 1])
 
+
+# speculative_config.budget_table "measured": no calibration table (:class:`MeasuredBudgets`).
+MEASURED = "measured"
+
+
+@dataclass
+class MeasuredBudgets(ModelBudgets):
+    """``budget_table: "measured"``: the throughput rule without a calibration table. Each batch size B gets the
+    candidate sizes B x ``NODES_PER_REQUEST`` (up to ``per_request`` nodes a request), all priced at T_ver 0, so
+    the rule's step clock measures whole steps (target forward included) as the "rest" and fits their growth with
+    the nodes per request (``budget.StepClock``); it climbs one size above those measured lately at a time, its
+    probes try the neighbouring sizes, and the rule settles where the expected tokens per millisecond of measured
+    step peak. The smallest candidate, one node a request (a chain
+    of one), is the floor; until a batch size has measurements its steps take ``start`` nodes (within its
+    candidates' range)."""
+
+    per_request: int = 32
+    start: int = 128
+    measured = True
+    NODES_PER_REQUEST = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+    @classmethod
+    def for_requests(cls, per_request: int, start: int) -> "MeasuredBudgets":
+        return cls(MEASURED, MEASURED, [], {}, {}, {}, per_request=per_request, start=start)
+
+    def _keys(self, batch_size: int, context_len: int | None) -> list[tuple[int, int]]:
+        key = (batch_size, 0)   # every batch size its own candidates; the context is not priced
+        if key not in self.b_ver:
+            sizes = sorted({batch_size * q for q in self.NODES_PER_REQUEST if q <= self.per_request}
+                           | {batch_size * self.per_request})
+            self.b_ver[key] = sizes[0]
+            self.curves[key] = (0.0, 0.0, [{"nodes": n, "t_ver_ms": 0.0} for n in sizes])
+        return [key]
+
+    def lookup(self, batch_size: int, context_len: int | None = None) -> int:
+        return min(max(self.start, batch_size), batch_size * self.per_request)
+
+    def _candidates(self, key, rest_ms) -> list[dict]:
+        """Up to the first size above what the step clock measured lately (``RestModel.reach``): its line prices
+        larger ones by extrapolation, flat while its slope is unknown, which would send the rule to the largest
+        trees at once (a step of thousands of nodes at a large batch), and again whenever the fit has forgotten
+        them. So the rule climbs one size at a time, as fast as the sizes get measured."""
+        points = super()._candidates(key, rest_ms)
+        reach = getattr(rest_ms, "reach", None)
+        if reach is None:
+            return points
+        above = [i for i, p in enumerate(points) if p["nodes"] > reach * key[0] + 1e-9]
+        return points[:above[0] + 1] if above else points
 
 def select_model(entries: list[dict], gpu: str, fingerprint: str | None) -> tuple[ModelBudgets | None, str]:
     """The table's budgets for this GPU and model (fingerprint None: the only model calibrated on this GPU),
