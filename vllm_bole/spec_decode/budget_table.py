@@ -239,9 +239,8 @@ class MeasuredBudgets(ModelBudgets):
     the rule's step clock measures whole steps (target forward included) as the "rest" and fits their growth with
     the nodes per request (``budget.StepClock``); it climbs one size above those measured lately at a time, its
     probes try the neighbouring sizes, and the rule settles where the expected tokens per millisecond of measured
-    step peak. The smallest candidate, one node a request (a chain
-    of one), is the floor; until a batch size has measurements its steps take ``start`` nodes (within its
-    candidates' range)."""
+    step peak. The smallest candidate, one node a request (a chain of one), is the floor; until a batch size has
+    measurements its steps take ``start`` nodes (within its candidates' range)."""
 
     per_request: int = 32
     start: int = 128
@@ -275,6 +274,7 @@ class MeasuredBudgets(ModelBudgets):
             return points
         above = [i for i, p in enumerate(points) if p["nodes"] > reach * key[0] + 1e-9]
         return points[:above[0] + 1] if above else points
+
 
 def select_model(entries: list[dict], gpu: str, fingerprint: str | None) -> tuple[ModelBudgets | None, str]:
     """The table's budgets for this GPU and model (fingerprint None: the only model calibrated on this GPU),
