@@ -84,7 +84,8 @@ def _budgets(bole_config, model_config):
 @functools.cache
 def _measured_budgets(per_request: int) -> MeasuredBudgets:
     logger.info("Bole budget 'auto' without a calibration table (budget_table %r): the throughput rule measures "
-                "each batch size's steps, from %d nodes per step until it has", MEASURED, DEFAULT_AUTO_BUDGET)
+                "each batch size's steps (%d nodes per step until it has measured them)", MEASURED,
+                DEFAULT_AUTO_BUDGET)
     return MeasuredBudgets.for_requests(per_request, DEFAULT_AUTO_BUDGET)
 
 
