@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import random
-import re
 import sys
 import time
 import types

@@ -85,7 +85,6 @@ def test_logit_bias_and_min_p_requests_are_lossless(tmp_path, tiny_qwen3_5_dir):
 def _successor_bigrams(model: str, tok) -> dict[str, tuple[int, int]]:
     """Strings of (token, its first successor under the tiny model's head) that the tokenizer encodes back to
     exactly those two tokens, as vLLM encodes a bad word, with the two tokens."""
-    import torch
     from safetensors.torch import load_file
 
     weights = load_file(f"{model}/model.safetensors")
