@@ -12,7 +12,8 @@ Three rules side by side:
 
 * ``table``: the throughput rule with the table's curves (from B_ver up), the default where a table applies;
 * ``measured``: ``budget_table: "measured"`` (no table: whole steps measured, candidates 1-32 nodes a request);
-* ``fixed 128``: what a Bole engine without a table runs by default (128 nodes a step, "decode").
+* ``fixed``: what a Bole engine without a table runs by default ("decode": 128 nodes a step, at least 3 a request,
+  ``budget_table.default_budget``).
 
 Each gets the tokens per ms of its last ``--last`` steps (probes included) as a share of the best candidate's
 (the best of every size either rule could choose), and the sizes it settled on. The default rests are the H100's
@@ -31,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_bole.spec_decode.acceptance_model import best_first_curve  # noqa: E402
-from vllm_bole.spec_decode.budget import DEFAULT_AUTO_BUDGET, StepClock  # noqa: E402
-from vllm_bole.spec_decode.budget_table import MeasuredBudgets, ModelBudgets, read_table  # noqa: E402
+from vllm_bole.spec_decode.budget import StepClock  # noqa: E402
+from vllm_bole.spec_decode.budget_table import MeasuredBudgets, ModelBudgets, default_budget, read_table  # noqa: E402
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,13 +89,13 @@ def compare(entries: list[dict], kv_len: int, rest: dict, steps: int, last: int,
         def rate(sizes):
             return sum(map(tokens, sizes)) / sum(map(step_ms, sizes))
 
-        measured = MeasuredBudgets.for_requests(per_request, DEFAULT_AUTO_BUDGET)
+        measured = MeasuredBudgets.for_requests(per_request)
         sizes = {p["nodes"] for p in table._rated_points(table._keys(batch, kv_len)[0], 1.0, tokens)}
         sizes |= {p["nodes"] for p in measured._rated_points(measured._keys(batch, kv_len)[0], 1.0, tokens)}
         best = max(sorted(sizes), key=lambda n: tokens(n) / step_ms(n))
         top = tokens(best) / step_ms(best)
         row = {"batch_size": batch, "rest_ms": [base, slope], "best_nodes": best, "best_tokens_per_ms": round(top, 4)}
-        fixed = min(max(DEFAULT_AUTO_BUDGET, batch), batch * per_request)
+        fixed = min(default_budget(batch), batch * per_request)
         for name, budgets in (("table", table), ("measured", measured)):
             chosen = closed_loop(budgets, batch, kv_len, step_ms, tokens, steps, noise, lag, seed)[-last:]
             row[name] = {"share": round(rate(chosen) / top, 4),
@@ -106,7 +107,7 @@ def compare(entries: list[dict], kv_len: int, rest: dict, steps: int, last: int,
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| batch | best (nodes, tokens/ms) | throughput rule, table | measured, no table | fixed 128, no table |",
+    lines = ["| batch | best (nodes, tokens/ms) | throughput rule, table | measured, no table | fixed, no table |",
              "|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r[k]['share']:.3f} ({', '.join(map(str, r[k]['settled']))})" for k in ("table", "measured",

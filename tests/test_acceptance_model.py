@@ -223,14 +223,14 @@ def test_probes_find_a_rest_that_grows_with_the_trees(lag):
 def test_measured_budgets_price_every_size_at_zero():
     """budget_table "measured": a batch size's candidates are B x 1, 2, 3, 4, 6, 8, ... nodes a request, up to
     ``per_request``; all at T_ver 0 (the step clock measures whole steps); one node a request is the floor; before
-    measurements the start budget, within the candidates' range."""
+    measurements the table-less default (128 nodes, at least 3 a request), within the candidates' range."""
     from vllm_bole.spec_decode.budget_table import MeasuredBudgets
 
-    budgets = MeasuredBudgets.for_requests(per_request=10, start=128)
+    budgets = MeasuredBudgets.for_requests(per_request=10)
     assert [p["nodes"] for p in budgets._rated_points(budgets._keys(4, None)[0], 1.0, float)] == \
         [4, 8, 12, 16, 24, 32, 40]
     assert budgets.t_ver_ms(4, 300, 40) == 0.0 and budgets.t_ver_ms(64, None, 1) == 0.0
-    assert [budgets.lookup(b) for b in (1, 4, 16, 200)] == [10, 40, 128, 200]
+    assert [budgets.lookup(b) for b in (1, 4, 16, 64, 200)] == [10, 40, 128, 192, 600]   # at least 3 a request
     tokens = {4: 6.0, 8: 6.5, 12: 6.6, 16: 6.7, 24: 6.8, 32: 6.9, 40: 7.0}.get
     assert budgets.lookup_throughput(4, None, lambda n: 10.0 + n / 4, tokens) == 4      # 6 / 11 beats 6.5 / 12
     assert budgets.lookup_throughput(4, None, 10.0, tokens) == 40                       # flat: the most tokens
@@ -259,7 +259,7 @@ def test_measured_budgets_settle_near_the_best_size(batch, knee, per_node, per_r
     def step_ms(n):
         return 10.0 + 0.1 * batch + max(0, n - knee) * per_node + per_request_ms * n / batch
 
-    budgets = MeasuredBudgets.for_requests(per_request=32, start=128)
+    budgets = MeasuredBudgets.for_requests(per_request=32)
     candidates = [p["nodes"] for p in budgets._rated_points(budgets._keys(batch, None)[0], 1.0, tokens)]
     best = max(tokens(n) / step_ms(n) for n in candidates)
     rng, clock, t, keep = random.Random(batch), StepClock(), 0.0, None

@@ -150,7 +150,7 @@ def test_measured_budget_table(fresh_tables):
     size's candidates; it needs the throughput rule."""
     cfg, _ = parse_bole_config({"method": "bole", "budget_table": "measured", "num_speculative_tokens": 4,
                                 "topk": 2})
-    assert [budget_mod.node_budget(cfg, b) for b in (1, 8, 200)] == [8, 64, 200]   # 128 within [B, 8 B]
+    assert [budget_mod.node_budget(cfg, b) for b in (1, 8, 200)] == [8, 64, 600]   # 128, 3 a request, within 8 B
     assert budget_mod.verify_ms(cfg, 8, 96, 300, _model()) == 0.0
     gain = {8: 10.0, 16: 14.0, 24: 15.0, 32: 15.5, 48: 15.8, 64: 16.0}.get
     assert budget_mod.node_budget(cfg, 8, rest_ms=10.0, tokens=gain) == 64                     # flat: the most
@@ -339,9 +339,10 @@ def test_step_clock_fits_only_steady_periods():
 
 
 def test_missing_table_uses_the_default_with_one_warning(tmp_path, fresh_tables, caplog):
+    """128 nodes a step, and never fewer than 3 a request (vLLM's MTP chain of 3): 192 at 64 requests."""
     cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(tmp_path / "none.json")})
     with caplog.at_level(logging.INFO, logger="vllm_bole.spec_decode.budget"):
-        assert [budget_mod.node_budget(cfg, b) for b in (1, 8, 8)] == [budget_mod.DEFAULT_AUTO_BUDGET] * 3
+        assert [budget_mod.node_budget(cfg, b) for b in (1, 8, 8, 42, 43, 64)] == [128] * 4 + [129, 192]
     lines = [r for r in caplog.records if r.name == "vllm_bole.spec_decode.budget"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert "none.json" in lines[0].getMessage() and "vllm-bole calibrate" in lines[0].getMessage()

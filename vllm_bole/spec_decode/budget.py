@@ -4,7 +4,7 @@
 knows it) context length, read once per process from the table written by ``vllm-bole calibrate`` (path:
 ``budget_table`` in the speculative config, else ``$VLLM_BOLE_BUDGET_TABLE``, else
 ``~/.cache/vllm-bole/budget_table.json``; see :mod:`vllm_bole.spec_decode.budget_table`). Without a usable table it
-logs one warning saying why and uses :data:`DEFAULT_AUTO_BUDGET`.
+logs one warning saying why and uses ``budget_table.default_budget``.
 
 ``budget_rule``: ``"decode"`` uses the table's B_ver, the largest N with T_ver(N) <= (1+eps) T_dec:
 right when a step is mostly its target forward. ``"step"`` also counts what the step spends besides the target
@@ -35,13 +35,10 @@ from vllm.utils.math_utils import next_power_of_2
 
 from ..logger import init_logger
 
-from .budget_table import (MEASURED, MeasuredBudgets, default_table_path, device_name, model_fingerprint, read_table,
-                           select_model)
+from .budget_table import (DEFAULT_AUTO_BUDGET, MEASURED, MIN_NODES_PER_REQUEST, MeasuredBudgets, default_budget,
+                           default_table_path, device_name, model_fingerprint, read_table, select_model)
 
 logger = init_logger(__name__)
-
-# Nodes per step for budget="auto" when no calibration table applies (the A100 peak in the Bole paper).
-DEFAULT_AUTO_BUDGET = 128
 
 
 def table_path(bole_config) -> Path:
@@ -64,7 +61,8 @@ def _auto_budgets(path: Path, fingerprint: str | None):
                         budgets.gpu, budgets.batch_sizes)
             return budgets
         reason = f"{path}: {reason}"
-    logger.warning("Bole budget 'auto': %s; using %d nodes per step", reason, DEFAULT_AUTO_BUDGET)
+    logger.warning("Bole budget 'auto': %s; using %d nodes per step (at least %d per request)", reason,
+                   DEFAULT_AUTO_BUDGET, MIN_NODES_PER_REQUEST)
     return None
 
 
@@ -84,9 +82,9 @@ def _budgets(bole_config, model_config):
 @functools.cache
 def _measured_budgets(per_request: int) -> MeasuredBudgets:
     logger.info("Bole budget 'auto' without a calibration table (budget_table %r): the throughput rule measures "
-                "each batch size's steps (%d nodes per step until it has measured them)", MEASURED,
-                DEFAULT_AUTO_BUDGET)
-    return MeasuredBudgets.for_requests(per_request, DEFAULT_AUTO_BUDGET)
+                "each batch size's steps (%d nodes per step, at least %d per request, until it has measured them)",
+                MEASURED, DEFAULT_AUTO_BUDGET, MIN_NODES_PER_REQUEST)
+    return MeasuredBudgets.for_requests(per_request)
 
 
 def auto_budgets(bole_config, model_config=None):
@@ -107,7 +105,7 @@ def node_budget(bole_config, batch_size: int, context_len: int | None = None, mo
         return int(bole_config.budget)
     budgets = _budgets(bole_config, model_config)
     if budgets is None:
-        return DEFAULT_AUTO_BUDGET
+        return default_budget(batch_size)
     if bole_config.budget_rule == "step" and rest_ms is not None:
         return budgets.lookup_step(batch_size, context_len, rest_ms)
     if bole_config.budget_rule == "throughput" and rest_ms is not None and tokens is not None:

@@ -231,6 +231,17 @@ class ModelBudgets:
 # speculative_config.budget_table "measured": no calibration table (:class:`MeasuredBudgets`).
 MEASURED = "measured"
 
+# budget "auto" without a calibration table: nodes per step (the A100 peak in the Bole paper), and at least
+# MIN_NODES_PER_REQUEST a request, as many as vLLM's MTP chain of 3 verifies. Past 42 requests 128 nodes would
+# leave fewer: 2 a request at 64, where the H100 table's forwards price 3 best (benchmarks/budget_rules.py).
+DEFAULT_AUTO_BUDGET = 128
+MIN_NODES_PER_REQUEST = 3
+
+
+def default_budget(batch_size: int) -> int:
+    """The node budget of a step of ``batch_size`` requests without a calibration table."""
+    return max(DEFAULT_AUTO_BUDGET, MIN_NODES_PER_REQUEST * batch_size)
+
 
 @dataclass
 class MeasuredBudgets(ModelBudgets):
@@ -240,16 +251,15 @@ class MeasuredBudgets(ModelBudgets):
     the nodes per request (``budget.StepClock``); it climbs one size above those measured lately at a time, its
     probes try the neighbouring sizes, and the rule settles where the expected tokens per millisecond of measured
     step peak. The smallest candidate, one node a request (a chain of one), is the floor; until a batch size has
-    measurements its steps take ``start`` nodes (within its candidates' range)."""
+    measurements its steps take :func:`default_budget` nodes (within its candidates' range)."""
 
     per_request: int = 32
-    start: int = 128
     measured = True
     NODES_PER_REQUEST = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
     @classmethod
-    def for_requests(cls, per_request: int, start: int) -> "MeasuredBudgets":
-        return cls(MEASURED, MEASURED, [], {}, {}, {}, per_request=per_request, start=start)
+    def for_requests(cls, per_request: int) -> "MeasuredBudgets":
+        return cls(MEASURED, MEASURED, [], {}, {}, {}, per_request=per_request)
 
     def _keys(self, batch_size: int, context_len: int | None) -> list[tuple[int, int]]:
         key = (batch_size, 0)   # every batch size its own candidates; the context is not priced
@@ -261,7 +271,7 @@ class MeasuredBudgets(ModelBudgets):
         return [key]
 
     def lookup(self, batch_size: int, context_len: int | None = None) -> int:
-        return min(max(self.start, batch_size), batch_size * self.per_request)
+        return min(default_budget(batch_size), batch_size * self.per_request)
 
     def _candidates(self, key, rest_ms) -> list[dict]:
         """Up to the first size above what the step clock measured lately (``RestModel.reach``): its line prices
