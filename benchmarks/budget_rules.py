@@ -90,8 +90,8 @@ def compare(entries: list[dict], kv_len: int, rest: dict, steps: int, last: int,
             return sum(map(tokens, sizes)) / sum(map(step_ms, sizes))
 
         measured = MeasuredBudgets.for_requests(per_request)
-        sizes = {p["nodes"] for p in table._rated_points(table._keys(batch, kv_len)[0], 1.0, tokens)}
-        sizes |= {p["nodes"] for p in measured._rated_points(measured._keys(batch, kv_len)[0], 1.0, tokens)}
+        sizes = {p["nodes"] for budgets in (table, measured)
+                 for p in budgets.throughput_estimates(batch, kv_len, 1.0, tokens)}
         best = max(sorted(sizes), key=lambda n: tokens(n) / step_ms(n))
         top = tokens(best) / step_ms(best)
         row = {"batch_size": batch, "rest_ms": [base, slope], "best_nodes": best, "best_tokens_per_ms": round(top, 4)}

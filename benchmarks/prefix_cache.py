@@ -221,13 +221,8 @@ def read_counters(base: str) -> dict[str, float]:
     status, body = soak._get(base + "/metrics", timeout=10)
     if status != 200:
         raise RuntimeError(f"/metrics answered {status}")
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for line in body.decode().splitlines():
-        for name in COUNTERS:
-            head = name + "_total"
-            if line.startswith(head) and line[len(head):len(head) + 1] in ("{", " "):
-                out[name] += float(line.rsplit(" ", 1)[1])
-    return out
+    sums = soak.metric_sums(body.decode(), [name + "_total" for name in COUNTERS])
+    return {name: sums.get(name + "_total", 0.0) for name in COUNTERS}
 
 
 # --------------------------------------------------------------------------------------------------- summary

@@ -456,19 +456,17 @@ PHASES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_p
 
 def phase_totals(metrics_text: str) -> dict[str, list[float]]:
     """Each phase's [seconds, requests] so far (the histograms' ``_sum`` and ``_count`` over their labels)."""
-    out = {phase: [0.0, 0.0] for phase in PHASES}
-    for line in metrics_text.splitlines():
-        for phase, name in PHASES.items():
-            for i, suffix in enumerate(("_sum", "_count")):
-                key = name + suffix
-                if line.startswith(key) and line[len(key):len(key) + 1] in ("{", " "):
-                    out[phase][i] += float(line.rsplit(" ", 1)[1])
-    return out
+    sums = soak.metric_sums(metrics_text, [name + suffix for name in PHASES.values() for suffix in ("_sum", "_count")])
+    return {phase: [sums.get(name + "_sum", 0.0), sums.get(name + "_count", 0.0)] for phase, name in PHASES.items()}
 
 
 def read_phase_totals(server) -> dict[str, list[float]] | None:
-    """:func:`phase_totals` from the server's /metrics (None where it does not answer)."""
-    status, body = soak._get(server.base + "/metrics", timeout=10)
+    """:func:`phase_totals` from the server's /metrics (None where it does not answer, or has gone away: the row
+    says so through its requests)."""
+    try:
+        status, body = soak._get(server.base + "/metrics", timeout=10)
+    except OSError:
+        return None
     return phase_totals(body.decode(errors="replace")) if status == 200 else None
 
 
@@ -640,12 +638,12 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
                 entry["error"] = f"server exited before rate {_rate_label(rate)}:\n{server.log_tail(3000)}"
                 break
             t, logged = time.monotonic(), _log_size(log)
-            phases = _phase_totals_or_none(server)
+            phases = read_phase_totals(server)
             try:
                 result = run_bench(bench_argv(opts, server, tokenizer, rate, opts.num_prompts), bench_log)
             except Exception as e:  # noqa: BLE001 - recorded in the row, the sweep goes on
                 result = {"completed": 0, "failed": opts.num_prompts, "errors": [f"{type(e).__name__}: {e}"]}
-            phases = phase_means(phases, _phase_totals_or_none(server))
+            phases = phase_means(phases, read_phase_totals(server))
             # Every output token should come (ignore_eos), when the lengths are fixed.
             expected = None if opts.bench_args or opts.random_range_ratio else opts.num_prompts * opts.output_len
             row = row_of(name, rate, opts.num_prompts, result, time.monotonic() - t, expected) | phases
@@ -673,13 +671,6 @@ def run_config(name: str, opts, model: str | None, shared: list[str], tokenizer:
         entry["budget_log"] = _budget_lines(log)
         entry["wall_s"] = round(time.monotonic() - t0, 1)
     return entry, rows
-
-
-def _phase_totals_or_none(server) -> dict | None:
-    try:
-        return read_phase_totals(server)
-    except OSError:   # (a server that went away: the row says so through its requests)
-        return None
 
 
 # --------------------------------------------------------------------------------------------------- tables

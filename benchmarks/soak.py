@@ -227,19 +227,24 @@ def start_server(model: str | None = None, speculative_config: str | dict | None
         raise
 
 
+def metric_sums(text: str, names) -> dict[str, float]:
+    """Each of ``names`` (exact metric names) in a Prometheus /metrics text, summed over its label sets; names
+    with no sample are left out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in names:
+            if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def read_metrics(base: str) -> dict[str, float]:
     """The idle-relevant gauges, summed over their label sets (None when absent)."""
     status, body = _get(base + "/metrics", timeout=10)
     if status != 200:
         raise RuntimeError(f"/metrics answered {status}")
-    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-             "vllm:num_preemptions_total")
-    out: dict[str, float] = {}
-    for line in body.decode().splitlines():
-        for name in names:
-            if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return metric_sums(body.decode(), ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                       "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"))
 
 
 def _finished_by_reason(base: str) -> dict[str, float]:

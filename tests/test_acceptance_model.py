@@ -227,7 +227,7 @@ def test_measured_budgets_price_every_size_at_zero():
     from vllm_bole.spec_decode.budget_table import MeasuredBudgets
 
     budgets = MeasuredBudgets.for_requests(per_request=10)
-    assert [p["nodes"] for p in budgets._rated_points(budgets._keys(4, None)[0], 1.0, float)] == \
+    assert [p["nodes"] for p in budgets.throughput_estimates(4, None, 1.0, float)] == \
         [4, 8, 12, 16, 24, 32, 40]
     assert budgets.t_ver_ms(4, 300, 40) == 0.0 and budgets.t_ver_ms(64, None, 1) == 0.0
     assert [budgets.lookup(b) for b in (1, 4, 16, 64, 200)] == [10, 40, 128, 192, 600]   # at least 3 a request
@@ -260,7 +260,7 @@ def test_measured_budgets_settle_near_the_best_size(batch, knee, per_node, per_r
         return 10.0 + 0.1 * batch + max(0, n - knee) * per_node + per_request_ms * n / batch
 
     budgets = MeasuredBudgets.for_requests(per_request=32)
-    candidates = [p["nodes"] for p in budgets._rated_points(budgets._keys(batch, None)[0], 1.0, tokens)]
+    candidates = [p["nodes"] for p in budgets.throughput_estimates(batch, None, 1.0, tokens)]
     best = max(tokens(n) / step_ms(n) for n in candidates)
     rng, clock, t, keep = random.Random(batch), StepClock(), 0.0, None
     nodes = budgets.lookup(batch)

@@ -28,7 +28,7 @@ from ..kernels.tree_attention import triton_tree_attn
 from ..kernels.tree_gdn import triton_verify
 from ..logger import init_logger
 from ..step.forest import DeviceTreeRows
-from .kv_compaction import compact_layers
+from .kv_compaction import attention_groups, compact_layers
 
 logger = init_logger(__name__)
 
@@ -113,11 +113,9 @@ def warm_compaction(runner, max_moves: int) -> int:
     the number of variants."""
     layers = runner.compilation_config.static_forward_context
     caches, slots = [], []
-    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        if isinstance(group.kv_cache_spec, AttentionSpec):
-            slot_mapping = runner.input_batch.block_table[gid].slot_mapping.gpu
-            caches += [layers[name].kv_cache for name in group.layer_names]
-            slots += [slot_mapping] * len(group.layer_names)
+    for slot_mapping, names in attention_groups(runner):
+        caches += [layers[name].kv_cache for name in names]
+        slots += [slot_mapping] * len(names)
     if not caches:
         return 0
     tiles = representatives(lambda _, moves: triton_tree_attn.compact_tile(moves), 1, max_moves)

@@ -65,6 +65,17 @@ def compact_layers(kv_caches, src_slots, dst_slots, walk=None, starts=None) -> N
             triton_tree_attn.compact_kv_paged(caches, torch.stack(src), torch.stack(dst))
 
 
+def attention_groups(runner, skip=(), only=None):
+    """(slot mapping, layer names) of each attention KV-cache group, its layers but those named in ``skip`` (of
+    those named in ``only``, if given); groups left without layers are left out."""
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if not isinstance(group.kv_cache_spec, AttentionSpec):
+            continue
+        names = [name for name in group.layer_names if name not in skip and (only is None or name in only)]
+        if names:
+            yield runner.input_batch.block_table[gid].slot_mapping.gpu, names
+
+
 def compact_accepted_kv(runner, forest, skip=(), only=None, walk=None) -> None:
     """Moves the accepted K/V of every attention layer but those named in ``skip`` (of those named in ``only``,
     if given). ``walk``: the step's device walk, whose paths the host does not know yet (the forest's trees are
@@ -78,13 +89,7 @@ def compact_accepted_kv(runner, forest, skip=(), only=None, walk=None) -> None:
         src_rows, dst_rows = walked_row_moves(walk, forest.cu_seqlens[:-1])
     layers = runner.compilation_config.static_forward_context
     caches, src, dst = [], [], []
-    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        if not isinstance(group.kv_cache_spec, AttentionSpec):
-            continue
-        names = [name for name in group.layer_names if name not in skip and (only is None or name in only)]
-        if not names:
-            continue
-        slot_mapping = runner.input_batch.block_table[gid].slot_mapping.gpu
+    for slot_mapping, names in attention_groups(runner, skip, only):
         if walk is not None and gpu:   # the kernel reads the walk's rows and this slot mapping itself
             s = d = slot_mapping
         elif walk is None:
