@@ -7,19 +7,21 @@ throughput rule's own loop (``BudgetPolicy._throughput``: the step clock ticks, 
 a step that costs the table's T_ver(N) (linear between its points, as the rule reads it) plus a rest that grows
 with the nodes per request, ``base + slope * N / B`` (``--rest``), with ``--noise`` relative noise; the host
 records each period with the size of the step ``--lag`` steps later (async scheduling). Acceptance: the
-expected tokens of the best-first trees at the synthetic default rates (``--rates``, ``--sibling-rates``).
+expected tokens of the best-first trees at the synthetic default rates (``--rates``, unconditional per depth as
+``synthetic_acceptance`` reads them, ``--sibling-rates``), each node matched only inside a draft vocabulary of
+``--draft-vocab-coverage`` (the default's ``draft_vocab: "auto"``, priced as benchmarks/e2e.py prices it).
 Three rules side by side:
 
 * ``table``: the throughput rule with the table's curves (from B_ver up), the default where a table applies;
 * ``measured``: ``budget_table: "measured"`` (no table: whole steps measured, candidates 1-32 nodes a request);
-* ``fixed``: what a Bole engine without a table runs by default ("decode": 128 nodes a step, at least 3 a request,
-  ``budget_table.default_budget``).
+* ``fixed``: what a Bole engine without a table runs by default (``budget_table.default_budget``: 8 nodes a
+  request up to 384 a step, at least 128 a step and 3 a request).
 
 Each gets the tokens per ms of its last ``--last`` steps (probes included) as a share of the best candidate's
 (the best of every size either rule could choose), and the sizes it settled on. The default rests are the H100's
-(docs/results.md, "The default configuration (H100)"): the step minus T_ver of the sizes chosen there, 4.3 ms at
-32 nodes a request at batch 1 and 4.8 ms at 8 at batch 16, and the step clock's fit at batch 64, 6.1 ms at 4.4
-nodes a request plus 0.73 ms a node; the other batch sizes in between. Writes ``--out`` (JSON) and prints a table.
+(docs/results.md, "The default without a calibration table (H100)"): a full-batch step minus the table's T_ver of
+its size, 3.6 ms at batch 1 (32 nodes a request), 4.4 ms at batch 16 (8) and 8.6 and 8.1 ms at batch 64 (3, and
+the measured rule's 5.6 on average): flat in the nodes a request there; batch 32 in between.
 """
 
 import argparse
@@ -34,12 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_bole.spec_decode.acceptance_model import best_first_curve  # noqa: E402
 from vllm_bole.spec_decode.budget import StepClock  # noqa: E402
 from vllm_bole.spec_decode.budget_table import MeasuredBudgets, ModelBudgets, default_budget, read_table  # noqa: E402
-from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES  # noqa: E402
+from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES, SyntheticAcceptance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPTH, TOPK = 8, 4   # Bole's default trees: 32 nodes a request at most
 # batch size -> (base ms, ms per node per request) of a step besides its target forward, on the H100 (above)
-DEFAULT_REST = {1: (3.5, 0.025), 4: (3.5, 0.05), 8: (3.5, 0.1), 16: (3.5, 0.16), 32: (3.0, 0.4), 64: (2.9, 0.73)}
+DEFAULT_REST = {1: (3.6, 0.0), 16: (4.4, 0.0), 32: (6.4, 0.0), 64: (8.3, 0.0)}
+DEFAULT_COVERAGE = 0.945   # benchmarks/e2e.py's --draft-vocab-coverage
 
 
 def parse_rest(text: str) -> dict[int, tuple[float, float]]:
@@ -68,13 +71,22 @@ def closed_loop(budgets, batch: int, kv_len: int, step_ms, tokens, steps: int, n
     return chosen[lag + 1:]
 
 
+def acceptance_curve(rates, sibling_rates, coverage: float = 1.0) -> list[float]:
+    """Expected tokens of a request's step with its q best nodes, q = 0 .. TOPK * DEPTH, under synthetic acceptance
+    at these (unconditional) ``rates`` and ``sibling_rates`` with a draft vocabulary of ``coverage``."""
+    synthetic = SyntheticAcceptance(tuple(rates), tuple(sibling_rates))
+    first = [synthetic.in_vocab_rank1_rate(d) for d in range(1, DEPTH + 1)]
+    curve = best_first_curve(first, list(sibling_rates), TOPK, DEPTH, cap=TOPK * DEPTH, coverage=coverage)
+    return curve + [curve[-1]] * (TOPK * DEPTH + 1 - len(curve))
+
+
 def compare(entries: list[dict], kv_len: int, rest: dict, steps: int, last: int, noise: float, lag: int,
-            rates, sibling_rates, seed: int = 0) -> list[dict]:
+            rates, sibling_rates, coverage: float = 1.0, seed: int = 0) -> list[dict]:
     """One row per batch size of ``entries`` (one GPU and model): each rule's share of the best rate, for Bole's
-    default trees (``DEPTH`` levels of ``TOPK`` children; the rates give the depths they cover)."""
+    default trees (``DEPTH`` levels of ``TOPK`` children; past the rates the last conditional rate repeats, as
+    the synthetic draws do)."""
     per_request = TOPK * DEPTH
-    curve = best_first_curve(list(rates), list(sibling_rates), TOPK, min(DEPTH, len(rates)), cap=per_request)
-    curve += [curve[-1]] * (per_request + 1 - len(curve))
+    curve = acceptance_curve(rates, sibling_rates, coverage)
     table = ModelBudgets.from_entries(entries)
     rows = []
     for batch in table.batch_sizes:
@@ -129,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lag", type=int, default=1, help="steps between a choice and the period measured with it")
     p.add_argument("--rates", default=",".join(map(str, DEFAULT_RATES)))
     p.add_argument("--sibling-rates", default=",".join(map(str, DEFAULT_SIBLING_RATES)))
+    p.add_argument("--draft-vocab-coverage", type=float, default=DEFAULT_COVERAGE,
+                   help="the draft vocabulary's share of the target's tokens (1: the full vocabulary)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/budget_rules.json"))
     args = p.parse_args(argv)
     entries = [e for e in read_table(Path(args.table)) if args.gpu in e["gpu"] and e.get("points")]
@@ -139,10 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
     entries = [e for e in entries if e["kv_len"] == kv_lens[0]]
     rows = compare(entries, kv_lens[0], parse_rest(args.rest) or DEFAULT_REST, args.steps, args.last, args.noise,
                    args.lag, [float(v) for v in args.rates.split(",")],
-                   [float(v) for v in args.sibling_rates.split(",")])
+                   [float(v) for v in args.sibling_rates.split(",")], args.draft_vocab_coverage)
     out = {"command": "python3 benchmarks/budget_rules.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "gpu": entries[0]["gpu"], "model": entries[0]["fingerprint"], "kv_len": kv_lens[0], "steps": args.steps,
-           "last": args.last, "noise": args.noise, "lag": args.lag, "rows": rows}
+           "last": args.last, "noise": args.noise, "lag": args.lag, "draft_vocab_coverage": args.draft_vocab_coverage,
+           "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(markdown(rows))
     return out

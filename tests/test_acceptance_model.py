@@ -223,14 +223,14 @@ def test_probes_find_a_rest_that_grows_with_the_trees(lag):
 def test_measured_budgets_price_every_size_at_zero():
     """budget_table "measured": a batch size's candidates are B x 1, 2, 3, 4, 6, 8, ... nodes a request, up to
     ``per_request``; all at T_ver 0 (the step clock measures whole steps); one node a request is the floor; before
-    measurements the table-less default (128 nodes, at least 3 a request), within the candidates' range."""
+    measurements the table-less default (``budget_table.default_budget``), within the candidates' range."""
     from vllm_bole.spec_decode.budget_table import MeasuredBudgets
 
     budgets = MeasuredBudgets.for_requests(per_request=10)
     assert [p["nodes"] for p in budgets.throughput_estimates(4, None, 1.0, float)] == \
         [4, 8, 12, 16, 24, 32, 40]
     assert budgets.t_ver_ms(4, 300, 40) == 0.0 and budgets.t_ver_ms(64, None, 1) == 0.0
-    assert [budgets.lookup(b) for b in (1, 4, 16, 64, 200)] == [10, 40, 128, 192, 600]   # at least 3 a request
+    assert [budgets.lookup(b) for b in (1, 4, 16, 64, 200)] == [10, 40, 128, 384, 600]   # at least 3 a request
     tokens = {4: 6.0, 8: 6.5, 12: 6.6, 16: 6.7, 24: 6.8, 32: 6.9, 40: 7.0}.get
     assert budgets.lookup_throughput(4, None, lambda n: 10.0 + n / 4, tokens) == 4      # 6 / 11 beats 6.5 / 12
     assert budgets.lookup_throughput(4, None, 10.0, tokens) == 40                       # flat: the most tokens

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from e2e_support import load_benchmark
 from vllm_bole.spec_decode.budget_table import write_table
 
@@ -28,3 +30,16 @@ def test_rules_side_by_side_on_a_table(tmp_path):
             assert 0.5 < row[rule]["share"] <= 1.0 + 1e-9, row
         assert row["measured"]["share"] >= 0.95, row
     assert rows[16]["fixed"]["settled"] == [128] and rows[1]["fixed"]["settled"] == [32]
+
+
+def test_acceptance_reads_the_rates_as_synthetic_acceptance_does():
+    """The closed loop's tokens per request: the rates are unconditional per depth (a chain of q nodes accepts
+    1 + the first q rates, as vLLM's synthetic chain does), and a draft vocabulary's coverage scales depth d by
+    coverage ** d."""
+    script = load_benchmark("budget_rules")
+    rates, sibs = (0.9, 0.8, 0.6), (0.0,)
+    curve = script.acceptance_curve(rates, sibs)
+    assert curve[:4] == pytest.approx([1.0, 1.9, 2.7, 3.3])
+    c = 0.9
+    assert script.acceptance_curve(rates, sibs, c)[:4] == pytest.approx(
+        [1.0, 1 + c * 0.9, 1 + c * 0.9 + c * c * 0.8, 1 + c * 0.9 + c * c * 0.8 + c ** 3 * 0.6])

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vllm_bole.calibration.drafter import max_shape_nodes, shape_parents
-from vllm_bole.spec_decode.budget_table import (ModelBudgets, budget_from_curve, device_name, make_entry,
-                                         model_fingerprint, read_table, select_model, write_table)
+from vllm_bole.spec_decode.budget_table import (DEFAULT_AUTO_BUDGET, ModelBudgets, budget_from_curve, device_name,
+                                         make_entry, model_fingerprint, read_table, select_model, write_table)
 from vllm_bole.config import parse_bole_config
 from vllm_bole.errors import BoleConfigError
 from vllm_bole.spec_decode import budget as budget_mod
@@ -339,10 +339,11 @@ def test_step_clock_fits_only_steady_periods():
 
 
 def test_missing_table_uses_the_default_with_one_warning(tmp_path, fresh_tables, caplog):
-    """128 nodes a step, and never fewer than 3 a request (vLLM's MTP chain of 3): 192 at 64 requests."""
+    """8 nodes a request up to 384 a step, at least 128 a step and 3 a request (vLLM's MTP chain of 3)."""
     cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(tmp_path / "none.json")})
     with caplog.at_level(logging.INFO, logger="vllm_bole.spec_decode.budget"):
-        assert [budget_mod.node_budget(cfg, b) for b in (1, 8, 8, 42, 43, 64)] == [128] * 4 + [129, 192]
+        assert [budget_mod.node_budget(cfg, b) for b in (1, 8, 8, 16, 17, 32, 48, 64, 128, 129)] == \
+            [128] * 4 + [136, 256, 384, 384, 384, 387]
     lines = [r for r in caplog.records if r.name == "vllm_bole.spec_decode.budget"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert "none.json" in lines[0].getMessage() and "vllm-bole calibrate" in lines[0].getMessage()
@@ -353,7 +354,7 @@ def test_table_for_another_model_uses_the_default(tmp_path, fresh_tables, caplog
     write_table(path, [_entry(1, 256, [(8, 10.0)], model=_model(hidden=256, layers=4))])
     cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(path)})
     with caplog.at_level(logging.WARNING, logger="vllm_bole.spec_decode.budget"):
-        assert budget_mod.node_budget(cfg, 1, 10, _model()) == budget_mod.DEFAULT_AUTO_BUDGET
+        assert budget_mod.node_budget(cfg, 1, 10, _model()) == DEFAULT_AUTO_BUDGET
     assert "no entry for model" in caplog.text
 
 

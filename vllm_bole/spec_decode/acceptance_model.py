@@ -137,10 +137,12 @@ def chain_nodes(first: list[float], sib: list[float], k: int, max_depth: int) ->
     return n
 
 
-def best_first_curve(first: list[float], sib: list[float], k: int, max_depth: int, cap: int = 256) -> list[float]:
+def best_first_curve(first: list[float], sib: list[float], k: int, max_depth: int, cap: int = 256,
+                     coverage: float = 1.0) -> list[float]:
     """``curve[q]`` = 1 + the summed path probabilities of the q most probable nodes (ancestors come first:
-    a child is never more probable than its parent)."""
-    heap = [(-child_probability(first, sib, 1, r), 1) for r in range(k)]
+    a child is never more probable than its parent). ``coverage``: a draft vocabulary's share of the target's
+    tokens (``synthetic_acceptance.draft_vocab_coverage``), which every node's match needs."""
+    heap = [(-coverage * child_probability(first, sib, 1, r), 1) for r in range(k)]
     heapq.heapify(heap)
     curve, total = [1.0], 1.0
     while heap and len(curve) <= cap:
@@ -151,7 +153,7 @@ def best_first_curve(first: list[float], sib: list[float], k: int, max_depth: in
         curve.append(total)
         if d < max_depth:
             for r in range(k):
-                heapq.heappush(heap, (p * child_probability(first, sib, d + 1, r), d + 1))
+                heapq.heappush(heap, (p * coverage * child_probability(first, sib, d + 1, r), d + 1))
     return curve
 
 

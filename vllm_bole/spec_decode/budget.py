@@ -35,7 +35,7 @@ from vllm.utils.math_utils import next_power_of_2
 
 from ..logger import init_logger
 
-from .budget_table import (DEFAULT_AUTO_BUDGET, MEASURED, MIN_NODES_PER_REQUEST, MeasuredBudgets, default_budget,
+from .budget_table import (DEFAULT_BUDGET_RULE, MEASURED, MeasuredBudgets, default_budget,
                            default_table_path, device_name, model_fingerprint, read_table, select_model)
 
 logger = init_logger(__name__)
@@ -61,8 +61,7 @@ def _auto_budgets(path: Path, fingerprint: str | None):
                         budgets.gpu, budgets.batch_sizes)
             return budgets
         reason = f"{path}: {reason}"
-    logger.warning("Bole budget 'auto': %s; using %d nodes per step (at least %d per request)", reason,
-                   DEFAULT_AUTO_BUDGET, MIN_NODES_PER_REQUEST)
+    logger.warning("Bole budget 'auto': %s; using %s", reason, DEFAULT_BUDGET_RULE)
     return None
 
 
@@ -82,8 +81,7 @@ def _budgets(bole_config, model_config):
 @functools.cache
 def _measured_budgets(per_request: int) -> MeasuredBudgets:
     logger.info("Bole budget 'auto' without a calibration table (budget_table %r): the throughput rule measures "
-                "each batch size's steps (%d nodes per step, at least %d per request, until it has measured them)",
-                MEASURED, DEFAULT_AUTO_BUDGET, MIN_NODES_PER_REQUEST)
+                "each batch size's steps (%s, until it has measured them)", MEASURED, DEFAULT_BUDGET_RULE)
     return MeasuredBudgets.for_requests(per_request)
 
 

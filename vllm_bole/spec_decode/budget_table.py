@@ -231,16 +231,25 @@ class ModelBudgets:
 # speculative_config.budget_table "measured": no calibration table (:class:`MeasuredBudgets`).
 MEASURED = "measured"
 
-# budget "auto" without a calibration table: nodes per step (the A100 peak in the Bole paper), and at least
-# MIN_NODES_PER_REQUEST a request, as many as vLLM's MTP chain of 3 verifies. Past 42 requests 128 nodes would
-# leave fewer: 2 a request at 64, where the H100 table's forwards price 3 best (benchmarks/budget_rules.py).
+# budget "auto" without a calibration table (default_budget): DEFAULT_NODES_PER_REQUEST nodes a request up to
+# DEFAULT_STEP_NODES a step, where the H100's and H200's forwards at Qwen3.5-9B shapes stop being nearly flat in
+# the nodes (batch 16-64); at least DEFAULT_AUTO_BUDGET a step (the A100 peak in the Bole paper) and
+# MIN_NODES_PER_REQUEST a request (what vLLM's MTP chain of 3 verifies). On an H100 at batch 64 this rule's 384
+# nodes ran 1.15x the tokens/s of full-batch steps of 3 a request, and at 128 its 3 a request beat 3-6 (docs/results.md,
+# "The default without a calibration table (H100)"); benchmarks/budget_rules.py prices it at 0.97-1.0 of the best
+# size from batch 1 to 64.
 DEFAULT_AUTO_BUDGET = 128
+DEFAULT_NODES_PER_REQUEST = 8
+DEFAULT_STEP_NODES = 384
 MIN_NODES_PER_REQUEST = 3
+DEFAULT_BUDGET_RULE = (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {DEFAULT_STEP_NODES} per step, at least "
+                       f"{DEFAULT_AUTO_BUDGET} per step and {MIN_NODES_PER_REQUEST} per request")
 
 
 def default_budget(batch_size: int) -> int:
-    """The node budget of a step of ``batch_size`` requests without a calibration table."""
-    return max(DEFAULT_AUTO_BUDGET, MIN_NODES_PER_REQUEST * batch_size)
+    """The node budget of a step of ``batch_size`` requests without a calibration table (``DEFAULT_BUDGET_RULE``)."""
+    return max(DEFAULT_AUTO_BUDGET, min(DEFAULT_NODES_PER_REQUEST * batch_size, DEFAULT_STEP_NODES),
+               MIN_NODES_PER_REQUEST * batch_size)
 
 
 @dataclass
