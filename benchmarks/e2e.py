@@ -136,6 +136,7 @@ BOLE_GRAPH_SIZES = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 32)}
 MODEL_CANDIDATES = (ROOT / "benchmarks/models/qwen3.5-9b-shape", ROOT.parent / "shared/models/qwen3.5-9b-shape")
 POLL_S = 0.5
 DEFAULT_BUDGET_TABLE = str(ROOT / "benchmarks/results/budget_table.json")
+NO_BUDGET_TABLE = "no-budget-table.json"   # --budget-table '': a path in the log directory that holds no table
 
 
 def _floats(text: str) -> list[float]:
@@ -334,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--rates and --sibling-rates from an acceptance profile (vllm-bole acceptance-profile)")
     p.add_argument("--depth", type=int, default=8, help="Bole num_speculative_tokens (deepest level)")
     p.add_argument("--topk", type=int, default=4, help="Bole topk")
-    p.add_argument("--budget-table", default=DEFAULT_BUDGET_TABLE)
+    p.add_argument("--budget-table", default=DEFAULT_BUDGET_TABLE,
+                   help="Bole's calibration table ('' for none: the table-less default, budget_table.default_budget)")
     p.add_argument("--budgets", type=_budget_overrides, default=None, metavar="B=N,...",
                    help="Bole: these node budgets at these batch sizes instead of the table's b_ver (a copy of "
                         "--budget-table with them goes to the log directory), e.g. 16=96,32=192")
@@ -1110,6 +1112,10 @@ def parse_args(argv: list[str]):
     """The options, ``--configs`` as the list of configurations in the order they run (an unknown name: a one-line
     error)."""
     args = build_parser().parse_args(argv)
+    if args.budget_table == "":   # no table: the engines read a path that holds none (and say so in their logs)
+        if args.budgets or args.calibrate:
+            raise SystemExit("--budget-table '': --budgets and --calibrate need a table path")
+        args.budget_table = str(Path(args.log_dir or "/tmp/bole-e2e") / NO_BUDGET_TABLE)
     variants = dict(args.variant)
     args.configs = run_order(config_names(args.configs, variants), variants)
     if args.worker:
@@ -1140,6 +1146,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_worker(args)
         return 0
+    if Path(args.budget_table).name == NO_BUDGET_TABLE:
+        Path(args.budget_table).unlink(missing_ok=True)
     if args.gpus < 1 or args.gpus > 1 and args.turn_lock:
         raise SystemExit("--gpus: at least 1, and 1 with --turn-lock (one lock is one GPU's)")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -107,6 +107,20 @@ def test_budget_overrides_rewrite_a_copy_of_the_table(tmp_path):
         e2e.override_budgets(tmp_path / "absent.json", {16: 96}, tmp_path / "logs")
 
 
+def test_an_empty_budget_table_runs_bole_without_a_table(tmp_path):
+    """--budget-table '': the Bole engines read a path in the log directory that holds no table (the table-less
+    default), not the bundled H100 table; --budgets and --calibrate need a table."""
+    import pytest
+
+    e2e = _e2e()
+    args = e2e.parse_args(["--budget-table", "", "--log-dir", str(tmp_path)])
+    assert args.budget_table == str(tmp_path / e2e.NO_BUDGET_TABLE)
+    assert e2e.parse_args([]).budget_table == e2e.DEFAULT_BUDGET_TABLE
+    for extra in (["--budgets", "16=96"], ["--calibrate"]):
+        with pytest.raises(SystemExit, match="need a table path"):
+            e2e.parse_args(["--budget-table", "", *extra])
+
+
 def test_calibration_runs_in_the_first_synchronous_bole_config_and_the_latest_is_reported(tmp_path):
     e2e = _e2e()
     assert e2e.calibrating_config(["mtp3", "bole", "bole_vocab32k_sync", "bole_sync"]) == "bole_vocab32k_sync"
