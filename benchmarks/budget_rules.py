@@ -27,16 +27,15 @@ the measured rule's 5.6 on average): flat in the nodes a request there; batch 32
 import argparse
 import collections
 import json
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_bole.spec_decode.acceptance_model import best_first_curve  # noqa: E402
-from vllm_bole.spec_decode.budget import StepClock  # noqa: E402
 from vllm_bole.spec_decode.budget_table import MeasuredBudgets, ModelBudgets, default_budget, read_table  # noqa: E402
 from vllm_bole.spec_decode.synthetic import DEFAULT_RATES, DEFAULT_SIBLING_RATES, SyntheticAcceptance  # noqa: E402
+from vllm_bole.testing.budget_loop import closed_loop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPTH, TOPK = 8, 4   # Bole's default trees: 32 nodes a request at most
@@ -52,23 +51,6 @@ def parse_rest(text: str) -> dict[int, tuple[float, float]]:
         b, base, slope = part.split(":")
         out[int(b)] = (float(base), float(slope))
     return out
-
-
-def closed_loop(budgets, batch: int, kv_len: int, step_ms, tokens, steps: int, noise: float, lag: int,
-                seed: int) -> list[int]:
-    """The sizes the throughput rule chose over ``steps`` steps (the loop of ``BudgetPolicy._throughput``)."""
-    rng, clock, now, keep = random.Random(seed), StepClock(), 0.0, None
-    chosen = [budgets.lookup(batch, kv_len)] * (lag + 1)
-    clock.tick(now, batch, True, budgets.t_ver_ms(batch, kv_len, chosen[-1]), nodes=chosen[-1])
-    for _ in range(steps):
-        ran = chosen[-1 - lag]   # the device runs behind the host's choices under async scheduling
-        now += step_ms(ran) * (1 + rng.gauss(0, noise)) / 1e3
-        clock.tick(now, batch, True, budgets.t_ver_ms(batch, kv_len, chosen[-1]), nodes=chosen[-1])
-        probe, rest = clock.probe(batch), clock.rest_model(batch)
-        nodes = chosen[-1] if rest is None else budgets.lookup_throughput(batch, kv_len, rest, tokens, probe, keep)
-        keep = keep if probe else nodes
-        chosen.append(nodes)
-    return chosen[lag + 1:]
 
 
 def acceptance_curve(rates, sibling_rates, coverage: float = 1.0) -> list[float]:
@@ -109,7 +91,8 @@ def compare(entries: list[dict], kv_len: int, rest: dict, steps: int, last: int,
         row = {"batch_size": batch, "rest_ms": [base, slope], "best_nodes": best, "best_tokens_per_ms": round(top, 4)}
         fixed = min(default_budget(batch), batch * per_request)
         for name, budgets in (("table", table), ("measured", measured)):
-            chosen = closed_loop(budgets, batch, kv_len, step_ms, tokens, steps, noise, lag, seed)[-last:]
+            chosen = closed_loop(budgets, batch, kv_len, step_ms, tokens, steps, lag=lag, noise=noise,
+                                 seed=seed)[-last:]
             row[name] = {"share": round(rate(chosen) / top, 4),
                          "settled": [n for n, _ in collections.Counter(chosen).most_common(2)],
                          "largest": max(chosen)}

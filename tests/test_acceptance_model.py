@@ -14,6 +14,7 @@ from vllm_bole.spec_decode.acceptance_model import (DECAY, WALKS_PER_DECAY, Acce
                                                     child_probability)
 from vllm_bole.spec_decode.queued_drafts import quotas_of
 from vllm_bole.spec_decode.synthetic import SyntheticAcceptance
+from vllm_bole.testing.budget_loop import closed_loop
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -181,8 +182,6 @@ def test_probes_find_a_rest_that_grows_with_the_trees(lag):
     the best size. ``lag``: each measured period is that of the step ``lag`` budgets before the one recorded with
     it (under async scheduling the host runs ahead of the device): the fit's steady periods and the probe runs
     find the slope all the same."""
-    from vllm_bole.spec_decode.budget import StepClock
-
     t_ver = {64: 10.5, 128: 11.0, 256: 14.0, 512: 20.0}
     budgets = _budgets(list(t_ver.items()))
     gain = {64: 60.0, 128: 80.0, 256: 90.0, 512: 95.0}.get
@@ -196,21 +195,13 @@ def test_probes_find_a_rest_that_grows_with_the_trees(lag):
     assert max(t_ver, key=rate) == 128
 
     def run(probing: bool, stall_every: int = 0) -> list[int]:
-        # as the budget policy does (BudgetPolicy._throughput; B_ver before a fit); a stall of 800 ms (a Triton JIT,
+        # as the budget policy does (BudgetPolicy._throughput; 256 before a fit); a stall of 800 ms (a Triton JIT,
         # a host pause) every ``stall_every`` steps
-        clock, t, chosen, keep = StepClock(), 0.0, [256] * (lag + 1), None
-        clock.tick(t, 16, True, t_ver[256], nodes=256)
-        for i in range(400):
-            ran = chosen[-1 - lag]
-            t += (t_ver[ran] + rest_of(ran)) / 1e3
-            t += 0.8 if stall_every and i % stall_every == stall_every - 1 else 0.0
-            clock.tick(t, 16, True, t_ver[chosen[-1]], nodes=chosen[-1])
-            probe = clock.probe(16) if probing else 0
-            rest = clock.rest_model(16)
-            nodes = 256 if rest is None else budgets.lookup_throughput(16, 256, rest, gain, probe, keep)
-            keep = keep if probe else nodes
-            chosen.append(nodes)
-        return chosen[lag + 1:]
+        def stall_s(i):
+            return 0.8 if stall_every and i % stall_every == stall_every - 1 else 0.0
+
+        return closed_loop(budgets, 16, 256, lambda n: t_ver[n] + rest_of(n), gain, 400, lag=lag, probing=probing,
+                           start=256, stall_s=stall_s)
 
     # Flat at 256's rest (14.8 ms): 256 looks best (90 / 28.8 against 80 / 25.8) and stays chosen, forever.
     assert set(run(probing=False)) == {256}
@@ -248,7 +239,6 @@ def test_measured_budgets_settle_near_the_best_size(batch, knee, per_node, per_r
     3% noise; from the start budget the probes find the slope and the choice settles where the expected tokens per
     ms of step come within 5% of the best candidate's, its probes included. Past the knee the rule climbs no
     higher than the sizes it measured (a flat fit would price the largest trees best)."""
-    from vllm_bole.spec_decode.budget import StepClock
     from vllm_bole.spec_decode.budget_table import MeasuredBudgets
 
     curve = best_first_curve([0.917, 0.837, 0.648, 0.538, 0.451, 0.348, 0.3, 0.25], [0.35, 0.2, 0.1], 4, 8, cap=32)
@@ -262,17 +252,7 @@ def test_measured_budgets_settle_near_the_best_size(batch, knee, per_node, per_r
     budgets = MeasuredBudgets.for_requests(per_request=32)
     candidates = [p["nodes"] for p in budgets.throughput_estimates(batch, None, 1.0, tokens)]
     best = max(tokens(n) / step_ms(n) for n in candidates)
-    rng, clock, t, keep = random.Random(batch), StepClock(), 0.0, None
-    nodes = budgets.lookup(batch)
-    clock.tick(t, batch, True, 0.0, nodes=nodes)
-    chosen = []
-    for _ in range(800):
-        t += step_ms(nodes) * (1 + rng.gauss(0, 0.03)) / 1e3
-        clock.tick(t, batch, True, budgets.t_ver_ms(batch, None, nodes), nodes=nodes)
-        probe, rest = clock.probe(batch), clock.rest_model(batch)
-        nodes = budgets.lookup_throughput(batch, None, rest, tokens, probe, keep) if rest is not None else nodes
-        keep = keep if probe else nodes
-        chosen.append(nodes)
+    chosen = closed_loop(budgets, batch, None, step_ms, tokens, 800, noise=0.03, seed=batch)
     last = chosen[-300:]
     achieved = sum(map(tokens, last)) / sum(map(step_ms, last))   # its probes' steps included
     assert achieved >= 0.95 * best, (collections.Counter(last), {n: tokens(n) / step_ms(n) for n in candidates})
