@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-nodes", type=_ints, default=[8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024])
     p.add_argument("--calib-epsilon", type=float, default=0.1)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/e2e.json)")
-    p.add_argument("--log-dir", default=None,
+    p.add_argument("--log-dir", default="/tmp/bole-e2e",
                    help="engine logs (default /tmp/bole-e2e; with $OUT set, also packed into $OUT/e2e-logs.tgz)")
     p.add_argument("--profile-batch", type=int, default=None,
                    help="Bole: after the timed runs, one pass at this batch size with the step profiler (phase "
@@ -840,7 +840,7 @@ def _tail(path: Path, n: int = 30) -> str:
 def run_configs(args, argv: list[str], out: Path) -> dict[str, dict]:
     """Start one worker per configuration at once, then give each its timed turn, merging each result into
     ``out`` as soon as it is in; returns results by name."""
-    run_dir = Path(args.log_dir or "/tmp/bole-e2e")
+    run_dir = Path(args.log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for f in run_dir.glob("*"):
         # an earlier run's turn files and results of these configurations (<name>.<B>.go, <name>.json, ...)
@@ -1115,7 +1115,7 @@ def parse_args(argv: list[str]):
     if args.budget_table == "":   # no table: the engines read a path that holds none (and say so in their logs)
         if args.budgets or args.calibrate:
             raise SystemExit("--budget-table '': --budgets and --calibrate need a table path")
-        args.budget_table = str(Path(args.log_dir or "/tmp/bole-e2e") / NO_BUDGET_TABLE)
+        args.budget_table = str(Path(args.log_dir) / NO_BUDGET_TABLE)
     variants = dict(args.variant)
     args.configs = run_order(config_names(args.configs, variants), variants)
     if args.worker:
@@ -1146,8 +1146,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_worker(args)
         return 0
-    if Path(args.budget_table).name == NO_BUDGET_TABLE:
-        Path(args.budget_table).unlink(missing_ok=True)
     if args.gpus < 1 or args.gpus > 1 and args.turn_lock:
         raise SystemExit("--gpus: at least 1, and 1 with --turn-lock (one lock is one GPU's)")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -1161,8 +1159,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--calibrate: --configs needs a Bole configuration that schedules synchronously (e.g. "
                          "bole_sync, bole_vocab32k_sync, bole_global, bole_step)")
     if args.budgets:
-        args.budget_table = str(override_budgets(Path(args.budget_table), args.budgets,
-                                                 Path(args.log_dir or "/tmp/bole-e2e")))
+        args.budget_table = str(override_budgets(Path(args.budget_table), args.budgets, Path(args.log_dir)))
         print(f"budgets {args.budgets} over the table's: {args.budget_table}", flush=True)
     forwarded = [a for a in argv if a != "--smoke"] + (["--smoke"] if args.smoke else [])
     forwarded += ["--model", args.model, "--budget-table", args.budget_table]
