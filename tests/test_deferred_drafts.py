@@ -6,6 +6,7 @@ import collections
 from types import SimpleNamespace
 
 import pytest
+import torch
 from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.outputs import DraftTokenIds
@@ -44,7 +45,7 @@ def _runner():
     runner.bole_budget = SimpleNamespace(choice=None)
     runner.uses_mrope = False
     runner.cache_config = SimpleNamespace(mamba_cache_mode="none")   # (no prefix caching)
-    runner.bole_drafter = SimpleNamespace(selects=True, own_kv_layers=lambda: ("mtp.attn",))
+    runner.bole_drafter = SimpleNamespace(selects=True, own_kv_layers=lambda: ("mtp.attn",), reads_contexts=True)
     runner.requests = collections.defaultdict(lambda: SimpleNamespace(sampling_params=None))
     return runner
 
@@ -200,7 +201,6 @@ def test_root_only_requests_carry_no_drafts(root_only, asynchronous):
     scheduling min_tokens: its tree would not be walked past the root) drafts nothing, while its drafter K/V still
     catches up; the step's node budget goes to the other requests."""
     import numpy as np
-    import torch
 
     from vllm_bole.spec_decode.drafter import drafting
     from vllm_bole.spec_decode.queued_drafts import quotas_of
@@ -220,6 +220,49 @@ def test_root_only_requests_carry_no_drafts(root_only, asynchronous):
     assert drafting(step.contexts) == [False, True, True]
     assert [fp[1] for fp in step.first_pass] == [[4], [5], [6]]          # every request's drafter K/V catches up
     assert quotas_of(drafting(step.contexts), per_request=8, budget=10) == [0, 5, 5]
+
+
+class _NoHostTokens(torch.Tensor):
+    """A device's sampled tokens as the host sees them: reading them would wait for the forward."""
+
+    def tolist(self):
+        raise AssertionError("the sampled tokens were read on the host")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_step_without_trees_drafts_from_the_sampled_tokens_where_they_are(asynchronous):
+    """After a step without trees (prefill chunks, plain decodes) a drafter that reads no host context gets the
+    sampled tokens as a tensor (DraftStep.sampled) and a stand-in at the end of each first pass that ends in one:
+    nothing waits for the forward. A prefill chunk that sampled nothing (discarded) ends in its prompt's next
+    token, as before."""
+    import numpy as np
+
+    from vllm_bole.spec_decode.drafter import drafting
+
+    runner = _runner()
+    runner.bole_drafter.reads_contexts = False
+    runner.use_async_spec_decode, runner.bole_drafting.host_emitted = asynchronous, {"a": [9]}
+    runner.requests = {r: SimpleNamespace(sampling_params=SamplingParams(temperature=0.0),
+                                          prompt_token_ids=[1, 2, 3, 4], output_token_ids=[])
+                       for r in ("a", "b", "c")}
+    prompt = np.array([[1, 2, 3, 4, 0, 0, 0, 0]] * 3)
+    runner.input_batch = SimpleNamespace(req_ids=["a", "b", "c"], num_computed_tokens_cpu=np.array([0, 0, 3]),
+                                         token_ids_cpu=prompt)
+    # "b" is a partial prefill chunk (its sampled token is discarded), "a" a whole prompt, "c" its last token
+    runner.discard_request_mask = SimpleNamespace(np=np.array([False, True, False]))
+    runner.input_ids = SimpleNamespace(cpu=torch.tensor([1, 2, 3, 4, 1, 2, 4]))
+    runner.bole_walk = SimpleNamespace(paths=None)
+    scheduled = SimpleNamespace(num_scheduled_tokens={"a": 4, "b": 2, "c": 1})
+    sampled = torch.tensor([[7], [8], [6]]).as_subclass(_NoHostTokens)
+    step = runner.bole_drafting.step_of(scheduled, sampled, None, None)
+    assert drafting(step.contexts) == [True, False, True]
+    assert [fp[1] for fp in step.first_pass] == [[2, 3, 4, 0], [2, 3], [0]]
+    assert [fp[0] for fp in step.first_pass] == [[0, 1, 2, 3], [4, 5], [6]]
+    rows, tokens = step.sampled
+    assert rows == [0, 2] and tokens.tolist.__func__ is _NoHostTokens.tolist
+    assert torch.equal(tokens.as_subclass(torch.Tensor), torch.tensor([7, 8, 6]))
+    # (the host saw no tokens of this step: a host drafter's placeholders stay for vLLM to fill)
+    assert runner.bole_drafting.host_emitted == {}
 
 
 def test_async_placeholders_in_a_context_become_the_emitted_tokens():

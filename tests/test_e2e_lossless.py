@@ -133,6 +133,24 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     assert counters["mean_acceptance_length"] > 1.5, counters
 
 
+def test_first_pass_takes_the_sampled_token_where_it_is(tmp, model, requests_, reference):
+    """After a step without trees (prefill chunks; here chunked over steps, with waiting requests joining) the MTP
+    drafter's first pass ends in the sampled token, which it takes on the device without the host reading it;
+    the same drafter reading it on the host drafts the same trees: equal spec-decode counters, both lossless."""
+    counters = {}
+    for name, drafter in (("device_tokens", None), ("host_tokens",
+                                                    "vllm_bole.testing.host_tokens_drafter:HostTokensMTPDrafter")):
+        engine = full_vocab(bole_engine(tmp, name, depth=3, topk=4, budget="auto", drafter="mtp",
+                                        selection="per_request", max_num_seqs=4, max_num_batched_tokens=48))
+        if drafter is not None:
+            engine["speculative_config"]["drafter"] = drafter
+        out = run_engine(tmp, name, {"model": model, "requests": requests_, "logprobs": 2, "engine": engine})
+        assert_lossless(reference, out, max_near_ties=2)
+        counters[name] = out["counters"]
+    assert counters["device_tokens"] == counters["host_tokens"], counters
+    assert counters["device_tokens"]["mean_acceptance_length"] > 1.5, counters
+
+
 @pytest.mark.parametrize("selection,asynchronous", [("global", False), ("per_request", False),
                                                   ("per_request", True)])
 def test_mtp_chain_steps_are_lossless(tmp, model, requests_, reference, monkeypatch, selection, asynchronous):

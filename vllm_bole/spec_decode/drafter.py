@@ -63,6 +63,10 @@ class DraftStep:
     width: a drafter growing a beam of this many queries per request and level (1: a chain of rank-1 children;
     None: ``topk``); the runner asks for 1 where the selection would keep a chain anyway
     (``BudgetPolicy.width``).
+    sampled: for a drafter that reads no contexts (``reads_contexts``) after a step without trees, (batch
+    requests, a device tensor of every batch request's sampled token): those requests' first-pass token lists end
+    in a stand-in for their sampled token, which the drafter writes over it on the device; contexts[r] then holds
+    the request's tokens without it.
     """
 
     req_ids: list[str]
@@ -78,6 +82,7 @@ class DraftStep:
     all_rows: tuple | None = None
     rope: "torch.Tensor | None" = None
     width: int | None = None
+    sampled: "tuple[list[int], torch.Tensor] | None" = None
 
 
 class TreeDrafter:
@@ -93,6 +98,9 @@ class TreeDrafter:
     # A drafter that learns from what the target emits (the MTP drafter's draft_vocab "auto") says so and
     # implements observe_emitted; the runner then hands it each step's tokens.
     observes_emitted = False
+    # A drafter that reads the requests' tokens on the host (DraftStep.contexts, beyond whether each drafts) says
+    # so; the others take a step's sampled tokens on the device after a step without trees (DraftStep.sampled).
+    reads_contexts = True
 
     def __init__(self, runner, bole_config):
         self.runner = runner

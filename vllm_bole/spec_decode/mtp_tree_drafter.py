@@ -80,6 +80,7 @@ class _Growing:
 class MTPTreeDrafter(TreeDrafter):
     selects = True   # propose returns the step's selection (tree.select_step) of the candidates
     drafts_early = True
+    reads_contexts = False
 
     def __init__(self, runner, bole_config):
         super().__init__(runner, bole_config)
@@ -141,11 +142,17 @@ class MTPTreeDrafter(TreeDrafter):
         return self._synthetic_scores[depth][:len(probs)]
 
     # ---- one MTP forward over a packed batch of per-request query chunks ----
-    def _write_inputs(self, chunks, hidden: torch.Tensor, rope: torch.Tensor | None = None):
+    def _write_inputs(self, chunks, hidden: torch.Tensor, rope: torch.Tensor | None = None, sampled=None):
         """Token ids, positions, hidden states and KV slots of ``chunks`` into the proposer's persistent
-        buffers, padded to a size vLLM captured. Returns (tokens, padded tokens, vLLM's graph mode)."""
-        return self._write_arrays([t for c in chunks for t in c[1]], [p for c in chunks for p in c[2]],
-                                  [s for c in chunks for s in c[4]], hidden, rope)
+        buffers, padded to a size vLLM captured. Returns (tokens, padded tokens, vLLM's graph mode).
+        ``sampled``: (rows, device token ids) written over those rows' tokens (``DraftStep.sampled``)."""
+        written = self._write_arrays([t for c in chunks for t in c[1]], [p for c in chunks for p in c[2]],
+                                     [s for c in chunks for s in c[4]], hidden, rope)
+        if sampled is not None:
+            rows, tokens = sampled
+            ids = self.proposer.input_ids
+            ids.index_copy_(0, _to_device(rows, ids.device), tokens.to(ids.device, ids.dtype, non_blocking=True))
+        return written
 
     def _write_arrays(self, tokens, positions, slots, hidden: torch.Tensor, rope: torch.Tensor | None = None):
         """:meth:`_write_inputs` of flat rows: ``tokens``, ``positions`` and ``slots`` host sequences or device
@@ -202,14 +209,16 @@ class MTPTreeDrafter(TreeDrafter):
             return proposer.model(input_ids=proposer.input_ids[:padded], positions=drafter_positions(proposer, padded),
                                   hidden_states=proposer.hidden_states[:padded])
 
-    def _forward(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows=None, rope=None):
+    def _forward(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows=None, rope=None,
+                 sampled=None):
         """chunks: per request (req_index, tokens, positions [n], seq_len, slots [n]); hidden: the target or
         MTP hidden state each row's token follows, ``[rows, H]`` in chunk order.
 
         Returns the MTP hidden states of all rows, in chunk order. The inputs go through the proposer's
         persistent buffers, padded to a captured size, so the MTP layer replays vLLM's piecewise CUDA graphs
-        (the attention between the pieces runs eagerly with the tree mask)."""
-        return self._forward_written(cm, chunks, tree_rows, *self._write_inputs(chunks, hidden, rope))
+        (the attention between the pieces runs eagerly with the tree mask). ``sampled``: as
+        :meth:`_write_inputs`."""
+        return self._forward_written(cm, chunks, tree_rows, *self._write_inputs(chunks, hidden, rope, sampled))
 
     def _forward_written(self, cm: CommonAttentionMetadata, chunks, tree_rows, n: int, padded: int, mode,
                          device_rows=None):
@@ -224,10 +233,11 @@ class MTPTreeDrafter(TreeDrafter):
         return out[:n].clone()
 
     def _tree_level(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, tree_rows, max_rows=None,
-                    rope=None):
+                    rope=None, sampled=None):
         """One tree level: (MTP hidden states ``[n, H]``, top children ``[n, 2k]`` as :meth:`_top_rows`),
-        replayed from a full CUDA graph of the level when there is one (``spec_decode/draft_graphs.py``)."""
-        written = self._write_inputs(chunks, hidden, rope)
+        replayed from a full CUDA graph of the level when there is one (``spec_decode/draft_graphs.py``).
+        ``sampled``: as :meth:`_write_inputs`."""
+        written = self._write_inputs(chunks, hidden, rope, sampled)
         if self.graphs is not None:
             packed = DeviceTreeRows.pack(tree_rows, "cpu", words=self.graphs.words)
             out = self.graphs.level(cm, chunks, (packed.meta, packed.bits), *written, tree_rows=tree_rows,
@@ -246,18 +256,20 @@ class MTPTreeDrafter(TreeDrafter):
         logits = self.proposer.model.compute_logits(hidden_rows) if vocab is None else vocab.logits(hidden_rows)
         return top_children(logits, self.bole_config.topk, None if vocab is None else vocab.ids)
 
-    def _catch_up(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, rope=None):
+    def _catch_up(self, cm: CommonAttentionMetadata, chunks, hidden: torch.Tensor, rope=None, sampled=None):
         """The MTP forward over the tokens the step committed: (hidden states ``[rows, H]``, their top children
         ``[rows, 2k]`` or None). With drafter graphs, when every chunk is short (an accepted path and its bonus
         token, or a decode) it runs as a tree level whose rows are causal, from a graph; otherwise (prefill
-        chunks, no graphs) on vLLM's path, with the top children left to the caller."""
+        chunks, no graphs) on vLLM's path, with the top children left to the caller. ``sampled``: as
+        :meth:`_write_inputs`."""
         graphs = self.graphs
         if graphs is None or graphs.disabled or max(len(c[1]) for c in chunks) > graphs.catch_up_rows:
-            return self._forward(cm, chunks, hidden, rope=rope), None
+            return self._forward(cm, chunks, hidden, rope=rope, sampled=sampled), None
         starts = np.cumsum([0] + [len(c[1]) for c in chunks[:-1]]).tolist()
         tree_rows = [TreeRows(req_index=i, row_start=start, region_mask=_causal(len(c[1])))
                      for i, (start, c) in enumerate(zip(starts, chunks))]
-        return self._tree_level(cm, chunks, hidden, tree_rows, max_rows=graphs.catch_up_rows, rope=rope)
+        return self._tree_level(cm, chunks, hidden, tree_rows, max_rows=graphs.catch_up_rows, rope=rope,
+                                sampled=sampled)
 
     def first_pass_all_rows(self, cm: CommonAttentionMetadata, forest: StepForest, next_tokens: torch.Tensor,
                             positions: torch.Tensor, slots: torch.Tensor, seq_lens: list[int],
@@ -378,7 +390,8 @@ class MTPTreeDrafter(TreeDrafter):
             # Under M-RoPE after an image, the committed tokens' positions are the target's (step.rope).
             rope = None if step.rope is None else rows_of(hidden_rows, step.rope.T).T
             with record_function_or_nullcontext("bole: catch_up"):
-                mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states), rope)
+                mtp_hidden, top = self._catch_up(cm, chunks, rows_of(hidden_rows, step.hidden_states), rope,
+                                                 self._sampled_rows(step, chunks))
         if not growing:
             return lambda: out
         # 2. Grow the trees from the hidden state that predicts each root's children.
@@ -408,6 +421,20 @@ class MTPTreeDrafter(TreeDrafter):
             return out
 
         return trees
+
+    @staticmethod
+    def _sampled_rows(step: DraftStep, chunks):
+        """``step.sampled`` as (catch-up rows, token ids): each such request's last row of ``chunks``, the row
+        order of :meth:`_write_inputs`; None without it."""
+        if step.sampled is None:
+            return None
+        reqs, tokens = step.sampled
+        last, row = {}, 0
+        for c in chunks:
+            row += len(c[1])
+            last[c[0]] = row - 1
+        picked = _to_device(reqs, tokens.device)
+        return [last[r] for r in reqs], tokens.index_select(0, picked)
 
     def propose_from_walk(self, step: DraftStep, walk, first_pass, positions: torch.Tensor, root_bound: int):
         """:meth:`propose_deferred` before the host knows the accepted paths: the runner's device walk (``walk``,

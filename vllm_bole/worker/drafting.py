@@ -125,17 +125,23 @@ class Drafting:
         runner = self.runner
         req_ids = list(runner.input_batch.req_ids)
         discard = runner.discard_request_mask.np[:len(req_ids)]
-        sampled = sampled_token_ids.tolist()
         forest = runner._bole_forest
+        # A step without trees (prefill chunks, plain decodes) samples one token for every request it does not
+        # discard. A drafter that reads no host context then needs it only as its first pass's last input, which
+        # it takes on the device (DraftStep.sampled): the host goes on without waiting for the forward, and
+        # the next step is prepared while the device runs it and the drafting (as vLLM's chain drafter runs).
+        on_device = forest is None and not runner.bole_drafter.reads_contexts
+        sampled = None if on_device else sampled_token_ids.tolist()
         tree_of = {r: i for i, r in enumerate(forest.tree_req_indices)} if forest is not None else {}
         paths = runner.bole_walk.paths
         input_ids = runner.input_ids.cpu
         contexts, first_pass, row = [], [], 0
         emitted = {}
+        sampled_rows = []   # (on_device) the requests whose first pass ends in their sampled token
         for r, req_id in enumerate(req_ids):
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            new = [t for t in sampled[r] if t != -1]
-            ran = not discard[r] and bool(new)
+            new = [] if on_device else [t for t in sampled[r] if t != -1]
+            ran = not discard[r] and (on_device or bool(new))
             # A root-only request's next token comes from vLLM's sampler (prompt logprobs, min_tokens
             # under async scheduling, ...): nothing of its tree would be walked past the root
             # (tree_sampler.walks_tree), so it drafts nothing and the step's node budget goes to the others. Its MTP
@@ -144,7 +150,8 @@ class Drafting:
             state = runner.requests[req_id]
             if runner.bole_async:
                 self.fill_placeholders(req_id, state.output_token_ids)
-                emitted[req_id] = new
+                if not on_device:
+                    emitted[req_id] = new
             start = int(runner.input_batch.num_computed_tokens_cpu[r])
             if r in tree_of:
                 path = paths[r]
@@ -152,7 +159,11 @@ class Drafting:
                 first_pass.append(([row + p for p in path], [tokens[p] for p in path[1:]] + [new[-1]],
                                    [start + m for m in range(len(path))]))
             elif n:
-                following = new[-1] if ran else int(runner.input_batch.token_ids_cpu[r, start + n])
+                if ran and on_device:   # (a stand-in: the drafter writes the sampled token over it)
+                    sampled_rows.append(r)
+                    following = 0
+                else:
+                    following = new[-1] if ran else int(runner.input_batch.token_ids_cpu[r, start + n])
                 first_pass.append((list(range(row, row + n)), input_ids[row + 1:row + n].tolist() + [following],
                                    list(range(start, start + n))))
             else:
@@ -163,6 +174,7 @@ class Drafting:
         self.host_emitted = emitted
         return DraftStep(req_ids=req_ids, contexts=RequestContexts(contexts), hidden_states=hidden_states,
                          first_pass=first_pass, common_attn_metadata=common_attn_metadata,
+                         sampled=(sampled_rows, sampled_token_ids[:, 0]) if sampled_rows else None,
                          # the catch-up reads it; none runs after a first pass over every verified node
                          rope=None if first_pass_ran else runner.bole_rope(row))
 
