@@ -5,8 +5,10 @@
 Runs the bundled tiny Qwen3.5 on CPU with the drafting before the walk (``early_drafting``, the default): three
 greedy requests and a seeded sampled one (``synthetic``: synthetic acceptance). It counts, per call site in
 ``vllm_bole``, the host reads of tensors (``tolist``, ``item``, ``numpy``, ``bool``/``int``/``float``,
-``nonzero``, masked indexing, ...) made inside ``early_drafting.launch``, which the runner calls right behind the target forward. On a GPU the drafting
-overlaps the forward only if none of them touches a device tensor. On CPU the kernels' torch references run and
+``nonzero``, masked indexing, ...) made inside ``early_drafting.launch``, which the runner calls right behind the
+target forward, and in a second table those inside the drafting after a step without trees (the prompts' steps:
+``Drafting.propose`` without a verified forest), which the runner queues behind that forward too. On a GPU the
+drafting overlaps the forward only if none of them touches a device tensor. On CPU the kernels' torch references run and
 read on the host by design (``kernels/*/reference.py``, ``kernels/forest.py``, ``attention/tree_rows.py``, the
 CPU branch of ``worker/kv_compaction.py``). Two more sites are known to read host data only on a GPU:
 ``MTPTreeDrafter._metadata`` (its ``seq_lens_cpu`` is built on the host) and ``LevelPlan.host_seq_lens`` (the
@@ -26,6 +28,8 @@ import torch  # noqa: E402
 
 AUDIT = [False]
 HITS: collections.Counter = collections.Counter()
+PREFILL_HITS: collections.Counter = collections.Counter()   # (the drafting after a step without trees)
+COUNTERS = [HITS]
 
 
 def _site() -> str:
@@ -40,7 +44,7 @@ def _count(owner, name: str, when=None) -> None:
 
     def counted(*args, **kwargs):
         if AUDIT[0] and (when is None or when(*args, **kwargs)):
-            HITS[(name, _site())] += 1
+            COUNTERS[0][(name, _site())] += 1
         return original(*args, **kwargs)
 
     setattr(owner, name, counted)
@@ -76,6 +80,20 @@ def main() -> None:
             AUDIT[0] = False
 
     early_drafting.launch = audited
+    from vllm_bole.worker.drafting import Drafting
+
+    propose = Drafting.propose
+
+    def audited_propose(self, *args, **kwargs):
+        if self.runner._bole_forest is not None:
+            return propose(self, *args, **kwargs)
+        AUDIT[0], COUNTERS[0] = True, PREFILL_HITS
+        try:
+            return propose(self, *args, **kwargs)
+        finally:
+            AUDIT[0], COUNTERS[0] = False, HITS
+
+    Drafting.propose = audited_propose
     spec = {"method": "bole", "num_speculative_tokens": 3, "topk": 4, "budget": "auto"}
     if sys.argv[1:] == ["synthetic"]:
         spec["synthetic_acceptance"] = True
@@ -87,9 +105,10 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     runner = model_runner_of(llm)
     print(f"steps drafted before the walk: {runner.bole_early_draft_steps}")
-    print("| reads | call | site |\n|---|---|---|")
-    for (name, where), n in sorted(HITS.items(), key=lambda x: -x[1]):
-        print(f"| {n} | {name} | `{where}` |")
+    for title, hits in (("drafting before the walk", HITS), ("drafting after a step without trees", PREFILL_HITS)):
+        print(f"\n{title}\n\n| reads | call | site |\n|---|---|---|")
+        for (name, where), n in sorted(hits.items(), key=lambda x: -x[1]):
+            print(f"| {n} | {name} | `{where}` |")
 
 
 if __name__ == "__main__":
