@@ -118,11 +118,16 @@ def test_bole_default_is_lossless_on_the_stand_in(trained, tmp_path):
     requests = [{"prompt": p, "max_tokens": 32} for p in train_small.code_prompts(str(out), count=8, prompt_tokens=32)]
     base = {"model": str(out), "kind": "qwen3_5", "requests": requests, "logprobs": 2}
     plain = train_small._engine(base | {"engine": {"max_num_seqs": 8}}, tmp_path, "plain")
-    bole = train_small._engine(base | {"engine": {"max_num_seqs": 8, "speculative_config": {"method": "bole"}}},
+    bole = train_small._engine(base | {"timed": 2, "engine": {"max_num_seqs": 8,
+                                                              "speculative_config": {"method": "bole"}}},
                                tmp_path, "bole")
     assert_lossless(plain, bole, max_near_ties=2)
     counters = bole["counters"]
     assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0, counters
+    # (--measure --timed: the same requests again, timed; greedy, so as many tokens as the first generate)
+    timed = bole["timed"]
+    assert len(timed["runs_s"]) == 2 and timed["output_tokens"] == sum(len(o["tokens"]) for o in bole["outputs"])
+    assert timed["tok_s"] > 0 and "timed" not in plain
 
 
 @pytest.mark.vllm

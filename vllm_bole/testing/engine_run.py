@@ -201,7 +201,10 @@ def run(spec: dict) -> dict:
     llm = LLM(model=spec["model"], disable_log_stats=False,
               **(engine_kwargs(spec.get("kind", "qwen3_5")) | spec.get("engine", {})))
     params = [_sampling_params(SamplingParams, r, spec.get("logprobs")) for r in spec["requests"]]
-    outs = llm.generate([_prompt(r) for r in spec["requests"]], params, use_tqdm=False)
+    prompts = [_prompt(r) for r in spec["requests"]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    counters = spec_decode_counters(llm.get_metrics())
+    timed = _timed(llm, prompts, params, spec.get("timed", 0))
     results = []
     for o in outs:
         c = o.outputs[0]
@@ -210,7 +213,7 @@ def run(spec: dict) -> dict:
         results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason, "logprobs": top,
                         "prompt_ids": list(o.prompt_token_ids), "choices": [list(x.token_ids) for x in o.outputs],
                         "prompt_logprobs": prompt_top, "cached_tokens": o.num_cached_tokens})
-    return {"outputs": results, "counters": spec_decode_counters(llm.get_metrics()),
+    return {"outputs": results, "counters": counters, **({"timed": timed} if timed else {}),
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": graph_summary(llm),
             "device_levels": _beam_levels(llm), "chain_levels": _chain_levels(llm),
@@ -223,6 +226,25 @@ def run(spec: dict) -> dict:
             "budgets": _counts(_budget(llm, "planned")),
             "async_budgets": _counts(_budget(llm, "async_planned")),
             "scheduling": _scheduling(llm), "budget_log": _budget_log(llm), "preemptions": _preemptions(llm)}
+
+
+def _timed(llm, prompts, params, runs: int) -> dict | None:
+    """``runs`` more generates of the same requests after the first (which compiled and captured what they need),
+    each timed: their wall seconds and output tokens per second (the median run's). The counters of the result are
+    the first generate's."""
+    if not runs:
+        return None
+    import statistics
+    import time
+
+    seconds, tokens = [], 0
+    for _ in range(runs):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"runs_s": [round(s, 4) for s in seconds], "output_tokens": tokens,
+            "tok_s": round(tokens / statistics.median(seconds), 1)}
 
 
 def step_counts(llm) -> dict:

@@ -4,6 +4,7 @@
     python -m vllm_bole.testing.train_small [--size small|tiny]       # train once into the cache, print its dir
     python -m vllm_bole.testing.train_small --check DIR              # load in vLLM with MTP, report counters
     python -m vllm_bole.testing.train_small --measure DIR --report R.json   # acceptance table through vLLM
+    python -m vllm_bole.testing.train_small --measure DIR --timed 3   # and tok/s (GPU: VLLM_BOLE_TEST_CUDA_GRAPHS=1)
     python -m vllm_bole.testing.train_small --measure DIR --chains "" --draft-vocab 512,1024   # draft vocabularies
     python -m vllm_bole.testing.train_small --measure-shared-prefix DIR   # acceptance after prefix-cache hits
 
@@ -454,7 +455,7 @@ def training_token_counts(model_dir: str, corpus=None):
 
 
 def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2, 3, 4), draft_vocabs=(),
-            work_dir=None, log=print) -> dict:
+            work_dir=None, log=print, timed: int = 0) -> dict:
     """Greedy decoding of :func:`code_prompts` without speculation, with vLLM's MTP chain for each ``k`` in
     ``chains`` and with Bole (its default, and depth 8 / topk 4 / 32 nodes per request): spec-decode counters
     (mean acceptance length = 1 + accepted / drafts) and whether each run's tokens equal the plain run's. Each
@@ -462,11 +463,13 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
     the N most frequent ids of :func:`training_token_counts`, and ``"auto"`` the row with ``draft_vocab: "auto"``
     (learned during the run) and the default's row with the full vocabulary (the default drafts from "auto");
     ``draft_vocab_coverage`` is the share of the plain run's output tokens inside each subset (for "auto",
-    ``auto_final``: the subset it ended with)."""
+    ``auto_final``: the subset it ended with). ``timed``: that many more generates of the same requests in each
+    engine, timed (``tok_s``: output tokens per second of the median one; a GPU's numbers, where
+    ``VLLM_BOLE_TEST_CUDA_GRAPHS=1`` runs the engines with CUDA graphs)."""
     prompts = code_prompts(model_dir, count)
     requests = [{"prompt": p, "max_tokens": max_tokens} for p in prompts]
     batch = len(prompts)
-    base = {"model": model_dir, "kind": "qwen3_5", "requests": requests, "logprobs": 2}
+    base = {"model": model_dir, "kind": "qwen3_5", "requests": requests, "logprobs": 2, "timed": timed}
     engine = {"max_num_seqs": batch}
     # the full vocabulary: the draft-vocabulary rows compare with it
     wide = {"method": "bole", "num_speculative_tokens": 8, "topk": 4, "budget": 32 * batch, "draft_vocab": None}
@@ -507,7 +510,8 @@ def measure(model_dir: str, max_tokens: int = 96, count: int = 16, chains=(1, 2,
                       "identical_requests": sum(a == b for a, b in zip(tokens, plain)),
                       "mean_acceptance_length": c["mean_acceptance_length"], "num_drafts": c["num_drafts"],
                       "num_draft_tokens": c["num_draft_tokens"], "num_accepted_tokens": c["num_accepted_tokens"],
-                      "accepted_per_pos": c["accepted_per_pos"], "seconds": round(time.perf_counter() - t0, 1)}
+                      "accepted_per_pos": c["accepted_per_pos"], "seconds": round(time.perf_counter() - t0, 1),
+                      **({"tok_s": out["timed"]["tok_s"], "timed_runs_s": out["timed"]["runs_s"]} if timed else {})}
         log(f"{name}: {json.dumps(rows[name])}")
     from tokenizers import Tokenizer
 
@@ -628,6 +632,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-vocab", default="",
                         help="--measure: draft_vocab sizes to add (each as the lowest ids and as the most frequent), "
                              "and 'auto' (learned during the run)")
+    parser.add_argument("--timed", type=int, default=0,
+                        help="--measure: timed generates per engine after the measured one (tok/s; for a GPU)")
     parser.add_argument("--report", help="write the --check / --measure / --measure-shared-prefix JSON here too")
     args = parser.parse_args(argv)
     if args.threads:
@@ -641,7 +647,7 @@ def main(argv: list[str] | None = None) -> None:
                                            max_tokens=args.max_tokens)
         else:
             report = measure(args.measure, max_tokens=args.max_tokens, chains=sizes(args.chains),
-                             draft_vocabs=sizes(args.draft_vocab))
+                             draft_vocabs=sizes(args.draft_vocab), timed=args.timed)
         text = json.dumps(report, indent=1)
         if args.report:
             Path(args.report).write_text(text + "\n")
