@@ -82,7 +82,7 @@ def test_catch_up_runs_short_chunks_as_causal_tree_rows():
     drafter._write_arrays = lambda tokens, positions, slots, hidden, rope=None: (hidden.shape[0], 8,
                                                                                    CUDAGraphMode.PIECEWISE)
     vllm_path = []
-    drafter._forward = lambda cm, chunks, hidden, rope=None: vllm_path.append(chunks) or hidden
+    drafter._forward = lambda cm, chunks, hidden, rope=None, sampled=None: vllm_path.append(chunks) or hidden
     cm = SimpleNamespace(block_table_tensor=torch.arange(8 * 4, dtype=torch.int32).view(8, 4))
     lens = [4, 1, 3]
     chunks = [(r, list(range(n)), list(range(30, 30 + n)), 30 + n, list(range(n))) for r, n in zip([1, 6, 3], lens)]
@@ -99,6 +99,27 @@ def test_catch_up_runs_short_chunks_as_causal_tree_rows():
     long = [(2, list(range(depth + 2)), list(range(depth + 2)), depth + 2, list(range(depth + 2)))]
     hidden, top = drafter._catch_up(cm, long, torch.zeros(depth + 2, 1))
     assert vllm_path == [long] and top is None
+
+
+def test_sampled_tokens_land_on_their_requests_last_catch_up_rows():
+    """After a step without trees the catch-up's rows of a request end in a stand-in for its sampled token
+    (DraftStep.sampled: batch requests and every batch request's token on the device); the drafter writes each over
+    its request's last row, in the row order its chunks are written in."""
+    from vllm_bole.spec_decode.drafter import DraftStep
+
+    drafter = MTPTreeDrafter.__new__(MTPTreeDrafter)
+    drafter.proposer = SimpleNamespace(input_ids=torch.zeros(16, dtype=torch.int32))
+    drafter._write_arrays = lambda tokens, positions, slots, hidden, rope=None: (
+        drafter.proposer.input_ids[:len(tokens)].copy_(torch.tensor(tokens)), (len(tokens), 16, None))[1]
+    lens, reqs = [4, 1, 3], [1, 6, 3]        # batch requests 1, 6 and 3; 1 and 3 sampled a token
+    chunks = [(r, [5] * (n - 1) + [0], list(range(n)), n, list(range(n))) for r, n in zip(reqs, lens)]
+    sampled = torch.arange(100, 108)          # one token per batch request
+    step = DraftStep(req_ids=[str(i) for i in range(8)], contexts=[None] * 8, sampled=([1, 3], sampled))
+    rows = MTPTreeDrafter._sampled_rows(step, chunks)
+    assert rows[0] == [3, 7] and rows[1].tolist() == [101, 103]
+    assert drafter._write_inputs(chunks, torch.zeros(8, 1), sampled=rows) == (8, 16, None)
+    assert drafter.proposer.input_ids[:8].tolist() == [5, 5, 5, 101, 0, 5, 5, 103]
+    assert MTPTreeDrafter._sampled_rows(DraftStep(req_ids=[], contexts=[]), chunks) is None
 
 
 def test_a_new_level_size_replays_a_held_larger_graph_until_it_recurs(monkeypatch):
