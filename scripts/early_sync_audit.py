@@ -26,10 +26,9 @@ os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_C
 
 import torch  # noqa: E402
 
-AUDIT = [False]
 HITS: collections.Counter = collections.Counter()
 PREFILL_HITS: collections.Counter = collections.Counter()   # (the drafting after a step without trees)
-COUNTERS = [HITS]
+AUDIT = [None]   # the counter of the audited call running now, if any
 
 
 def _site() -> str:
@@ -43,8 +42,8 @@ def _count(owner, name: str, when=None) -> None:
     original = getattr(owner, name)
 
     def counted(*args, **kwargs):
-        if AUDIT[0] and (when is None or when(*args, **kwargs)):
-            COUNTERS[0][(name, _site())] += 1
+        if AUDIT[0] is not None and (when is None or when(*args, **kwargs)):
+            AUDIT[0][(name, _site())] += 1
         return original(*args, **kwargs)
 
     setattr(owner, name, counted)
@@ -70,30 +69,23 @@ def main() -> None:
     from vllm_bole.testing.tiny_models import engine_kwargs, tiny_model_dir
     from vllm_bole.worker import early_drafting
 
-    launch = early_drafting.launch
-
-    def audited(*args, **kwargs):
-        AUDIT[0] = True
-        try:
-            return launch(*args, **kwargs)
-        finally:
-            AUDIT[0] = False
-
-    early_drafting.launch = audited
     from vllm_bole.worker.drafting import Drafting
 
-    propose = Drafting.propose
+    def audited(call, hits, when=lambda *args: True):
+        """``call`` counting its host reads into ``hits`` when ``when`` holds for its arguments."""
+        def wrapper(*args, **kwargs):
+            if not when(*args):
+                return call(*args, **kwargs)
+            AUDIT[0] = hits
+            try:
+                return call(*args, **kwargs)
+            finally:
+                AUDIT[0] = None
 
-    def audited_propose(self, *args, **kwargs):
-        if self.runner._bole_forest is not None:
-            return propose(self, *args, **kwargs)
-        AUDIT[0], COUNTERS[0] = True, PREFILL_HITS
-        try:
-            return propose(self, *args, **kwargs)
-        finally:
-            AUDIT[0], COUNTERS[0] = False, HITS
+        return wrapper
 
-    Drafting.propose = audited_propose
+    early_drafting.launch = audited(early_drafting.launch, HITS)
+    Drafting.propose = audited(Drafting.propose, PREFILL_HITS, when=lambda self, *_: self.runner._bole_forest is None)
     spec = {"method": "bole", "num_speculative_tokens": 3, "topk": 4, "budget": "auto"}
     if sys.argv[1:] == ["synthetic"]:
         spec["synthetic_acceptance"] = True

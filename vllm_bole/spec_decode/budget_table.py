@@ -234,10 +234,10 @@ MEASURED = "measured"
 # budget "auto" without a calibration table (default_budget): DEFAULT_NODES_PER_REQUEST nodes a request up to
 # DEFAULT_STEP_NODES a step, where the H100's and H200's forwards at Qwen3.5-9B shapes stop being nearly flat in
 # the nodes (batch 16-64); at least DEFAULT_AUTO_BUDGET a step (the A100 peak in the Bole paper) and
-# MIN_NODES_PER_REQUEST a request (what vLLM's MTP chain of 3 verifies). On an H100 at batch 64 trees of 384 nodes
-# in most steps ran 1.15x the full-batch tokens/s of 3 a request, and at 128 3 a request beat 3-6 (docs/results.md,
-# "The default without a calibration table (H100)"); benchmarks/budget_rules.py prices this rule at 0.97-1.0 of the
-# best size from batch 1 to 64.
+# MIN_NODES_PER_REQUEST a request (what vLLM's MTP chain of 3 verifies). On an H100 this rule's full-batch steps ran
+# 1.44x, 1.33x, 1.16x and 1.06x the tokens/s of vLLM's MTP k=3 at batch 1, 16, 32 and 64 (docs/results.md, "The
+# default without a calibration table (H100)"); benchmarks/budget_rules.py prices it at 0.97-1.0 of the best size
+# from batch 1 to 64.
 DEFAULT_AUTO_BUDGET = 128
 DEFAULT_NODES_PER_REQUEST = 8
 DEFAULT_STEP_NODES = 384

@@ -23,6 +23,8 @@ import faulthandler
 import json
 import os
 import signal
+import statistics
+import time
 
 
 def _runner(llm):
@@ -234,9 +236,6 @@ def _timed(llm, prompts, params, runs: int) -> dict | None:
     the first generate's."""
     if not runs:
         return None
-    import statistics
-    import time
-
     seconds, tokens = [], 0
     for _ in range(runs):
         start = time.perf_counter()
