@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--smoke", action="store_true",
                    help="CPU: the tiny Qwen3.5 built offline, ar and bole, 4 conversations of 3 turns")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="merge results of the same workload, one or more configurations each (runs one after the "
+                        "other on one machine), into --out; runs nothing")
     return p
 
 
@@ -397,18 +400,25 @@ def run(argv: list[str] | None = None) -> dict:
     requests = {n: [{k: v for k, v in r.items() if k != "ids"} | _output_digest(r.get("ids") or [])
                     for r in sorted(recs, key=lambda r: (r["conversation"], r["turn"]))]
                 for n, recs in records.items()}
-    if "ar" in requests:   # greedy: with acceptance "real" every configuration should produce ar's tokens
-        for r in rows:
-            r["same_conversations_as_ar"] = same_outputs(requests["ar"], requests[r["config"]])
     data = {
         "benchmark": "prefix caching (benchmarks/prefix_cache.py): multi-turn conversations, vLLM's OpenAI server",
         "ok": len(rows) == len(names) and all(r["ok"] for r in rows),
         "command": command, "run": time.strftime("%Y-%m-%dT%H:%M:%S"), "gpu": serve._gpu_name(on_gpu),
         "workload": {k: getattr(opts, k) for k in WORKLOAD_KEYS},
-        "shared_server_flags": shared, "rows": rows, "comparison": comparison(rows), "configs": configs,
+        "shared_server_flags": shared, "rows": rows, "configs": configs,
         "bole_configs": [n for n in names if is_bole(n, dict(opts.variant))],
         "requests": requests,
     }
+    return finish(data, out)
+
+
+def finish(data: dict, out: Path) -> dict:
+    """Compare the rows (against ar's outputs and hit rate, and the best chain's times), write and print."""
+    rows, requests = data["rows"], data["requests"]
+    if "ar" in requests:   # greedy: with acceptance "real" every configuration should produce ar's tokens
+        for r in rows:
+            r["same_conversations_as_ar"] = same_outputs(requests["ar"], requests[r["config"]])
+    data["comparison"] = comparison(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1, default=str) + "\n")
     print()
@@ -419,8 +429,33 @@ def run(argv: list[str] | None = None) -> dict:
     return data
 
 
+def merge(paths: list[str], out: Path) -> dict:
+    """One result from several runs of the same workload and GPU (``--merge``): their rows, configurations and
+    requests side by side, each run's command and time under ``runs``."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    first = parts[0]
+    for key in ("workload", "gpu", "shared_server_flags"):
+        differ = [p for d, p in zip(parts, paths) if d[key] != first[key]]
+        if differ:
+            raise SystemExit(f"--merge: {differ[0]} has another {key} than {paths[0]}")
+    names = [r["config"] for d in parts for r in d["rows"]]
+    if len(set(names)) < len(names):
+        raise SystemExit(f"--merge: a configuration appears twice among {names}")
+    data = {k: first[k] for k in ("benchmark", "gpu", "workload", "shared_server_flags")}
+    data["ok"] = all(d["ok"] for d in parts)
+    data["runs"] = [{"command": d["command"], "run": d["run"], "configs": list(d["configs"])} for d in parts]
+    for key in ("rows", "bole_configs"):
+        data[key] = [x for d in parts for x in d[key]]
+    for key in ("configs", "requests"):
+        data[key] = {n: v for d in parts for n, v in d[key].items()}
+    return finish(data, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     soak.exit_on_sigterm()
+    opts = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if opts.merge:
+        return 0 if merge(opts.merge, Path(opts.out or DEFAULT_OUT))["ok"] else 1
     return 0 if run(argv)["ok"] else 1
 
 

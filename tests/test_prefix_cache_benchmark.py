@@ -48,6 +48,28 @@ def test_smoke(tmp_path, capsys):
         assert (a["conversation"], a["turn"], a["prompt_len"]) == (b["conversation"], b["turn"], b["prompt_len"])
         assert b["cached"] == a["cached"] > 0, (a, b)
     assert data["comparison"]["bole"]["hit_rate_points_vs_ar"] > -2.0, data["comparison"]
+    _check_merge(data, tmp_path)
+
+
+def _check_merge(data: dict, tmp_path: Path) -> None:
+    """``--merge``: the run split into one file per configuration (as separate commands write them) merges back
+    into its rows, requests and comparison; a file of another workload is refused."""
+    paths = []
+    for name in ("ar", "bole"):
+        part = {**data, "rows": [r for r in data["rows"] if r["config"] == name],
+                "configs": {name: data["configs"][name]}, "requests": {name: data["requests"][name]},
+                "bole_configs": [n for n in data["bole_configs"] if n == name]}
+        part["rows"] = [{k: v for k, v in r.items() if k != "same_conversations_as_ar"} for r in part["rows"]]
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(part))
+    merged = prefix_cache.merge([str(p) for p in paths], tmp_path / "merged.json")
+    assert merged["rows"] == data["rows"] and merged["comparison"] == data["comparison"]
+    assert merged["requests"] == data["requests"] and [r["configs"] for r in merged["runs"]] == [["ar"], ["bole"]]
+    other = json.loads(paths[1].read_text())
+    other["workload"] = {**other["workload"], "turns": other["workload"]["turns"] + 1}
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="another workload"):
+        prefix_cache.merge([str(p) for p in paths], tmp_path / "merged.json")
 
 
 def _diverged(ar: list[dict], bole: list[dict]) -> set[int]:
