@@ -349,6 +349,25 @@ def test_missing_table_uses_the_default_with_one_warning(tmp_path, fresh_tables,
     assert "none.json" in lines[0].getMessage() and "vllm-bole calibrate" in lines[0].getMessage()
 
 
+def test_missing_table_for_a_moe_model_uses_its_own_default(tmp_path, fresh_tables, caplog):
+    """A mixture-of-experts model: 8 nodes a request up to 128 a step, at least 32 a step and 3 a request (each
+    node's token reads its own experts' weights, so the dense rule's 128-node floor is not free at batch 2-15)."""
+    cfg, _ = parse_bole_config({"method": "bole", "budget_table": str(tmp_path / "none.json")})
+    moe = _model()
+    moe.hf_text_config.num_experts = 256
+    with caplog.at_level(logging.INFO, logger="vllm_bole.spec_decode.budget"):
+        assert [budget_mod.node_budget(cfg, b, model_config=moe) for b in (1, 2, 4, 8, 16, 32, 43, 64)] == \
+            [32, 32, 32, 64, 128, 128, 129, 192]
+    lines = [r for r in caplog.records if r.name == "vllm_bole.spec_decode.budget"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "up to 128 per step" in lines[0].getMessage() and "mixture-of-experts" in lines[0].getMessage()
+    # a dense model keeps the dense rule; "measured" starts each batch size from the model's rule
+    assert budget_mod.node_budget(cfg, 8, model_config=_model()) == 128
+    measured, _ = parse_bole_config({"method": "bole", "budget_table": "measured"})
+    assert budget_mod.node_budget(measured, 8, model_config=moe) == 64
+    assert budget_mod.node_budget(measured, 8, model_config=_model()) == 128
+
+
 def test_table_for_another_model_uses_the_default(tmp_path, fresh_tables, caplog):
     path = tmp_path / "t.json"
     write_table(path, [_entry(1, 256, [(8, 10.0)], model=_model(hidden=256, layers=4))])

@@ -35,8 +35,8 @@ from vllm.utils.math_utils import next_power_of_2
 
 from ..logger import init_logger
 
-from .budget_table import (DEFAULT_BUDGET_RULE, MEASURED, MeasuredBudgets, default_budget,
-                           default_table_path, device_name, model_fingerprint, read_table, select_model)
+from .budget_table import (DEFAULT_BUDGET_RULE, MEASURED, MOE_BUDGET_RULE, MeasuredBudgets, default_budget,
+                           default_table_path, device_name, is_moe, model_fingerprint, read_table, select_model)
 
 logger = init_logger(__name__)
 
@@ -46,8 +46,8 @@ def table_path(bole_config) -> Path:
 
 
 @functools.cache
-def _auto_budgets(path: Path, fingerprint: str | None):
-    """The table's budgets for this GPU and model, or None (after one warning)."""
+def _auto_budgets(path: Path, fingerprint: str | None, moe: bool = False):
+    """The table's budgets for this GPU and model, or None (after one warning naming the rule used instead)."""
     try:
         entries = read_table(path)
     except FileNotFoundError:
@@ -61,7 +61,7 @@ def _auto_budgets(path: Path, fingerprint: str | None):
                         budgets.gpu, budgets.batch_sizes)
             return budgets
         reason = f"{path}: {reason}"
-    logger.warning("Bole budget 'auto': %s; using %s", reason, DEFAULT_BUDGET_RULE)
+    logger.warning("Bole budget 'auto': %s; using %s", reason, MOE_BUDGET_RULE if moe else DEFAULT_BUDGET_RULE)
     return None
 
 
@@ -72,17 +72,19 @@ def reload_budget_tables() -> None:
 
 
 def _budgets(bole_config, model_config):
+    moe = is_moe(model_config)
     if bole_config.budget_table == MEASURED:
-        return _measured_budgets(bole_config.max_nodes_per_request)
+        return _measured_budgets(bole_config.max_nodes_per_request, moe)
     fingerprint = model_fingerprint(model_config) if model_config is not None else None
-    return _auto_budgets(table_path(bole_config), fingerprint)
+    return _auto_budgets(table_path(bole_config), fingerprint, moe)
 
 
 @functools.cache
-def _measured_budgets(per_request: int) -> MeasuredBudgets:
+def _measured_budgets(per_request: int, moe: bool = False) -> MeasuredBudgets:
     logger.info("Bole budget 'auto' without a calibration table (budget_table %r): the throughput rule measures "
-                "each batch size's steps (%s, until it has measured them)", MEASURED, DEFAULT_BUDGET_RULE)
-    return MeasuredBudgets.for_requests(per_request)
+                "each batch size's steps (%s, until it has measured them)", MEASURED,
+                MOE_BUDGET_RULE if moe else DEFAULT_BUDGET_RULE)
+    return MeasuredBudgets.for_requests(per_request, moe)
 
 
 def auto_budgets(bole_config, model_config=None):
@@ -103,7 +105,7 @@ def node_budget(bole_config, batch_size: int, context_len: int | None = None, mo
         return int(bole_config.budget)
     budgets = _budgets(bole_config, model_config)
     if budgets is None:
-        return default_budget(batch_size)
+        return default_budget(batch_size, is_moe(model_config))
     if bole_config.budget_rule == "step" and rest_ms is not None:
         return budgets.lookup_step(batch_size, context_len, rest_ms)
     if bole_config.budget_rule == "throughput" and rest_ms is not None and tokens is not None:

@@ -246,8 +246,30 @@ DEFAULT_BUDGET_RULE = (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {DE
                        f"{DEFAULT_AUTO_BUDGET} per step and {MIN_NODES_PER_REQUEST} per request")
 
 
-def default_budget(batch_size: int) -> int:
-    """The node budget of a step of ``batch_size`` requests without a calibration table (``DEFAULT_BUDGET_RULE``)."""
+# The same without a table for mixture-of-experts models: every node's token reads the weights of the experts it
+# routes to, so a step's cost grows with its nodes until nearly every expert is read, and the dense rule's floor of
+# 128 nodes a step is not free. On the Qwen3.5-35B-A3B shape (H100, docs/results.md "A Qwen3.5-MoE shape"), 128
+# nodes a step ran 1.15x the full-batch tok/s of vLLM's MTP k=3 at batch 1 (32 nodes: one request's largest tree)
+# and 1.11x at batch 32 (4 a request), but 0.88x at batch 8 (16 a request): a step 1.6x the chain's for 1.4x its
+# tokens. So: 8 nodes a request up to MOE_STEP_NODES a step, at least MOE_MIN_STEP_NODES a step.
+MOE_STEP_NODES = 128
+MOE_MIN_STEP_NODES = 32
+MOE_BUDGET_RULE = (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {MOE_STEP_NODES} per step, at least "
+                   f"{MOE_MIN_STEP_NODES} per step and {MIN_NODES_PER_REQUEST} per request (a mixture-of-experts model)")
+
+
+def is_moe(model_config) -> bool:
+    """Whether vLLM's ``model_config`` is a mixture-of-experts model (its text config has routed experts)."""
+    text = getattr(model_config, "hf_text_config", None)
+    return bool(getattr(text, "num_experts", 0) or 0)
+
+
+def default_budget(batch_size: int, moe: bool = False) -> int:
+    """The node budget of a step of ``batch_size`` requests without a calibration table (``DEFAULT_BUDGET_RULE``;
+    ``moe``: ``MOE_BUDGET_RULE``)."""
+    if moe:
+        return max(MOE_MIN_STEP_NODES, min(DEFAULT_NODES_PER_REQUEST * batch_size, MOE_STEP_NODES),
+                   MIN_NODES_PER_REQUEST * batch_size)
     return max(DEFAULT_AUTO_BUDGET, min(DEFAULT_NODES_PER_REQUEST * batch_size, DEFAULT_STEP_NODES),
                MIN_NODES_PER_REQUEST * batch_size)
 
@@ -263,12 +285,13 @@ class MeasuredBudgets(ModelBudgets):
     measurements its steps take :func:`default_budget` nodes (within its candidates' range)."""
 
     per_request: int = 32
+    moe: bool = False   # its steps before measurements: default_budget's rule for a mixture-of-experts model
     measured = True
     NODES_PER_REQUEST = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
     @classmethod
-    def for_requests(cls, per_request: int) -> "MeasuredBudgets":
-        return cls(MEASURED, MEASURED, [], {}, {}, {}, per_request=per_request)
+    def for_requests(cls, per_request: int, moe: bool = False) -> "MeasuredBudgets":
+        return cls(MEASURED, MEASURED, [], {}, {}, {}, per_request=per_request, moe=moe)
 
     def _keys(self, batch_size: int, context_len: int | None) -> list[tuple[int, int]]:
         key = (batch_size, 0)   # every batch size its own candidates; the context is not priced
@@ -280,7 +303,7 @@ class MeasuredBudgets(ModelBudgets):
         return [key]
 
     def lookup(self, batch_size: int, context_len: int | None = None) -> int:
-        return min(default_budget(batch_size), batch_size * self.per_request)
+        return min(default_budget(batch_size, self.moe), batch_size * self.per_request)
 
     def _candidates(self, key, rest_ms) -> list[dict]:
         """Up to the first size above what the step clock measured lately (``RestModel.reach``): its line prices
