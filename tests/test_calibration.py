@@ -368,6 +368,18 @@ def test_missing_table_for_a_moe_model_uses_its_own_default(tmp_path, fresh_tabl
     assert budget_mod.node_budget(measured, 8, model_config=_model()) == 128
 
 
+@pytest.mark.parametrize("kind,moe", [("qwen3_5", False), ("qwen3_5_moe", True), ("qwen3_next", True)])
+def test_moe_is_told_from_vllms_text_config(kind, moe):
+    """``is_moe`` on the text config vLLM reads from the tiny models' checkpoints."""
+    from vllm.transformers_utils.config import get_config, get_hf_text_config
+
+    from vllm_bole.spec_decode.budget_table import is_moe
+    from vllm_bole.testing.tiny_models import tiny_model_dir
+
+    text = get_hf_text_config(get_config(tiny_model_dir(kind), trust_remote_code=False))
+    assert is_moe(SimpleNamespace(hf_text_config=text)) is moe
+
+
 def test_table_for_another_model_uses_the_default(tmp_path, fresh_tables, caplog):
     path = tmp_path / "t.json"
     write_table(path, [_entry(1, 256, [(8, 10.0)], model=_model(hidden=256, layers=4))])
