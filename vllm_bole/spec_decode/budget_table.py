@@ -261,7 +261,7 @@ MOE_BUDGET_RULE = (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {MOE_ST
 def is_moe(model_config) -> bool:
     """Whether vLLM's ``model_config`` is a mixture-of-experts model (its text config has routed experts)."""
     text = getattr(model_config, "hf_text_config", None)
-    return bool(getattr(text, "num_experts", 0) or 0)
+    return bool(getattr(text, "num_experts", None))
 
 
 def default_budget(batch_size: int, moe: bool = False) -> int:
