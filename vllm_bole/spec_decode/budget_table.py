@@ -255,7 +255,8 @@ DEFAULT_BUDGET_RULE = (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {DE
 MOE_STEP_NODES = 128
 MOE_MIN_STEP_NODES = 32
 MOE_BUDGET_RULE = (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {MOE_STEP_NODES} per step, at least "
-                   f"{MOE_MIN_STEP_NODES} per step and {MIN_NODES_PER_REQUEST} per request (a mixture-of-experts model)")
+                   f"{MOE_MIN_STEP_NODES} per step and {MIN_NODES_PER_REQUEST} per request "
+                   "(a mixture-of-experts model)")
 
 
 def is_moe(model_config) -> bool:
