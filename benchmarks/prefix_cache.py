@@ -365,6 +365,8 @@ def run(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     opts = parser.parse_args(argv)
+    if opts.merge:   # runs nothing
+        return merge(opts.merge, Path(opts.out or DEFAULT_OUT))
     if opts.smoke:
         apply_smoke(opts, serve.given_options(argv, parser))
     opts.max_model_len = opts.max_model_len or longest_context(opts) + 64
@@ -453,9 +455,6 @@ def merge(paths: list[str], out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     soak.exit_on_sigterm()
-    opts = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if opts.merge:
-        return 0 if merge(opts.merge, Path(opts.out or DEFAULT_OUT))["ok"] else 1
     return 0 if run(argv)["ok"] else 1
 
 

@@ -35,8 +35,8 @@ from vllm.utils.math_utils import next_power_of_2
 
 from ..logger import init_logger
 
-from .budget_table import (DEFAULT_BUDGET_RULE, MEASURED, MOE_BUDGET_RULE, MeasuredBudgets, default_budget,
-                           default_table_path, device_name, is_moe, model_fingerprint, read_table, select_model)
+from .budget_table import (MEASURED, MeasuredBudgets, default_budget, default_rule, default_table_path, device_name,
+                           is_moe, model_fingerprint, read_table, select_model)
 
 logger = init_logger(__name__)
 
@@ -61,7 +61,7 @@ def _auto_budgets(path: Path, fingerprint: str | None, moe: bool = False):
                         budgets.gpu, budgets.batch_sizes)
             return budgets
         reason = f"{path}: {reason}"
-    logger.warning("Bole budget 'auto': %s; using %s", reason, MOE_BUDGET_RULE if moe else DEFAULT_BUDGET_RULE)
+    logger.warning("Bole budget 'auto': %s; using %s", reason, default_rule(moe))
     return None
 
 
@@ -82,8 +82,7 @@ def _budgets(bole_config, model_config):
 @functools.cache
 def _measured_budgets(per_request: int, moe: bool = False) -> MeasuredBudgets:
     logger.info("Bole budget 'auto' without a calibration table (budget_table %r): the throughput rule measures "
-                "each batch size's steps (%s, until it has measured them)", MEASURED,
-                MOE_BUDGET_RULE if moe else DEFAULT_BUDGET_RULE)
+                "each batch size's steps (%s, until it has measured them)", MEASURED, default_rule(moe))
     return MeasuredBudgets.for_requests(per_request, moe)
 
 

@@ -242,8 +242,14 @@ DEFAULT_AUTO_BUDGET = 128
 DEFAULT_NODES_PER_REQUEST = 8
 DEFAULT_STEP_NODES = 384
 MIN_NODES_PER_REQUEST = 3
-DEFAULT_BUDGET_RULE = (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {DEFAULT_STEP_NODES} per step, at least "
-                       f"{DEFAULT_AUTO_BUDGET} per step and {MIN_NODES_PER_REQUEST} per request")
+
+
+def _rule_text(step_nodes: int, min_step_nodes: int) -> str:
+    return (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {step_nodes} per step, at least {min_step_nodes} "
+            f"per step and {MIN_NODES_PER_REQUEST} per request")
+
+
+DEFAULT_BUDGET_RULE = _rule_text(DEFAULT_STEP_NODES, DEFAULT_AUTO_BUDGET)
 
 
 # The same without a table for mixture-of-experts models: every node's token reads the weights of the experts it
@@ -254,9 +260,7 @@ DEFAULT_BUDGET_RULE = (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {DE
 # tokens. So: 8 nodes a request up to MOE_STEP_NODES a step, at least MOE_MIN_STEP_NODES a step.
 MOE_STEP_NODES = 128
 MOE_MIN_STEP_NODES = 32
-MOE_BUDGET_RULE = (f"{DEFAULT_NODES_PER_REQUEST} nodes per request up to {MOE_STEP_NODES} per step, at least "
-                   f"{MOE_MIN_STEP_NODES} per step and {MIN_NODES_PER_REQUEST} per request "
-                   "(a mixture-of-experts model)")
+MOE_BUDGET_RULE = _rule_text(MOE_STEP_NODES, MOE_MIN_STEP_NODES) + " (a mixture-of-experts model)"
 
 
 def is_moe(model_config) -> bool:
@@ -266,13 +270,14 @@ def is_moe(model_config) -> bool:
 
 
 def default_budget(batch_size: int, moe: bool = False) -> int:
-    """The node budget of a step of ``batch_size`` requests without a calibration table (``DEFAULT_BUDGET_RULE``;
-    ``moe``: ``MOE_BUDGET_RULE``)."""
-    if moe:
-        return max(MOE_MIN_STEP_NODES, min(DEFAULT_NODES_PER_REQUEST * batch_size, MOE_STEP_NODES),
-                   MIN_NODES_PER_REQUEST * batch_size)
-    return max(DEFAULT_AUTO_BUDGET, min(DEFAULT_NODES_PER_REQUEST * batch_size, DEFAULT_STEP_NODES),
-               MIN_NODES_PER_REQUEST * batch_size)
+    """The node budget of a step of ``batch_size`` requests without a calibration table (:func:`default_rule`)."""
+    floor, cap = (MOE_MIN_STEP_NODES, MOE_STEP_NODES) if moe else (DEFAULT_AUTO_BUDGET, DEFAULT_STEP_NODES)
+    return max(floor, min(DEFAULT_NODES_PER_REQUEST * batch_size, cap), MIN_NODES_PER_REQUEST * batch_size)
+
+
+def default_rule(moe: bool = False) -> str:
+    """:func:`default_budget`'s rule in words, for a mixture-of-experts model (``moe``) or a dense one."""
+    return MOE_BUDGET_RULE if moe else DEFAULT_BUDGET_RULE
 
 
 @dataclass
