@@ -3,10 +3,11 @@
     .venv/bin/python scripts/early_sync_audit.py [synthetic]
 
 Runs the bundled tiny Qwen3.5 on CPU with the drafting before the walk (``early_drafting``, the default): three
-greedy requests and a seeded sampled one (``synthetic``: synthetic acceptance). It counts, per call site in
-``vllm_bole``, the host reads of tensors (``tolist``, ``item``, ``numpy``, ``bool``/``int``/``float``,
-``nonzero``, masked indexing, ...) made inside ``early_drafting.launch``, which the runner calls right behind the
-target forward, and in a second table those inside the drafting after a step without trees (the prompts' steps:
+greedy requests and a seeded sampled one, then three more greedy ones whose prompts run in chunks beside the
+others' trees (at most 4 requests and 32 tokens a step: mixed steps); ``synthetic``: synthetic acceptance. It
+counts, per call site in ``vllm_bole``, the host reads of tensors (``tolist``, ``item``, ``numpy``,
+``bool``/``int``/``float``, ``nonzero``, masked indexing, ...) made inside ``early_drafting.launch``, which the
+runner calls right behind the target forward, and in a second table those inside the drafting after a step without trees (the prompts' steps:
 ``Drafting.propose`` without a verified forest), which the runner queues behind that forward too. On a GPU the
 drafting overlaps the forward only if none of them touches a device tensor. On CPU the kernels' torch references run and
 read on the host by design (``kernels/*/reference.py``, ``kernels/forest.py``, ``attention/tree_rows.py``, the
@@ -89,14 +90,16 @@ def main() -> None:
     spec = {"method": "bole", "num_speculative_tokens": 3, "topk": 4, "budget": "auto"}
     if sys.argv[1:] == ["synthetic"]:
         spec["synthetic_acceptance"] = True
-    llm = LLM(model=tiny_model_dir("qwen3_5"), **engine_kwargs("qwen3_5"), speculative_config=spec)
+    kwargs = engine_kwargs("qwen3_5") | {"max_num_seqs": 4, "max_num_batched_tokens": 32}
+    llm = LLM(model=tiny_model_dir("qwen3_5"), **kwargs, speculative_config=spec)
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 400) for _ in range(12)]} for _ in range(4)]
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3 + [
-        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 400) for _ in range(n)]} for n in (12, 12, 12, 12, 40, 70, 25)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = [greedy] * 3 + [SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)] + [greedy] * 3
     llm.generate(prompts, params, use_tqdm=False)
     runner = model_runner_of(llm)
-    print(f"steps drafted before the walk: {runner.bole_early_draft_steps}")
+    print(f"steps drafted before the walk: {runner.bole_early_draft_steps} "
+          f"(beside prefill chunks: {runner.bole_early_mixed_steps})")
     for title, hits in (("drafting before the walk", HITS), ("drafting after a step without trees", PREFILL_HITS)):
         print(f"\n{title}\n\n| reads | call | site |\n|---|---|---|")
         for (name, where), n in sorted(hits.items(), key=lambda x: -x[1]):

@@ -72,6 +72,42 @@ def test_sampled_requests_and_logprobs_run_async(tmp, model, requests_, referenc
     assert out["device_output_steps"] == out["early_draft_steps"], out
 
 
+def test_prompt_chunks_beside_trees_draft_early_async(tmp, model, requests_, reference, monkeypatch):
+    """At most 4 requests and 48 tokens a step: waiting requests join in the places of finished ones and their
+    prompts run in chunks beside the others' trees. Such mixed steps draft before the walk too (the completed
+    prompts' first trees from their last rows), here with an unseeded sampled request among them and no logprobs,
+    so their tokens stay on the device: the greedy outputs are exact and every placeholder has its tree. Without the
+    sampled request, and with logprobs (the walks reach the host), every verified tree is exactly the drafting
+    after the walk's (``early_drafting: false``): the chunks' rows gave the drafter the inputs its catch-up gives."""
+    monkeypatch.setenv("VLLM_BOLE_RECORD_WALKS", "1")
+    requests_, reference = _short(requests_, reference)
+    sampled = {"prompt": requests_[2]["prompt"], "max_tokens": 20, "temperature": 0.8}
+    engine = full_vocab(bole_engine(tmp, "mtp_mixed", depth=3, topk=2, budget=24, drafter="mtp", max_num_seqs=4))
+    engine |= {"max_num_batched_tokens": 48, "async_scheduling": True}
+    late = dict(engine, speculative_config=engine["speculative_config"] | {"early_drafting": False})
+    runs = {name: run_engine(tmp, name, {"model": model, "requests": reqs, "cpu_async_scheduling": True,
+                                         "engine": spec, "logprobs": logprobs})
+            for name, reqs, spec, logprobs in [("mtp_mixed_sampled", requests_ + [sampled], engine, None),
+                                               ("mtp_mixed", requests_, engine, 2),
+                                               ("mtp_mixed_late", requests_, late, 2)]}
+    out, greedy, late = runs.values()
+    for run in runs.values():
+        _assert_async(run)
+    assert len(out["outputs"].pop()["tokens"]) == 20
+    for run in (out, greedy, late):
+        assert [o["tokens"] for o in run["outputs"]] == [o["tokens"] for o in reference["outputs"]]
+    print(f"mtp_mixed: counters {greedy['counters']}; early {greedy['early_draft_steps']}, mixed "
+          f"{greedy['early_mixed_steps']}\nlate: {late['counters']}")
+    assert out["early_mixed_steps"] > 0 and greedy["early_mixed_steps"] > 0, (out, greedy)
+    assert out["device_output_steps"] == out["early_draft_steps"], out
+    assert out["stale_placeholders"] == greedy["stale_placeholders"] == 0, (out, greedy)
+    assert late["early_draft_steps"] == 0, late
+    assert greedy["counters"] == late["counters"], (greedy["counters"], late["counters"])
+    assert len(greedy["verified_trees"]) >= greedy["counters"]["num_drafts"], len(greedy["verified_trees"])
+    assert greedy["verified_trees"] == late["verified_trees"]
+    assert greedy["counters"]["mean_acceptance_length"] > 1.5, greedy["counters"]
+
+
 def _short(requests_, reference):
     """The requests that stay clear of max_model_len, and their reference outputs: near it the batch does not fit
     vLLM's drafter check, vLLM skips drafting for that step, and the placeholders it scheduled before go stale."""

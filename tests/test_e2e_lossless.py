@@ -128,6 +128,8 @@ def test_mtp_tree_drafter_is_lossless_and_accepts(tmp, model, requests_, referen
     assert (out["first_pass_steps"] > 0) == first_pass, out["first_pass_steps"]
     # ... and then queues the levels and the commit before the walk too (device walk, device level plan)
     assert (out["early_draft_steps"] > 0) == first_pass, out["early_draft_steps"]
+    if tokens:   # ... also where prompt chunks run beside the trees (the chunks' rows by token, with logprobs)
+        assert out["early_mixed_steps"] > 0, out["early_mixed_steps"]
     if not envs.VLLM_BOLE_HOST_DRAFT_LEVELS:
         assert out["device_levels"], "the MTP drafter grew no level on the device"
     assert counters["mean_acceptance_length"] > 1.5, counters
@@ -247,6 +249,22 @@ def test_drafting_after_the_walk_when_drafting_before_it_fails(tmp, model, reque
     assert_lossless(reference, out, max_near_ties=2)
     # Three steps drafted (or tried to) before the walk; later ones ran only the first pass before it.
     assert out["early_draft_steps"] == 3 and out["first_pass_steps"] > 3, out
+    assert out["counters"]["mean_acceptance_length"] > 1.5, out["counters"]
+
+
+def test_mixed_steps_draft_after_the_walk_when_drafting_before_it_fails(tmp, model, requests_, reference):
+    """Prompt chunks beside trees (at most 4 requests and 48 tokens a step): a failure of such a step's drafting
+    before the walk (planted in the second) leaves that step to the drafting after the walk, and the later mixed
+    steps too, while steps of trees only still draft before it: the outputs stay exact."""
+    engine = bole_engine(tmp, "mtp_fail_mixed", depth=3, topk=4, budget="auto", drafter="mtp", max_num_seqs=4)
+    engine["max_num_batched_tokens"] = 48
+    engine["speculative_config"] |= {"drafter": "vllm_bole.testing.faulty_drafter:FailOnceBeforeWalk",
+                                     "drafter_args": {"fail_at": 2, "mixed": True}}
+    out = run_engine(tmp, "mtp_fail_mixed", {"model": model, "requests": requests_, "logprobs": 2,
+                                             "engine": engine})
+    assert_lossless(reference, out, max_near_ties=2)
+    assert out["early_mixed_steps"] == 1, out
+    assert out["early_draft_steps"] > 10, out   # (the failed step counts as one)
     assert out["counters"]["mean_acceptance_length"] > 1.5, out["counters"]
 
 

@@ -130,7 +130,8 @@ def test_step_kinds():
     prefill chunks are mixed; tree-only steps are early-drafted when the counter moved."""
     assert _facts(verify=1).kind(_facts(verify=2)) == "capturing"
     assert _facts(drafter=3, early=1).kind(_facts(drafter=4, early=2)) == "capturing"
-    assert _facts(prefilling=1).kind(_facts(early=1)) == "mixed"
+    assert _facts(prefilling=1).kind(_facts(early=1)) == "mixed_early"
+    assert _facts(prefilling=1, early=1).kind(_facts(early=1)) == "mixed_late"
     assert _facts().kind(_facts(early=1)) == "trees_early"
     assert _facts(early=1).kind(_facts(early=1)) == "trees_late"
     assert _facts(trees=0, prefilling=1).kind(_facts()) == "prefill"
@@ -157,13 +158,13 @@ def test_step_times_summarised_by_kind(monkeypatch):
 
     run(["a"], _facts(), 10)                      # trees, early drafted (the next step's counter moved)
     run(["a"], _facts(early=1), 30)               # trees, drafted late (the counter stays)
-    run(["a", "b"], _facts(2, prefilling=1, early=1), 20)   # mixed
+    run(["a", "b"], _facts(2, prefilling=1, early=1), 20)   # mixed, early drafted
     run(["a", "b"], _facts(2, early=2), 40)       # a capture (the next step holds one graph more)
     run(["a", "b"], _facts(2, early=2, verify=1), 500)      # idle gap: request "c" alone follows
     assert lines == []
     run(["c"], _facts(early=2, verify=1), 10)
     assert lines == ["Bole step times: trees_early 1 steps, mean 10.0 ms, max 10 ms, 8 tokens; trees_late 1 steps, "
-                     "mean 30.0 ms, max 30 ms, 8 tokens; mixed 1 steps, mean 20.0 ms, max 20 ms, 16 tokens; capturing "
+                     "mean 30.0 ms, max 30 ms, 8 tokens; mixed_early 1 steps, mean 20.0 ms, max 20 ms, 16 tokens; capturing "
                      "1 steps, mean 40.0 ms, max 40 ms, 16 tokens"]
     for ms in (600, 600):
         run(["c"], _facts(early=2, verify=1), ms)

@@ -272,49 +272,55 @@ class MTPTreeDrafter(TreeDrafter):
                                 sampled=sampled)
 
     def first_pass_all_rows(self, cm: CommonAttentionMetadata, forest: StepForest, next_tokens: torch.Tensor,
-                            positions: torch.Tensor, slots: torch.Tensor, seq_lens: list[int],
+                            positions: torch.Tensor, slots: torch.Tensor, sizes: list[int], seq_lens: list[int],
                             hidden: torch.Tensor, rope: torch.Tensor | None = None):
-        """The MTP forward over every node of a verified forest whose trees are all the step's requests, in batch
-        order: (MTP hidden states ``[N, H]``, top children ``[N, 2k]``). It needs no accepted path, so the runner
-        queues it right behind the target forward, before the walk: row i reads the target's hidden state at
-        node i and ``next_tokens[i]``, the token the target emits after node i (its argmax for greedy requests),
-        and writes node i's MTP K/V at node i's slot and RoPE position (prefix + depth), seeing its prefix and its
-        ancestors. On the accepted path that is exactly the catch-up's input; once the runner has moved the path's
-        MTP K/V to contiguous slots, the root rows of the next trees are the path ends' rows. ``positions``,
-        ``slots``: the verification's ``[N]`` device tensors; ``seq_lens``: each tree's prefix + size (host);
-        ``rope``: its ``[3, N]`` M-RoPE positions where they differ from ``positions`` (images)."""
-        if len(seq_lens) != len(forest.tree_req_indices):
-            raise ValueError(f"first pass: {len(seq_lens)} sequence lengths for {len(forest.tree_req_indices)} trees")
-        sizes = [forest.query_starts[i + 1] - forest.query_starts[i] for i in range(len(forest.query_starts) - 1)]
+        """The MTP forward over every row of a step whose requests are all trees of a verified forest or prefill
+        chunks beside them, in batch order: (MTP hidden states ``[n, H]``, top children ``[n, 2k]``). It needs no
+        accepted path, so the runner queues it right behind the target forward, before the walk: row i reads the
+        target's hidden state at row i and ``next_tokens[i]``, the token that follows row i (a tree node's: the
+        token the target emits after it, its argmax for greedy requests; a chunk row's: the next prompt token, or
+        the sampled one), and writes row i's MTP K/V at its slot and RoPE position (a tree node's: prefix + depth),
+        a tree node seeing its prefix and its ancestors, a chunk row its prefix and the chunk causally. On the
+        accepted path that is exactly the catch-up's input; once the runner has moved the path's MTP K/V to
+        contiguous slots, the root rows of the next trees are the path ends' rows. ``positions``, ``slots``: the
+        verification's ``[n]`` device tensors; ``sizes``, ``seq_lens``: each request's scheduled tokens, and its
+        prefix + those (host); ``rope``: its ``[3, n]`` M-RoPE positions where they differ from ``positions``
+        (images)."""
         n = hidden.shape[0]
-        sizes.append(n - forest.query_starts[-1])
-        chunks = [(r, range(size), None, int(seq_len), None)
-                  for r, size, seq_len in zip(forest.tree_req_indices, sizes, seq_lens)]
+        if sum(sizes) != n:
+            raise ValueError(f"first pass: {len(sizes)} requests of {sum(sizes)} rows, {n} hidden rows")
+        qsl = np.cumsum([0] + sizes).tolist()
+        chunks = [(r, range(size), None, int(seq_len), None) for r, (size, seq_len) in enumerate(zip(sizes, seq_lens))]
         written = self._write_arrays(next_tokens[:n], positions[:n], slots[:n], hidden,
                                      None if rope is None else rope[:, :n])
         if self._host_tree_rows(hidden):
-            tree_rows = [TreeRows(req_index=i, row_start=row.row_start, region_mask=row.region_mask)
-                         for i, row in enumerate(forest.rows())]
-            out = self._forward_written(cm, chunks, tree_rows, *written)
+            out = self._forward_written(cm, chunks, forest.rows(), *written)
             return out, self._top_rows(out)
-        # The region of each tree is the tree; its bits are the verification's ancestor bits.
-        meta = torch.tensor([[i, start, size, size, start] for i, (start, size) in
-                             enumerate(zip(forest.query_starts, sizes))], dtype=torch.int32).reshape(-1, 5)
-        max_rows = max(forest.max_nodes, max(sizes))   # a graph-mode forest's bound: fewer graph keys
-        graph = self.graphs is not None and max_rows <= self.graphs.tree_rows
-        return self.forward_device_rows(cm, chunks, meta, forest.device_bits()[:n], written, max_rows, graph)
+        # The region of each tree is the tree; its bits are the verification's ancestor bits (by node).
+        trees = forest.tree_req_indices
+        nodes = np.cumsum([0] + [sizes[r] for r in trees]).tolist()
+        meta = torch.tensor([[r, qsl[r], sizes[r], sizes[r], first] for r, first in zip(trees, nodes)],
+                            dtype=torch.int32).reshape(-1, 5)
+        if nodes[-1] == n:   # trees only: a graph-mode forest's bound (fewer graph keys), and a drafter graph
+            max_rows = max(forest.max_nodes, max(sizes))
+            graph = self.graphs is not None and max_rows <= self.graphs.tree_rows
+            return self.forward_device_rows(cm, chunks, meta, forest.device_bits()[:n], written, max_rows, graph)
+        # Beside prefill chunks (causal rows, as vLLM runs them): eagerly
+        return self.forward_device_rows(cm, chunks, meta, forest.device_bits()[:nodes[-1]], written,
+                                        max(sizes[r] for r in trees), graph=False, tree_rows=nodes[-1])
 
     def forward_device_rows(self, cm: CommonAttentionMetadata, chunks, meta: torch.Tensor, bits: torch.Tensor,
-                            written, max_rows: int, graph: bool = True):
+                            written, max_rows: int, graph: bool = True, tree_rows: int | None = None):
         """(MTP hidden, top children) of rows written by :meth:`_write_arrays`, with tree
         rows given as host ``meta`` and device ``bits`` (``DeviceTreeRows``): from a drafter graph if there is
-        one (and ``graph``), else eagerly."""
+        one (and ``graph``), else eagerly. ``tree_rows``: how many of the rows are tree rows, if not all (the
+        others run causally)."""
         if graph and self.graphs is not None:
             out = self.graphs.level(cm, chunks, (meta, bits), *written, max_rows=max_rows)
             if out is not None:
                 return out
-        device_rows = DeviceTreeRows(meta=meta.to(bits.device, non_blocking=True), bits=bits, num_rows=written[0],
-                                     max_rows=max_rows)
+        device_rows = DeviceTreeRows(meta=meta.to(bits.device, non_blocking=True), bits=bits,
+                                     num_rows=written[0] if tree_rows is None else tree_rows, max_rows=max_rows)
         out = self._forward_written(cm, chunks, [], *written, device_rows=device_rows)
         return out, self._top_rows(out)
 

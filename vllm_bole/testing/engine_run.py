@@ -83,6 +83,13 @@ def _profiled_steps(llm) -> int | None:
     return None if profiler is None else sum(profiler.steps.values())
 
 
+def _verified_trees(llm) -> list[list[int]] | None:
+    """The drafted tokens of every tree the walks saw, in step order (``VLLM_BOLE_RECORD_WALKS=1``; None without
+    the record)."""
+    log = getattr(_runner(llm), "bole_walk_log", None)
+    return None if log is None else [list(w.tokens[1:]) for w in log.walks]
+
+
 def _draft_vocab_ids(llm) -> list[int] | None:
     """Token ids the MTP drafter may propose (None: the full vocabulary, or another drafter)."""
     vocab = _draft_vocab(llm)
@@ -219,7 +226,7 @@ def run(spec: dict) -> dict:
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "mamba_state": _mamba_state_summary(llm), "bole_graphs": graph_summary(llm),
             "device_levels": _beam_levels(llm), "chain_levels": _chain_levels(llm),
-            "draft_vocab": _draft_vocab_ids(llm),
+            "draft_vocab": _draft_vocab_ids(llm), "verified_trees": _verified_trees(llm),
             "draft_vocab_refreshes": getattr(_draft_vocab(llm), "refreshes", None),
             **step_counts(llm),
             "acceptance_steps": getattr(_budget(llm, "acceptance"), "steps", None),

@@ -76,17 +76,20 @@ def attention_groups(runner, skip=(), only=None):
             yield runner.input_batch.block_table[gid].slot_mapping.gpu, names
 
 
-def compact_accepted_kv(runner, forest, skip=(), only=None, walk=None) -> None:
+def compact_accepted_kv(runner, forest, skip=(), only=None, walk=None, starts=None) -> None:
     """Moves the accepted K/V of every attention layer but those named in ``skip`` (of those named in ``only``,
-    if given). ``walk``: the step's device walk, whose paths the host does not know yet (the forest's trees are
-    then all the step's requests, in batch order); else the forest's host paths."""
+    if given). ``walk``: the step's device walk of the forest's trees, rows by token row, whose paths the host does
+    not know yet (``starts``: each tree's first token row, if the trees are not all the step's rows); else the
+    forest's host paths."""
     gpu = not current_platform.is_cpu()
+    if walk is not None and starts is None:
+        starts = forest.cu_seqlens[:-1]
     if walk is None:
         rows = accepted_row_moves(forest)
         if not rows[0]:
             return
     elif not gpu:
-        src_rows, dst_rows = walked_row_moves(walk, forest.cu_seqlens[:-1])
+        src_rows, dst_rows = walked_row_moves(walk, starts)
     layers = runner.compilation_config.static_forward_context
     caches, src, dst = [], [], []
     for slot_mapping, names in attention_groups(runner, skip, only):
@@ -108,4 +111,4 @@ def compact_accepted_kv(runner, forest, skip=(), only=None, walk=None) -> None:
             keep = s >= 0
             compact_kv(CPUPagedKV(cache), s[keep], d[keep])
         return
-    compact_layers(caches, src, dst, walk=walk, starts=forest.cu_seqlens[:-1] if walk is not None else None)
+    compact_layers(caches, src, dst, walk=walk, starts=starts)

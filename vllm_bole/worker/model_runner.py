@@ -39,8 +39,8 @@ logger = init_logger(__name__)
 
 
 # The step counters BoleModelRunnerMixin.step_counts reports
-STEP_COUNTS = ("first_pass_steps", "early_draft_steps", "device_output_steps", "queued_trees", "stale_placeholders",
-               "chain_steps")
+STEP_COUNTS = ("first_pass_steps", "early_draft_steps", "early_mixed_steps", "device_output_steps", "queued_trees",
+               "stale_placeholders", "chain_steps")
 
 
 class BoleModelRunnerMixin:
@@ -73,11 +73,13 @@ class BoleModelRunnerMixin:
         self._bole_early_draft = None
         self.bole_first_pass_steps = 0   # steps whose drafter first pass ran before the walk
         self.bole_early_draft_steps = 0   # steps whose whole drafting and commit were queued before the walk
+        self.bole_early_mixed_steps = 0   # of those, steps whose trees ran beside prefill chunks
         self.bole_device_output_steps = 0   # of those, steps whose tokens stayed on the device (async scheduling)
         # speculative_config.early_drafting: the drafter's first pass over every node before the walk; otherwise
         # it catches up after the walk
         self._bole_early_drafting = self.bole_config.early_drafting
         self._bole_draft_before_walk = True   # off after a failure of the drafting before the walk
+        self._bole_early_mixed = True   # off after a failure of early drafting in a step with prefill chunks
         # CPU: this step's seeded prompt chunks, their generator states before the step sampled (_bookkeeping_sync)
         self._bole_discarded_generators: dict[int, torch.Tensor] = {}
 
@@ -183,6 +185,7 @@ class BoleModelRunnerMixin:
         """Steps and trees by the path they took (reports and tests), for each name of :data:`STEP_COUNTS`."""
         builder = self.bole_forest_builder
         return {"first_pass_steps": self.bole_first_pass_steps, "early_draft_steps": self.bole_early_draft_steps,
+                "early_mixed_steps": self.bole_early_mixed_steps,
                 "device_output_steps": self.bole_device_output_steps, "queued_trees": builder.queued_trees,
                 "stale_placeholders": builder.stale_placeholders,
                 "chain_steps": self.bole_drafter.chain_steps if self.bole_drafter is not None else 0}
@@ -199,6 +202,7 @@ class BoleModelRunnerMixin:
         if self.bole_walk_log is not None:
             self.bole_walk_log = WalkLog()
         self.bole_first_pass_steps = self.bole_early_draft_steps = self.bole_device_output_steps = 0
+        self.bole_early_mixed_steps = 0
         self.bole_forest_builder.queued_trees = self.bole_forest_builder.stale_placeholders = 0
         if self._bole_step_times is not None:
             self._bole_step_times.reset()

@@ -100,19 +100,18 @@ class StepFacts:
 
     def kind(self, after: "StepFacts") -> str:
         """The kind of this step, given the facts of the step after it: ``capturing`` (it captured a CUDA graph),
-        ``mixed`` (trees beside prefill chunks), ``trees_early`` / ``trees_late`` (only trees, drafted before /
-        after the host walk), ``prefill`` or ``decode`` (no trees)."""
+        ``trees_early`` / ``trees_late`` (only trees, drafted before / after the host walk), ``mixed_early`` /
+        ``mixed_late`` (trees beside prefill chunks, likewise), ``prefill`` or ``decode`` (no trees)."""
         if (after.verify_graphs, after.drafter_graphs) != (self.verify_graphs, self.drafter_graphs):
             return "capturing"
         if self.trees:
-            if self.prefilling:
-                return "mixed"
-            return "trees_early" if after.early_drafted > self.early_drafted else "trees_late"
+            when = "early" if after.early_drafted > self.early_drafted else "late"
+            return f"mixed_{when}" if self.prefilling else f"trees_{when}"
         return "prefill" if self.prefilling else "decode"
 
 
 # The order of the kinds in the summary line.
-STEP_KINDS = ("trees_early", "trees_late", "mixed", "prefill", "decode", "capturing")
+STEP_KINDS = ("trees_early", "trees_late", "mixed_early", "mixed_late", "prefill", "decode", "capturing")
 
 
 class StepTimes:

@@ -206,10 +206,11 @@ class TreeWalk:
         runner.bole_device_output_steps += 1
         if runner.bole_walk_log is not None:   # (the paths stay on the device)
             runner.bole_walk_log.unrecorded_steps += 1
-        walk = runner._bole_early_draft.walk
+        first = runner._bole_early_draft
         if runner.bole_budget.rule == "throughput":   # the paths reach the acceptance model by a copy
+            walk = first.tree_walk
             runner.bole_budget.device_walks.send(walk.rows, walk.length, forest.parent, forest.cu_seqlens)
-        return SamplerOutput(sampled_token_ids=walk.emitted, logprobs_tensors=None)
+        return SamplerOutput(sampled_token_ids=first.walk.emitted, logprobs_tensors=None)
 
     def _walked_output(self, logits, forest) -> SamplerOutput:
         """The step's tokens from the device walk (``early_drafting.launch``): its copy waits for the forward
@@ -217,18 +218,20 @@ class TreeWalk:
         runner = self.runner
         first = runner._bole_early_draft
         w = first.walk.rows.shape[1]
-        table = first.wait().tolist()
-        starts = forest.query_starts
-        paths = [[r - start for r in row[:row[-1]]] for row, start in zip(table, starts)]
+        table = first.wait().tolist()   # per batch request: path rows, emitted tokens, path length
+        paths = [[0] for _ in table]    # (a prefill chunk's: its last row alone)
+        for r, start in zip(forest.tree_req_indices, forest.query_starts):
+            row = table[r]
+            paths[r] = [x - start for x in row[:row[-1]]]
         outputs = [row[w:w + row[-1]] for row in table]
-        forest.accepted_paths = paths
+        forest.accepted_paths = [paths[r] for r in forest.tree_req_indices]
         self.paths = paths
         runner.bole_budget.observe(forest)
         if runner.bole_walk_log is not None:
-            runner.bole_walk_log.add_step(forest, outputs, runner.bole_forest_builder.trees)
+            runner.bole_walk_log.add_step(forest, [outputs[r] for r in forest.tree_req_indices],
+                                        runner.bole_forest_builder.trees)
         sampled = self._emitted_tokens(outputs)
         if runner.input_batch.sampling_metadata.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
-        row_start = starts   # every request is a tree, in batch order
         return SamplerOutput(sampled_token_ids=sampled,
-                             logprobs_tensors=self._path_logprobs(logits, sampled, paths, row_start))
+                             logprobs_tensors=self._path_logprobs(logits, sampled, paths, first.logit_starts))
