@@ -7,14 +7,14 @@ greedy requests and a seeded sampled one, then three more greedy ones whose prom
 others' trees (at most 4 requests and 32 tokens a step: mixed steps); ``synthetic``: synthetic acceptance. It
 counts, per call site in ``vllm_bole``, the host reads of tensors (``tolist``, ``item``, ``numpy``,
 ``bool``/``int``/``float``, ``nonzero``, masked indexing, ...) made inside ``early_drafting.launch``, which the
-runner calls right behind the target forward, and in a second table those inside the drafting after a step without trees (the prompts' steps:
-``Drafting.propose`` without a verified forest), which the runner queues behind that forward too. On a GPU the
-drafting overlaps the forward only if none of them touches a device tensor. On CPU the kernels' torch references run and
-read on the host by design (``kernels/*/reference.py``, ``kernels/forest.py``, ``attention/tree_rows.py``, the
-CPU branch of ``worker/kv_compaction.py``). Two more sites are known to read host data only on a GPU:
-``MTPTreeDrafter._metadata`` (its ``seq_lens_cpu`` is built on the host) and ``LevelPlan.host_seq_lens`` (the
-eager levels; on a GPU the levels replay their graphs and read it only while capturing). Any other site listed
-needs a look.
+runner calls right behind the target forward, and in a second table those inside the drafting after a step without
+trees (the prompts' steps: ``Drafting.propose`` without a verified forest), which the runner queues behind that
+forward too. On a GPU the drafting overlaps the forward only if none of them touches a device tensor. On CPU the
+kernels' torch references run and read on the host by design (``kernels/*/reference.py``, ``kernels/forest.py``,
+``attention/tree_rows.py``, the CPU branch of ``worker/kv_compaction.py``). Two more sites are known to read host
+data only on a GPU: ``MTPTreeDrafter._metadata`` (its ``seq_lens_cpu`` is built on the host) and
+``LevelPlan.host_seq_lens`` (the eager levels; on a GPU the levels replay their graphs and read it only while
+capturing). Any other site listed needs a look.
 """
 
 import collections
