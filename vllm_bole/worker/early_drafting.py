@@ -66,9 +66,6 @@ def launch(runner, scheduler_output) -> EarlyDraft | None:
     if (forest is None or not runner._bole_early_drafting or not drafter.drafts_early
             or state.logits is None or state.spec_decode_common_attn_metadata is None):
         return None
-    rows = StepRows.of(runner, forest, scheduler_output)
-    if rows is None or state.logits.shape[0] != rows.logit_starts[-1]:
-        return None
     metadata = runner.input_batch.sampling_metadata
     params = [runner.requests[r].sampling_params for r in runner.input_batch.req_ids]
     sampled = [b for b, p in enumerate(params) if not is_plain_greedy(p)]
@@ -84,8 +81,11 @@ def launch(runner, scheduler_output) -> EarlyDraft | None:
              and (metadata.max_num_logprobs is None or runner.model_config.logprobs_mode == "raw_logprobs"))
     # Without the whole early path the host walk draws again (the first pass would read other tokens), and in a
     # mixed step it reads the argmax in its own layout.
-    mixed = not rows.tree_only
+    mixed = not forest.tree_only
     if ((sampled or mixed) and not early) or (mixed and not runner._bole_early_mixed):
+        return None
+    rows = StepRows.of(runner, forest, scheduler_output)
+    if rows is None or state.logits.shape[0] != rows.logit_starts[-1]:
         return None
     if not mixed:
         return _first_pass(runner, scheduler_output, rows, sampled, early)

@@ -28,7 +28,7 @@ class StepRows:
     drafts: list[bool]
     node_tokens: torch.Tensor | None = None    # [N] token row of each forest node
     node_logits: torch.Tensor | None = None    # [N] logits row of each forest node
-    tree_starts: torch.Tensor | None = None    # [T] token row of each tree's root
+    tree_starts: torch.Tensor | None = None    # [T] int32 token row of each tree's root
     tree_shift: torch.Tensor | None = None     # [T] a tree's token rows minus its node rows
     tree_reqs: torch.Tensor | None = None      # [T] batch index of each tree
     chunk_reqs: torch.Tensor | None = None     # [C] batch index of each chunk
@@ -76,7 +76,9 @@ class StepRows:
         flat = async_tensor_h2d(np.concatenate(parts).tolist(), runner.device, torch.long)
         views = torch.split(flat, [len(p) for p in parts])
         return cls(logit_starts=logit_start.tolist(), chunks=chunks, drafts=[not discard[r] for r in range(num_reqs)],
-                   node_tokens=views[0], node_logits=views[1], tree_starts=views[2], tree_shift=views[3],
+                   node_tokens=views[0], node_logits=views[1], tree_shift=views[3],
+                   # (int32, as a forest's offsets, which the compaction kernel reads in a step of trees only)
+                   tree_starts=views[2].to(torch.int32),
                    tree_reqs=views[4], chunk_reqs=views[5], chunk_last=views[6], chunk_logits=views[7],
                    chunk_next=views[8])
 
