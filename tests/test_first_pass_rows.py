@@ -97,8 +97,11 @@ def test_first_pass_beside_a_prefill_chunk_runs_the_chunk_causally():
     forest.device_bits = lambda: bits
     drafter, calls = _drafter((torch.zeros(12, 1), torch.zeros(12, 8)))
     n = 12
-    drafter.first_pass_all_rows(None, forest, torch.arange(n), torch.arange(n), torch.arange(n), [3, 4, 5],
-                                [40, 20, 300], torch.zeros(n, 1))
+    grown_from = torch.tensor([0, 1, 2, 7, 8, 9, 10, 11, 6])   # the trees' nodes and the chunk's end
+    _, top = drafter.first_pass_all_rows(None, forest, torch.arange(n), torch.arange(n), torch.arange(n), [3, 4, 5],
+                                         [40, 20, 300], torch.zeros(n, 1), top_rows=grown_from)
+    # the LM head ran over those rows only
+    assert top[:, 0].tolist() == [10.0] * 3 + [0.0] * 3 + [10.0] * 6
     chunks, meta, got_bits, max_rows = calls["eager"]
     assert "level" not in calls
     assert chunks == [(0, range(3), None, 40, None), (1, range(4), None, 20, None), (2, range(5), None, 300, None)]

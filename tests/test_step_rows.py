@@ -42,6 +42,7 @@ def test_mixed_step_rows_place_nodes_and_chunks():
     assert rows.chunk_last.tolist() == [7, 13] and rows.chunk_logits.tolist() == [3, 6]
     # the partial chunk is followed by its prompt's token at position 8 + 4
     assert rows.chunk_next.tolist() == [-1, int(PROMPT_TOKENS[3, 12])]
+    assert rows.grown_from.tolist() == [0, 1, 2, 8, 9, 7, 13]   # the drafter's LM head reads only these
 
 
 def test_first_pass_inputs_follow_each_row():

@@ -273,7 +273,8 @@ class MTPTreeDrafter(TreeDrafter):
 
     def first_pass_all_rows(self, cm: CommonAttentionMetadata, forest: StepForest, next_tokens: torch.Tensor,
                             positions: torch.Tensor, slots: torch.Tensor, sizes: list[int], seq_lens: list[int],
-                            hidden: torch.Tensor, rope: torch.Tensor | None = None):
+                            hidden: torch.Tensor, rope: torch.Tensor | None = None,
+                            top_rows: torch.Tensor | None = None):
         """The MTP forward over every row of a step whose requests are all trees of a verified forest or prefill
         chunks beside them, in batch order: (MTP hidden states ``[n, H]``, top children ``[n, 2k]``). It needs no
         accepted path, so the runner queues it right behind the target forward, before the walk: row i reads the
@@ -285,7 +286,8 @@ class MTPTreeDrafter(TreeDrafter):
         contiguous slots, the root rows of the next trees are the path ends' rows. ``positions``, ``slots``: the
         verification's ``[n]`` device tensors; ``sizes``, ``seq_lens``: each request's scheduled tokens, and its
         prefix + those (host); ``rope``: its ``[3, n]`` M-RoPE positions where they differ from ``positions``
-        (images)."""
+        (images); ``top_rows``: the rows whose top children a tree may grow from (a step's tree nodes and chunk
+        ends), if not all: the LM head skips a prompt chunk's other rows."""
         n = hidden.shape[0]
         if sum(sizes) != n:
             raise ValueError(f"first pass: {len(sizes)} requests of {sum(sizes)} rows, {n} hidden rows")
@@ -295,7 +297,7 @@ class MTPTreeDrafter(TreeDrafter):
                                      None if rope is None else rope[:, :n])
         if self._host_tree_rows(hidden):
             out = self._forward_written(cm, chunks, forest.rows(), *written)
-            return out, self._top_rows(out)
+            return out, self._top_of(out, top_rows)
         # The region of each tree is the tree; its bits are the verification's ancestor bits (by node).
         trees = forest.tree_req_indices
         nodes = np.cumsum([0] + [sizes[r] for r in trees]).tolist()
@@ -305,22 +307,33 @@ class MTPTreeDrafter(TreeDrafter):
             max_rows = max(forest.max_nodes, max(sizes))
             graph = self.graphs is not None and max_rows <= self.graphs.tree_rows
             return self.forward_device_rows(cm, chunks, meta, forest.device_bits()[:n], written, max_rows, graph)
-        # Beside prefill chunks (causal rows, as vLLM runs them): eagerly
-        return self.forward_device_rows(cm, chunks, meta, forest.device_bits()[:nodes[-1]], written,
-                                        max(sizes[r] for r in trees), graph=False, tree_rows=nodes[-1])
+        # Beside prefill chunks (causal rows, as vLLM runs them): eagerly, the trees' rows as tree rows
+        bits = forest.device_bits()[:nodes[-1]]
+        device_rows = DeviceTreeRows(meta=meta.to(bits.device, non_blocking=True), bits=bits, num_rows=nodes[-1],
+                                     max_rows=max(sizes[r] for r in trees))
+        out = self._forward_written(cm, chunks, [], *written, device_rows=device_rows)
+        return out, self._top_of(out, top_rows)
+
+    def _top_of(self, hidden_rows: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_top_rows` of every row, or of ``rows`` only (the others' left 0)."""
+        if rows is None:
+            return self._top_rows(hidden_rows)
+        top = self._top_rows(hidden_rows[rows])
+        out = top.new_zeros((hidden_rows.shape[0], top.shape[1]))
+        out[rows] = top
+        return out
 
     def forward_device_rows(self, cm: CommonAttentionMetadata, chunks, meta: torch.Tensor, bits: torch.Tensor,
-                            written, max_rows: int, graph: bool = True, tree_rows: int | None = None):
+                            written, max_rows: int, graph: bool = True):
         """(MTP hidden, top children) of rows written by :meth:`_write_arrays`, with tree
         rows given as host ``meta`` and device ``bits`` (``DeviceTreeRows``): from a drafter graph if there is
-        one (and ``graph``), else eagerly. ``tree_rows``: how many of the rows are tree rows, if not all (the
-        others run causally)."""
+        one (and ``graph``), else eagerly."""
         if graph and self.graphs is not None:
             out = self.graphs.level(cm, chunks, (meta, bits), *written, max_rows=max_rows)
             if out is not None:
                 return out
-        device_rows = DeviceTreeRows(meta=meta.to(bits.device, non_blocking=True), bits=bits,
-                                     num_rows=written[0] if tree_rows is None else tree_rows, max_rows=max_rows)
+        device_rows = DeviceTreeRows(meta=meta.to(bits.device, non_blocking=True), bits=bits, num_rows=written[0],
+                                     max_rows=max_rows)
         out = self._forward_written(cm, chunks, [], *written, device_rows=device_rows)
         return out, self._top_rows(out)
 

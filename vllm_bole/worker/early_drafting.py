@@ -153,7 +153,7 @@ def _first_pass(runner, scheduler_output, rows: StepRows, sampled: list[int], ea
         seq_lens = [c + size for c, size in zip(computed, sizes)]
         first_rows = drafter.first_pass_all_rows(cm, forest, rows.next_tokens(after, runner.input_ids.gpu, n),
                                                  runner.positions[:n], slots, sizes, seq_lens,
-                                                 state.hidden_states[:n], runner.bole_rope(n))
+                                                 state.hidden_states[:n], runner.bole_rope(n), rows.grown_from)
     runner.bole_first_pass_steps += 1
     first = EarlyDraft(host=host, rows=first_rows, walk=walk, tree_walk=tree_walk, next_tokens=next_tokens,
                        logit_starts=rows.logit_starts)

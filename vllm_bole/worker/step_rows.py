@@ -35,6 +35,7 @@ class StepRows:
     chunk_last: torch.Tensor | None = None     # [C] token row of each chunk's last token
     chunk_logits: torch.Tensor | None = None   # [C] logits row of each chunk
     chunk_next: torch.Tensor | None = None     # [C] the prompt's next token after a partial chunk; -1: it completes
+    grown_from: torch.Tensor | None = None     # the token rows a next tree may grow from: tree nodes, chunk ends
 
     @property
     def tree_only(self) -> bool:
@@ -71,16 +72,17 @@ class StepRows:
         tree_starts = token_start[tree_arr]
         tree_shift = tree_starts - np.concatenate([[0], np.cumsum(sizes)[:-1]])
         chunk_arr = np.asarray(chunks, dtype=np.int64)
-        parts = [node_tokens, node_logits, tree_starts, tree_shift, tree_arr, chunk_arr, token_start[chunk_arr + 1] - 1,
-                 logit_start[chunk_arr], np.asarray(chunk_next, dtype=np.int64)]
+        chunk_last = token_start[chunk_arr + 1] - 1
+        parts = [node_tokens, node_logits, tree_starts, tree_shift, tree_arr, chunk_arr, chunk_last,
+                 logit_start[chunk_arr], np.asarray(chunk_next, dtype=np.int64), node_tokens, chunk_last]
         flat = async_tensor_h2d(np.concatenate(parts).tolist(), runner.device, torch.long)
-        views = torch.split(flat, [len(p) for p in parts])
+        views = torch.split(flat, [len(p) for p in parts[:-2]] + [len(node_tokens) + len(chunk_last)])
         return cls(logit_starts=logit_start.tolist(), chunks=chunks, drafts=[not discard[r] for r in range(num_reqs)],
                    node_tokens=views[0], node_logits=views[1], tree_shift=views[3],
                    # (int32, as a forest's offsets, which the compaction kernel reads in a step of trees only)
                    tree_starts=views[2].to(torch.int32),
                    tree_reqs=views[4], chunk_reqs=views[5], chunk_last=views[6], chunk_logits=views[7],
-                   chunk_next=views[8])
+                   chunk_next=views[8], grown_from=views[9])
 
     def by_node(self, logit_values: torch.Tensor) -> torch.Tensor:
         """A per-logits-row tensor read at the forest's nodes."""
