@@ -87,11 +87,11 @@ def launch(runner, scheduler_output) -> EarlyDraft | None:
     rows = StepRows.of(runner, forest, scheduler_output)
     if rows is None or state.logits.shape[0] != rows.logit_starts[-1]:
         return None
-    if not mixed:
-        return _first_pass(runner, scheduler_output, rows, sampled, early)
     try:
         return _first_pass(runner, scheduler_output, rows, sampled, early)
     except Exception as e:   # drafts only: the walk and drafting after it serve mixed steps from now on
+        if not mixed:
+            raise
         logger.warning("Bole's early drafting of steps with prefill chunks is off: it failed (%s: %s); those "
                        "steps draft after the walk", type(e).__name__, e)
         runner._bole_early_mixed = False
@@ -158,15 +158,13 @@ def _first_pass(runner, scheduler_output, rows: StepRows, sampled: list[int], ea
     first = EarlyDraft(host=host, rows=first_rows, walk=walk, tree_walk=tree_walk, next_tokens=next_tokens,
                        logit_starts=rows.logit_starts)
     if walk is not None:
-        if not rows.tree_only:   # (a failure here reaches launch, which leaves mixed steps to the late path)
-            _draft_before_walk(runner, forest, trees, walk, first_rows, cm, max(seq_lens), rows, scheduler_output)
-            runner.bole_early_mixed_steps += 1
-            first.drafted = True
-            return first
         try:
             _draft_before_walk(runner, forest, trees, walk, first_rows, cm, max(seq_lens), rows, scheduler_output)
             first.drafted = True
+            runner.bole_early_mixed_steps += not rows.tree_only
         except Exception as e:   # drafts only: this step drafts after the walk, with its catch-up
+            if not rows.tree_only:   # (launch leaves this and later mixed steps to the drafting after the walk)
+                raise
             logger.warning("Bole's drafting before the walk is off: it failed (%s: %s); drafting after it",
                            type(e).__name__, e)
             runner._bole_draft_before_walk = False
