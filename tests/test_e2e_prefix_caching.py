@@ -184,6 +184,31 @@ def test_multi_turn_conversations_with_prefix_caching_async(tmp_path, monkeypatc
     _assert_hits(device, dropped_blocks=0)
 
 
+def test_turns_prefilled_beside_trees_with_prefix_caching(tmp_path, monkeypatch):
+    """Ten conversations of one to three blocks, two turns, at most 256 tokens a step: each turn's prompts run in
+    chunks while the conversations already prefilled decode, so the MTP drafter drafts mixed steps before the walk
+    (their trees' commit writes the boundaries, their completed prompts grow first trees). Outputs, each request's
+    cached tokens and the cached GDN states are vLLM's without speculation at the same step budget."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")   # (the same block hashes in every engine)
+    model = tiny_model_dir("qwen3_5")
+    prompts, replies = _conversations(vocab_size(model), LONG_PROMPT_LENS, turns=2)
+    chunked = {"enable_prefix_caching": True, "max_num_batched_tokens": 256}
+    engines = {"ar_cached": chunked, "bole_mtp": chunked | {"speculative_config": {"method": "bole"}}}
+    runs = {name: run_engine(tmp_path, name, {**_spec(model, prompts, replies, max_tokens=60, **engine),
+                                              **_states_out(tmp_path, name)}, runner="multi_turn_run")
+            for name, engine in engines.items()}
+    cached, bole = runs.values()
+    print(f"bole_mtp: early {bole['early_draft_steps']}, mixed {bole['early_mixed_steps']}; cached tokens "
+          f"{[[o['cached_tokens'] for o in t['outputs']] for t in bole['turns']]}")
+    _assert_same_conversations(cached, bole)
+    _assert_same_cached_states(tmp_path, "ar_cached", "bole_mtp")
+    assert [[o["cached_tokens"] for o in t["outputs"]] for t in bole["turns"]] == \
+        [[o["cached_tokens"] for o in t["outputs"]] for t in cached["turns"]]
+    assert sum(o["cached_tokens"] for o in bole["turns"][1]["outputs"]) > 0
+    assert bole["kv_cache_usage_end"] == 0, bole["kv_cache_usage_end"]
+    assert bole["early_mixed_steps"] > 0 and bole["early_draft_steps"] > bole["early_mixed_steps"], bole
+
+
 def _assert_deep_trees(stats_path) -> None:
     stats = [json.loads(line) for line in stats_path.read_text().splitlines()]
     assert max(s["depth"] for s in stats) >= 5, "the planted trees should reach deep"

@@ -1,5 +1,8 @@
 """The rows of an early-drafted step whose trees run beside prefill chunks (``worker/step_rows.py``): which token
-row and logits row each tree node and chunk has, the drafter's first-pass inputs, and the walk of every request."""
+row and logits row each tree node and chunk has, the drafter's first-pass inputs, and the walk of every request.
+
+vLLM orders a batch decodes first (requests of at most ``1 + num_speculative_tokens`` tokens), so in the engine
+tests the trees come before the chunks; a chunk as short as a tree may come before trees, as here."""
 
 from types import SimpleNamespace
 
