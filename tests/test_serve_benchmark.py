@@ -62,10 +62,13 @@ def test_smoke(tmp_path, capsys, monkeypatch):
             # Every rate's steps, its last ones included (logged at serve.py's one-token request after it).
             times = row["step_times"]
             assert times and set(times) <= set(STEP_KINDS) and row["slow_steps"] is None, row
+            # Trees beside prompts (arrivals while others decode) draft before the walk too.
+            assert "mixed_late" not in times, times
             steps = sum(t["steps"] for t in times.values())
             assert row["spec_decode_num_drafts"] / n <= steps <= 4 * row["spec_decode_num_drafts"], row
         else:
             assert row["spec_decode_acceptance_length"] is None and row["step_times"] is None
+    print("bole step kinds:", {r: sorted(rows[("bole", r)]["step_times"]) for r in ("1", "2", "inf")})
     # Requests arrive at the rate (all at once at inf: faster than at 2 req/s).
     assert rows[("ar", "1")]["request_throughput"] < rows[("ar", "inf")]["request_throughput"]
 
