@@ -37,7 +37,7 @@ def _step(tree_only=False, plain_decodes=()):
 
 def test_mixed_step_rows_place_nodes_and_chunks():
     rows = StepRows.of(*_step())
-    assert rows.chunks == [1, 3] and rows.drafts == [True, True, True, False]
+    assert rows.chunks == [1, 3] and rows.drafts == [True, True, True, False] and rows.sizes == SCHEDULED
     assert rows.logit_starts == [0, 3, 4, 6, 7]   # every tree node, one row per chunk
     assert rows.node_tokens.tolist() == [0, 1, 2, 8, 9]
     assert rows.node_logits.tolist() == [0, 1, 2, 4, 5]

@@ -149,10 +149,9 @@ def _first_pass(runner, scheduler_output, rows: StepRows, sampled: list[int], ea
         # assumed every draft accepted; vLLM has corrected them on the host by now (after launching the forward),
         # so the drafter attends over the true prefixes.
         computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].tolist()
-        sizes = [scheduler_output.num_scheduled_tokens[r] for r in runner.input_batch.req_ids]
-        seq_lens = [c + size for c, size in zip(computed, sizes)]
+        seq_lens = [c + size for c, size in zip(computed, rows.sizes)]
         first_rows = drafter.first_pass_all_rows(cm, forest, rows.next_tokens(after, runner.input_ids.gpu, n),
-                                                 runner.positions[:n], slots, sizes, seq_lens,
+                                                 runner.positions[:n], slots, rows.sizes, seq_lens,
                                                  state.hidden_states[:n], runner.bole_rope(n), rows.grown_from)
     runner.bole_first_pass_steps += 1
     first = EarlyDraft(host=host, rows=first_rows, walk=walk, tree_walk=tree_walk, next_tokens=next_tokens,

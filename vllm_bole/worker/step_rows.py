@@ -18,11 +18,12 @@ from ..spec_decode.device_walk import DeviceWalk
 
 @dataclass
 class StepRows:
-    """Rows of a step whose every request is a tree or a prefill chunk. ``logit_starts``: per batch request, its
-    first logits row (and the total at the end); ``chunks``: batch indices of the prefill chunks; ``drafts``: per
-    batch request, whether it drafts after this step (a chunk only if it completes its prompt). The device tensors
-    are None in a step of trees only."""
+    """Rows of a step whose every request is a tree or a prefill chunk. ``sizes``: per batch request, its scheduled
+    tokens; ``logit_starts``: per batch request, its first logits row (and the total at the end); ``chunks``: batch
+    indices of the prefill chunks; ``drafts``: per batch request, whether it drafts after this step (a chunk only if
+    it completes its prompt). The device tensors are None in a step of trees only."""
 
+    sizes: list[int]
     logit_starts: list[int]
     chunks: list[int]
     drafts: list[bool]
@@ -47,15 +48,15 @@ class StepRows:
         the trees runs a chunk of tokens (a prompt's, or a preempted request's recomputed ones) with one logits row."""
         batch = runner.input_batch
         num_reqs = batch.num_reqs
-        tree_of = dict(zip(forest.tree_req_indices, range(len(forest.tree_req_indices))))
-        if forest.tree_only:
-            if forest.plain_decodes or forest.tree_req_indices != list(range(num_reqs)):
-                return None
-            return cls(logit_starts=forest.query_starts + [scheduler_output.total_num_scheduled_tokens], chunks=[],
-                       drafts=[True] * num_reqs)
         if forest.plain_decodes or not forest.tree_req_indices:
             return None
         counts = [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids]
+        if forest.tree_only:
+            if forest.tree_req_indices != list(range(num_reqs)):
+                return None
+            return cls(sizes=counts, logit_starts=forest.query_starts + [scheduler_output.total_num_scheduled_tokens],
+                       chunks=[], drafts=[True] * num_reqs)
+        tree_of = dict(zip(forest.tree_req_indices, range(len(forest.tree_req_indices))))
         computed = batch.num_computed_tokens_cpu[:num_reqs]
         sizes = [counts[r] for r in forest.tree_req_indices]
         token_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -77,7 +78,8 @@ class StepRows:
                  logit_start[chunk_arr], np.asarray(chunk_next, dtype=np.int64), node_tokens, chunk_last]
         flat = async_tensor_h2d(np.concatenate(parts).tolist(), runner.device, torch.long)
         views = torch.split(flat, [len(p) for p in parts[:-2]] + [len(node_tokens) + len(chunk_last)])
-        return cls(logit_starts=logit_start.tolist(), chunks=chunks, drafts=[not discard[r] for r in range(num_reqs)],
+        return cls(sizes=counts, logit_starts=logit_start.tolist(), chunks=chunks,
+                   drafts=[not discard[r] for r in range(num_reqs)],
                    node_tokens=views[0], node_logits=views[1], tree_shift=views[3],
                    # (int32, as a forest's offsets, which the compaction kernel reads in a step of trees only)
                    tree_starts=views[2].to(torch.int32),
