@@ -2,7 +2,7 @@
 # The tests that mean more on a GPU: Triton kernels against their references, and tiny engines with Bole's CUDA
 # graphs against vLLM without speculation, several engines side by side.
 #   bash scripts/gpu-tests.sh LOG_DIR [GROUP ...]      groups: kernels lossless calibration lossless-all
-#                                                      serving sampling prefix-caching multimodal moe
+#                                                      serving sampling prefix-caching mixed multimodal moe
 #                                                      (default: kernels lossless serving)
 # GROUP_TIMEOUT=SECONDS limits each group. Each group writes LOG_DIR/<group>.log, one line per test as it ends
 # (pytest -v: a run cut short still says which passed), and a one-line summary to stdout. Engine tests start two to four engines one after another (100-170 s
@@ -29,6 +29,9 @@
 #                 blocks, a test per worker (5), Bole's CUDA graphs replayed (tests/e2e_support.assert_graphs_used);
 #                 the MoE tests need vLLM's MoE kernels (make-bundle --moe), else they skip. Five side by
 #                 side: about 530 s on an H100
+#   mixed         steps that carry prompt chunks beside trees (drafted before the host walk, on the device):
+#                 async trees against drafting after the walk, the chunked MTP case, its fallback when drafting
+#                 before the walk fails, and turns prefilled beside trees with prefix caching; a test per worker
 #   multimodal    image prompts (a tiny Qwen3.5 with a vision tower): planted and MTP trees lossless, and the MTP
 #                 drafter's rows at the target's M-RoPE positions (rows written outside the level graphs)
 #   moe           the tiny MoE models (Qwen3.5 MoE, Qwen3-Next): planted and MTP trees lossless, side by side (a
@@ -94,6 +97,13 @@ for group in "${GROUPS_RUN[@]}"; do
       # forced, as in lossless: verification graphs of more requests than the step's (padded requests).
       PREFIX_XDIST=(); [ "$WORKERS" -gt 1 ] && PREFIX_XDIST=(-n 5 --dist load)
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group prefix-caching "${PREFIX_XDIST[@]}" tests/test_e2e_prefix_caching.py ;;
+    mixed)
+      MIXED_XDIST=(); [ "$WORKERS" -gt 1 ] && MIXED_XDIST=(-n 4 --dist load)
+      VLLM_BOLE_CAPTURE_AFTER=1000000 run_group mixed "${MIXED_XDIST[@]}" \
+        tests/test_async_scheduling.py::test_prompt_chunks_beside_trees_draft_early_async \
+        "tests/test_e2e_lossless.py::test_mtp_tree_drafter_is_lossless_and_accepts[per_request-4-48]" \
+        tests/test_e2e_lossless.py::test_mixed_steps_draft_after_the_walk_when_drafting_before_it_fails \
+        tests/test_e2e_prefix_caching.py::test_turns_prefilled_beside_trees_with_prefix_caching ;;
     multimodal)
       run_group multimodal tests/test_e2e_multimodal.py ;;
     moe)
@@ -101,6 +111,6 @@ for group in "${GROUPS_RUN[@]}"; do
       VLLM_BOLE_CAPTURE_AFTER=1000000 run_group moe "${MOE_XDIST[@]}" tests/test_e2e_moe.py ;;
     *)
       echo "unknown group $group (kernels, lossless, calibration, lossless-all, serving, sampling, prefix-caching," \
-        "multimodal, moe)" >&2; exit 2 ;;
+        "mixed, multimodal, moe)" >&2; exit 2 ;;
   esac
 done
