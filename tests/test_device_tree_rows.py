@@ -101,3 +101,32 @@ def test_plain_decodes_become_one_node_trees_in_batch_order():
     assert forest.plain_decodes == [] and forest.num_trees == 5 and forest.max_nodes == 3
     assert [tuple(r.region_mask.shape) for r in forest.rows()] == [(1, 1), (3, 3), (1, 1), (2, 2), (1, 1)]
     assert [r.row_start for r in forest.rows()] == [0, 1, 4, 5, 7]
+
+
+def test_eager_rows_beside_chunks_need_no_host_trees():
+    """An eager forward (trees beside prefill chunks) builds its rows from the host's sizes and first rows and the
+    device ancestor bits: they must say what the rows packed from the host trees say, and must not wait for trees
+    still drafted on the device (``materialize``)."""
+    from triton_modes import DEV, import_kernel_modules, interpreter
+
+    (tv,) = import_kernel_modules("vllm_bole.kernels.tree_gdn.triton_verify")
+    rng = random.Random(seed_of("eager-rows"))
+    trees = [make_tree(s, t, rng) for s, t in [("random", 9), ("chain", 1), ("star", 33), ("random", 40)]]
+    sizes = [len(t) for t in trees]
+    cu = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    parent = torch.tensor([p for t in trees for p in t], dtype=torch.int32, device=DEV)
+    # batch requests 1, 2, 4, 5 are trees; 0 and 3 prefill chunks of 100 and 7 rows before them
+    batch, starts = [1, 2, 4, 5], [100, 109, 117, 150]
+    waited = []
+    forest = StepForest(req_ids=list("bcef"), tree_req_indices=batch, parent=parent, cu_seqlens=cu, tokens=[],
+                        tree_parents=[None] * 4, max_nodes=max(sizes), sizes=sizes, query_starts=starts,
+                        attention_rows=None, on_host=lambda f: waited.append(True))
+    with interpreter():
+        forest._bits = tv.ancestor_bits(parent, cu, max(sizes))
+    eager = forest.device_rows(DEV)
+    assert not waited and eager.num_rows == sum(sizes) and eager.max_rows == 40
+    forest.on_host, forest.tree_parents = None, trees
+    host = DeviceTreeRows.pack(forest.rows(), "cpu")
+    assert torch.equal(eager.meta.cpu(), host.meta) and torch.equal(eager.bits.cpu(), host.bits)
+    seq_lens = torch.tensor([300, 50, 7, 120, 100, 80], dtype=torch.int32, device=DEV)
+    assert eager.prefix_lens(seq_lens).tolist() == [0, 50 - 9, 7 - 1, 0, 100 - 33, 80 - 40]

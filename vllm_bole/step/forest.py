@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from vllm.utils.torch_utils import async_tensor_h2d
 
 
 @dataclass
@@ -68,6 +69,18 @@ class DeviceTreeRows:
         return cls(meta=cls.verified_meta(forest.cu_seqlens), bits=forest.device_bits(), num_rows=forest.parent.numel(),
                    max_rows=forest.max_nodes)
 
+    @classmethod
+    def of_forest_rows(cls, forest: "StepForest") -> "DeviceTreeRows":
+        """Rows of a forest whose trees sit anywhere among the step's token rows (beside prefill chunks), from the
+        host's sizes and first rows and the forest's ancestor bits: nothing waits for trees still drafted on the
+        device (``StepForest.materialize``)."""
+        starts = np.cumsum([0] + forest.sizes[:-1]).tolist()
+        meta = [(r, row, n, n, first) for r, row, n, first
+                in zip(forest.tree_req_indices, forest.query_starts, forest.sizes, starts)]
+        bits = forest.device_bits()
+        meta = async_tensor_h2d(meta, bits.device, torch.int32).view(-1, 5)
+        return cls(meta=meta, bits=bits, num_rows=sum(forest.sizes), max_rows=max(forest.sizes))
+
     @staticmethod
     def verified_meta(cu_seqlens: torch.Tensor) -> torch.Tensor:
         """``meta`` of trees whose tree ``i`` is batch request ``i`` with rows ``cu[i]:cu[i+1]``, each tree its own
@@ -99,6 +112,7 @@ class StepForest:
     tokens: list[list[int]]              # per request, node tokens (root first)
     tree_parents: list[list[int]] = field(default_factory=list)  # per request, local parents (host copy)
     max_nodes: int = 0                   # largest tree of the step (host int: kernels need no sync for it)
+    sizes: list[int] = field(default_factory=list)   # per tree request, its nodes (host; empty: unknown)
     # None: the verified trees' rows, built from the forest on first use (:meth:`rows`); a graph-mode forward
     # builds them on the device instead and never needs the host ones
     attention_rows: list[TreeRows] | None = field(default_factory=list)
@@ -140,8 +154,12 @@ class StepForest:
         """``attention_rows`` on ``device``, built on first use and shared by every attention layer (in graph
         mode from the device forest, since nothing may come from the host inside a graph)."""
         if self._device_rows is None:
-            self._device_rows = (DeviceTreeRows.of_verified_forest(self) if self.graph is not None
-                                 else DeviceTreeRows.pack(self.rows(), device))
+            if self.graph is not None:
+                self._device_rows = DeviceTreeRows.of_verified_forest(self)
+            elif self.sizes and self.device_bits() is not None:   # eager, beside prefill chunks
+                self._device_rows = DeviceTreeRows.of_forest_rows(self)
+            else:
+                self._device_rows = DeviceTreeRows.pack(self.rows(), device)
         return self._device_rows
 
     @property
@@ -189,6 +207,7 @@ class StepForest:
             list(column) for column in zip(*trees))
         self.parent, self.cu_seqlens = forest_tensors(*flat_forest(self.tree_parents))
         self.max_nodes = max(len(p) for p in self.tree_parents)
+        self.sizes = [len(p) for p in self.tree_parents]
         self.plain_decodes = []
         self.reset_device_cache()
         self.attention_rows = None   # rebuilt on use: the graph that runs a promoted forest needs none

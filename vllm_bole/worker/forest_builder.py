@@ -105,7 +105,7 @@ class ForestBuilder:
         forest = StepForest(
             req_ids=[req_ids[r] for r in forest_req], tree_req_indices=forest_req,
             parent=parent, cu_seqlens=cu_seqlens, tokens=tokens, tree_parents=tree_parents,
-            max_nodes=max(sizes, default=0), query_starts=q_starts,
+            max_nodes=max(sizes, default=0), sizes=sizes, query_starts=q_starts,
             tree_only=(len(forest_req) + len(plain) == len(req_ids)
                        and n + len(plain) == int(num_scheduled_tokens.sum())),
             max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
