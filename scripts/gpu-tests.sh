@@ -32,6 +32,7 @@
 #   mixed         steps that carry prompt chunks beside trees (drafted before the host walk, on the device):
 #                 async trees against drafting after the walk, the chunked MTP case, its fallback when drafting
 #                 before the walk fails, and turns prefilled beside trees with prefix caching; a test per worker
+#                 (on an H100 the chunked case ended within 420 s, the async and prefix-caching ones did not)
 #   multimodal    image prompts (a tiny Qwen3.5 with a vision tower): planted and MTP trees lossless, and the MTP
 #                 drafter's rows at the target's M-RoPE positions (rows written outside the level graphs)
 #   moe           the tiny MoE models (Qwen3.5 MoE, Qwen3-Next): planted and MTP trees lossless, side by side (a

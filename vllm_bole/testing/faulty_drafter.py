@@ -1,8 +1,10 @@
 """An MTP tree drafter whose drafting before the walk fails once (``drafter_args``: ``{"fail_at": n}``, the n-th
 such step; with ``"mixed": true``, the n-th such step whose trees run beside prefill chunks): tests that the runner
-then drafts that step after the walk, and every later one too (of that kind), losslessly."""
+then drafts that step after the walk, and every later one too (of that kind), losslessly. Steps of the start-up
+warm-up (GPU engines) do not count: a failure there would leave the tested requests nothing to fall back from."""
 
 from ..spec_decode.mtp_tree_drafter import MTPTreeDrafter
+from ..worker.warmup import REQUEST_PREFIX
 
 
 class FailOnceBeforeWalk(MTPTreeDrafter):
@@ -13,7 +15,9 @@ class FailOnceBeforeWalk(MTPTreeDrafter):
         self.calls = 0
 
     def propose_from_walk(self, *args, **kwargs):
-        if not self.mixed_only or not self.runner._bole_forest.tree_only:
+        forest = self.runner._bole_forest
+        warmup = any(r.startswith(REQUEST_PREFIX) for r in forest.req_ids)
+        if not warmup and (not self.mixed_only or not forest.tree_only):
             self.calls += 1
             if self.calls == self.fail_at:
                 raise RuntimeError("a planned failure of the drafting before the walk")
