@@ -92,7 +92,7 @@ def test_first_pass_beside_a_prefill_chunk_runs_the_chunk_causally():
     parent, cu = flat_forest(trees)
     forest = StepForest(req_ids=["a", "c"], tree_req_indices=[0, 2], parent=torch.tensor(parent, dtype=torch.int32),
                         cu_seqlens=torch.tensor(cu, dtype=torch.int32), tokens=[[-1] * len(t) for t in trees],
-                        tree_parents=trees, max_nodes=5, query_starts=[0, 7], attention_rows=None)
+                        tree_parents=trees, max_nodes=5, sizes=[3, 5], query_starts=[0, 7], attention_rows=None)
     bits = DeviceTreeRows.pack(forest.rows(), "cpu", words=1).bits
     forest.device_bits = lambda: bits
     drafter, calls = _drafter((torch.zeros(12, 1), torch.zeros(12, 8)))

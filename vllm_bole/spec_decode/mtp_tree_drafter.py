@@ -298,21 +298,20 @@ class MTPTreeDrafter(TreeDrafter):
         if self._host_tree_rows(hidden):
             out = self._forward_written(cm, chunks, forest.rows(), *written)
             return out, self._top_of(out, top_rows)
-        # The region of each tree is the tree; its bits are the verification's ancestor bits (by node).
         trees = forest.tree_req_indices
         nodes = np.cumsum([0] + [sizes[r] for r in trees]).tolist()
+        if nodes[-1] != n:
+            # Beside prefill chunks (causal rows, as vLLM runs them): eagerly, with the verification's tree rows
+            # (the same token rows and trees)
+            out = self._forward_written(cm, chunks, [], *written, device_rows=forest.device_rows(hidden.device))
+            return out, self._top_of(out, top_rows)
+        # Trees only: the region of each tree is the tree; its bits are the verification's ancestor bits (by node),
+        # with a graph-mode forest's bound (fewer graph keys), from a drafter graph where one fits
         meta = torch.tensor([[r, qsl[r], sizes[r], sizes[r], first] for r, first in zip(trees, nodes)],
                             dtype=torch.int32).reshape(-1, 5)
-        if nodes[-1] == n:   # trees only: a graph-mode forest's bound (fewer graph keys), and a drafter graph
-            max_rows = max(forest.max_nodes, max(sizes))
-            graph = self.graphs is not None and max_rows <= self.graphs.tree_rows
-            return self.forward_device_rows(cm, chunks, meta, forest.device_bits()[:n], written, max_rows, graph)
-        # Beside prefill chunks (causal rows, as vLLM runs them): eagerly, the trees' rows as tree rows
-        bits = forest.device_bits()[:nodes[-1]]
-        device_rows = DeviceTreeRows(meta=meta.to(bits.device, non_blocking=True), bits=bits, num_rows=nodes[-1],
-                                     max_rows=max(sizes[r] for r in trees))
-        out = self._forward_written(cm, chunks, [], *written, device_rows=device_rows)
-        return out, self._top_of(out, top_rows)
+        max_rows = max(forest.max_nodes, max(sizes))
+        graph = self.graphs is not None and max_rows <= self.graphs.tree_rows
+        return self.forward_device_rows(cm, chunks, meta, forest.device_bits()[:n], written, max_rows, graph)
 
     def _top_of(self, hidden_rows: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """:meth:`_top_rows` of every row, or of ``rows`` only (the others' left 0)."""
